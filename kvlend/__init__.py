@@ -1,0 +1,14 @@
+"""kvlend: in-place KV-cache lending for disaggregated LLM serving over NIXL."""
+
+from .errors import (
+    AuthError, BackendError, KvlendError, LayoutError, LayoutMismatch, LeaseError,
+    LeaseExpired, LeaseUnknown, PageRangeError, PeerLost, ProtocolError, TransferTimeout,
+)
+from .pages import GroupPages
+from .layout import (
+    BufferDesc, HeadGeometry, HeadOrder, LayerGroup, LayerIdentity, LayerKind, MemoryKind,
+    MemoryRegion, PageLayout, ReplicaRank, Role, RowSelection, SelectionMode, Sharding,
+    layout_from_pools,
+)
+
+__version__ = "0.1.0"

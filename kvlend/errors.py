@@ -1,0 +1,64 @@
+"""One exception tree: every failure kvlend reports is a ``KvlendError``.
+
+Callers catch ``KvlendError`` to handle anything kvlend raises; the subclass
+says what went wrong and the message names the offending field or value.
+"""
+
+
+class KvlendError(Exception):
+    """Base class of every error kvlend raises on purpose."""
+
+
+class LayoutError(KvlendError, ValueError):
+    """A PageLayout (or its encoding) is invalid."""
+
+
+class LayoutMismatch(KvlendError):
+    """Two layouts cannot exchange bytes; ``fields`` lists every difference.
+
+    Each entry is ``(field, local_value, remote_value, reason)``.
+    """
+
+    def __init__(self, fields):
+        self.fields = tuple(fields)
+        lines = [f"{f}: local={lv!r} remote={rv!r} ({why})" for f, lv, rv, why in self.fields]
+        super().__init__("layouts cannot be mapped: " + "; ".join(lines))
+
+
+class PageRangeError(KvlendError, ValueError):
+    """A page ordinal, token count or page table is out of range."""
+
+
+class LeaseError(KvlendError):
+    """Base class of lease failures."""
+
+
+class LeaseUnknown(LeaseError, KeyError):
+    """No lease has this id (never granted, or released)."""
+
+    def __str__(self):  # KeyError quotes its argument; we want the message.
+        return str(self.args[0]) if self.args else ""
+
+
+class LeaseExpired(LeaseError):
+    """The lease outlived its TTL; its pages may have been reused."""
+
+
+class ProtocolError(KvlendError):
+    """A peer sent a malformed, oversized, unexpected or hostile message."""
+
+
+class AuthError(ProtocolError):
+    """A frame failed authentication."""
+
+
+class BackendError(KvlendError):
+    """The transfer backend failed, or no such backend is installed."""
+
+
+class PeerLost(BackendError):
+    """The remote peer disconnected or died."""
+
+
+class TransferTimeout(KvlendError, TimeoutError):
+    """A wait hit its deadline."""

@@ -1,0 +1,42 @@
+"""Which pages of a request a lease covers, per layer group."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from .errors import PageRangeError
+
+
+@dataclass(frozen=True, eq=False)
+class GroupPages:
+    """Pages of one layer group: token page ``token_pages[i]`` lives in slot ``ordinals[i]``.
+
+    Token page ``p`` covers tokens ``[p * tokens_per_page, (p + 1) * tokens_per_page)``;
+    a recurrent group has one row, token page 0.  Arrays are int64, read-only,
+    ``token_pages`` strictly increasing.
+    """
+
+    token_pages: np.ndarray
+    ordinals: np.ndarray
+
+    def __post_init__(self) -> None:
+        tp = np.array(self.token_pages, dtype=np.int64, copy=True).reshape(-1)
+        od = np.array(self.ordinals, dtype=np.int64, copy=True).reshape(-1)
+        if tp.shape != od.shape:
+            raise PageRangeError(f"token_pages ({tp.size}) and ordinals ({od.size}) differ in length")
+        if tp.size and (tp[0] < 0 or np.any(np.diff(tp) <= 0)):
+            raise PageRangeError("token_pages must be non-negative and strictly increasing")
+        if od.size and od.min() < 0:
+            raise PageRangeError(f"negative page ordinal {int(od.min())}")
+        tp.flags.writeable = False
+        od.flags.writeable = False
+        object.__setattr__(self, "token_pages", tp)
+        object.__setattr__(self, "ordinals", od)
+
+    def __len__(self) -> int:
+        return int(self.token_pages.size)
+
+    def select(self, mask: np.ndarray) -> GroupPages:
+        return GroupPages(self.token_pages[mask], self.ordinals[mask])

@@ -1,0 +1,1 @@
+"""NIXL transfer backend for kvlend (work in progress)."""
