@@ -44,6 +44,14 @@ class LeaseExpired(LeaseError):
     """The lease outlived its TTL; its pages may have been reused."""
 
 
+class LeaseDenied(LeaseError):
+    """The lease exists but was offered to another peer."""
+
+
+class TrackerError(KvlendError):
+    """The delivery tracker was told about an unknown request or chunk, or one settled twice."""
+
+
 class ProtocolError(KvlendError):
     """A peer sent a malformed, oversized, unexpected or hostile message."""
 

@@ -10,6 +10,8 @@ sense; ``encode``/``decode`` round-trip it through msgpack exactly.
 from __future__ import annotations
 
 import hashlib
+import reprlib
+from collections import Counter
 from dataclasses import dataclass, field
 from enum import Enum
 from functools import cached_property
@@ -68,27 +70,38 @@ _ATTENTION_ROLES = {Role.K, Role.V, Role.KV}
 _RECURRENT_ROLES = {Role.STATE, Role.CONV}
 
 
+# Error messages quote a peer's values; keep the quote short and never recurse
+# through deep nesting (repr of a 1000-deep list raises RecursionError).
+_REPR = reprlib.Repr()
+_REPR.maxstring = _REPR.maxother = 80
+_REPR.maxlevel = 3
+
+
+def _show(value: Any) -> str:
+    return _REPR.repr(value)
+
+
 def _fail(where: str, msg: str) -> LayoutError:
     return LayoutError(f"{where}: {msg}")
 
 
 def _check_int(where: str, value: Any, *, minimum: int = 0) -> None:
     if isinstance(value, bool) or not isinstance(value, int):
-        raise _fail(where, f"must be an int, got {type(value).__name__} {value!r}")
+        raise _fail(where, f"must be an int, got {type(value).__name__} {_show(value)}")
     if value < minimum or value > MAX_INT:
         raise _fail(where, f"must be in [{minimum}, 2**63), got {value}")
 
 
 def _check_name(where: str, value: Any, max_len: int = MAX_NAME_LEN) -> None:
     if not isinstance(value, str) or not value:
-        raise _fail(where, f"must be a non-empty str, got {value!r}")
+        raise _fail(where, f"must be a non-empty str, got {_show(value)}")
     if len(value) > max_len:
         raise _fail(where, f"longer than {max_len} characters ({len(value)})")
 
 
 def _check_enum(where: str, value: Any, enum: type[Enum]) -> None:
     if not isinstance(value, enum):
-        raise _fail(where, f"must be a {enum.__name__}, got {value!r}")
+        raise _fail(where, f"must be a {enum.__name__}, got {_show(value)}")
 
 
 @dataclass(frozen=True)
@@ -108,7 +121,7 @@ class MemoryRegion:
     address: int = 0
 
     def __post_init__(self) -> None:
-        where = f"region {self.name!r}"
+        where = f"region {_show(self.name)}"
         _check_name(f"{where}.name", self.name)
         _check_enum(f"{where}.kind", self.kind, MemoryKind)
         _check_int(f"{where}.device_id", self.device_id)
@@ -135,7 +148,7 @@ class LayerIdentity:
     role: Role
 
     def __post_init__(self) -> None:
-        where = f"layer {self.layer!r}"
+        where = f"layer {_show(self.layer)}"
         _check_int(f"{where}.layer", self.layer)
         _check_enum(f"{where}.kind", self.kind, LayerKind)
         _check_enum(f"{where}.role", self.role, Role)
@@ -185,19 +198,19 @@ class BufferDesc:
     sinks: int = 0
 
     def __post_init__(self) -> None:
-        where = f"buffer {self.name!r}"
+        where = f"buffer {_show(self.name)}"
         _check_name(f"{where}.name", self.name)
         _check_name(f"{where}.region", self.region)
         _check_name(f"{where}.group", self.group)
         _check_int(f"{where}.offset", self.offset)
         _check_int(f"{where}.page_bytes", self.page_bytes, minimum=1)
         if not isinstance(self.identity, LayerIdentity):
-            raise _fail(f"{where}.identity", f"must be a LayerIdentity, got {self.identity!r}")
+            raise _fail(f"{where}.identity", f"must be a LayerIdentity, got {_show(self.identity)}")
         if self.geometry is not None and not isinstance(self.geometry, HeadGeometry):
-            raise _fail(f"{where}.geometry", f"must be a HeadGeometry or None, got {self.geometry!r}")
+            raise _fail(f"{where}.geometry", f"must be a HeadGeometry or None, got {_show(self.geometry)}")
         if self.window is not None:
             if isinstance(self.window, bool) or not isinstance(self.window, int) or abs(self.window) > MAX_INT:
-                raise _fail(f"{where}.window", f"must be an int or None, got {self.window!r}")
+                raise _fail(f"{where}.window", f"must be an int or None, got {_show(self.window)}")
         _check_int(f"{where}.sinks", self.sinks)
 
     @property
@@ -299,9 +312,10 @@ class PageLayout:
         _check_int("kept_window", self.kept_window, minimum=1)
         _check_name("dtype", self.dtype, 64)
         if not isinstance(self.scope, str) or len(self.scope) > MAX_SCOPE_LEN:
-            raise _fail("scope", f"must be a str of at most {MAX_SCOPE_LEN} characters")
+            got = f"{len(self.scope)} characters" if isinstance(self.scope, str) else type(self.scope).__name__
+            raise _fail("scope", f"must be a str of at most {MAX_SCOPE_LEN} characters, got {got}")
         if not isinstance(self.replica, ReplicaRank):
-            raise _fail("replica", f"must be a ReplicaRank, got {self.replica!r}")
+            raise _fail("replica", f"must be a ReplicaRank, got {_show(self.replica)}")
         for attr, kind, cap in (("regions", MemoryRegion, MAX_REGIONS), ("buffers", BufferDesc, MAX_BUFFERS)):
             items = getattr(self, attr)
             if not isinstance(items, tuple):
@@ -312,10 +326,10 @@ class PageLayout:
                 raise _fail(attr, f"{len(items)} entries exceed the cap of {cap}")
             for item in items:
                 if not isinstance(item, kind):
-                    raise _fail(attr, f"entries must be {kind.__name__}, got {item!r}")
+                    raise _fail(attr, f"entries must be {kind.__name__}, got {_show(item)}")
             names = [x.name for x in items]
             if len(set(names)) != len(names):
-                dup = sorted({n for n in names if names.count(n) > 1})
+                dup = sorted(n for n, count in Counter(names).items() if count > 1)
                 raise _fail(attr, f"duplicate names {dup}")
         self._validate_buffers()
 
@@ -499,8 +513,8 @@ class PageLayout:
     def from_dict(cls, obj: Any) -> PageLayout:
         d = _fields(obj, "layout", {"version", "tokens_per_page", "kept_window", "dtype", "scope",
                                     "replica", "regions", "buffers"})
-        if d["version"] != LAYOUT_VERSION or isinstance(d["version"], bool):
-            raise LayoutError(f"layout.version: expected {LAYOUT_VERSION}, got {d['version']!r}")
+        if type(d["version"]) is not int or d["version"] != LAYOUT_VERSION:
+            raise LayoutError(f"layout.version: expected {LAYOUT_VERSION}, got {_show(d['version'])}")
         rep = _fields(d["replica"], "replica", {"tp_size", "tp_rank", "pp_size", "pp_rank"})
         regions = _list(d["regions"], "regions", MAX_REGIONS)
         buffers = _list(d["buffers"], "buffers", MAX_BUFFERS)
@@ -553,10 +567,14 @@ def _list(obj: Any, where: str, cap: int) -> list:
 
 
 def _enum(enum: type[Enum], value: Any, where: str):
-    try:
-        return enum(value)
-    except ValueError:
-        raise LayoutError(f"{where}: {value!r} is not one of {[e.value for e in enum]}") from None
+    # Only strings reach the Enum lookup: its own error message would repr a
+    # deeply nested peer value and overflow the stack.
+    if isinstance(value, str):
+        try:
+            return enum(value)
+        except ValueError:
+            pass
+    raise LayoutError(f"{where}: {_show(value)} is not one of {[e.value for e in enum]}")
 
 
 def _region_from_dict(obj: Any) -> MemoryRegion:
@@ -670,6 +688,8 @@ def layout_from_pools(
             if len(shape) != (5 if combined else 4) or (combined and shape[1] != 2):
                 expect = "[num_pages, 2, heads, tokens_per_page, head_dim]" if combined else "[num_pages, heads, tokens_per_page, head_dim]"
                 raise LayoutError(f"layer {layer}: tensor shape {shape} is not {expect}")
+            if 0 in shape:
+                raise LayoutError(f"layer {layer}: tensor shape {shape} has an empty dimension")
             num_pages, heads, tpp, head_dim = shape[0], shape[-3], shape[-2], shape[-1]
             tpps.add(tpp)
             dtypes.add(info.dtype)

@@ -1,0 +1,322 @@
+"""Leases on a request's pages: lend, renew, release, expire.
+
+The lender is pure: it is told the time, never reads a clock.  A lease pins
+the pages a decoder at position ``num_tokens`` reads (page locks), so the
+cache manager cannot reuse them while a peer may still be reading; it ends by
+``release`` (the peer said Done) or by ``expire`` (the peer went quiet past
+its TTL).  Lease ids are 128-bit random capabilities.
+
+Decisions:
+
+- One live lease per (request, peer): a second ``lend`` raises ``LeaseError``
+  until the first is released or past its expiry, so a retry cannot leak locks.
+- ``release`` is idempotent: an id already released or expired returns None;
+  an id never granted (or no longer remembered) raises ``LeaseUnknown``.
+- The lender remembers the last ``remember`` ended ids so that a late call
+  gets the right error: ``LeaseExpired`` for an expired lease, ``LeaseUnknown``
+  for a released one.
+- A lease whose ``peer`` is None may be read by any peer (the id is the
+  capability); otherwise only by that peer.
+- A NAMED selection lends only the groups that hold a named buffer; every group
+  must still be given a page table.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+import secrets
+from collections import OrderedDict
+from dataclasses import dataclass, replace
+from types import MappingProxyType
+from typing import Any, Callable, Mapping
+
+import numpy as np
+
+from .errors import LayoutError, LeaseDenied, LeaseError, LeaseExpired, LeaseUnknown, PageRangeError
+from .layout import PageLayout, RowSelection
+from .locks import PageLocks
+from .pages import GroupPages
+
+LEASE_ID_BYTES = 16
+_EXPIRED, _RELEASED = "expired", "released"
+
+
+@dataclass(frozen=True)
+class Lease:
+    """What was lent: per group, the token pages a reader needs and their slot ordinals."""
+
+    id: bytes
+    request: str
+    num_tokens: int
+    pages: Mapping[str, GroupPages]
+    selection: RowSelection
+    peer: str | None
+    ttl: float
+    expires_at: float
+
+    def __hash__(self) -> int:
+        return hash(self.id)
+
+    @property
+    def hex(self) -> str:
+        return self.id.hex()
+
+    @property
+    def num_pages(self) -> int:
+        """Rows lent, summed over groups."""
+        return sum(len(g) for g in self.pages.values())
+
+
+@dataclass(frozen=True)
+class _Loan:
+    lease: Lease
+    locked: tuple[tuple[str, np.ndarray], ...]  # (region, unique ordinals) locked once each
+
+
+def _time(where: str, value: Any) -> float:
+    try:
+        ok = not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value)
+    except OverflowError:
+        ok = False
+    if not ok:
+        raise LeaseError(f"{where}: must be a finite number of seconds, got {value!r}")
+    return float(value)
+
+
+def _peer(value: Any) -> str | None:
+    if value is not None and (not isinstance(value, str) or not value):
+        raise LeaseError(f"peer: must be None or a non-empty str, got {value!r}")
+    return value
+
+
+class Lender:
+    """Grants and ends leases on one layout's pages; holds their page locks."""
+
+    def __init__(
+        self,
+        layout: PageLayout,
+        locks: PageLocks | None = None,
+        new_id: Callable[[int], bytes] = secrets.token_bytes,
+        remember: int = 65536,
+    ) -> None:
+        if locks is None:
+            locks = PageLocks(layout)
+        elif not isinstance(locks, PageLocks) or locks.layout.regions != layout.regions:
+            raise LayoutError("locks: must be PageLocks over the same regions as the lender's layout")
+        if isinstance(remember, bool) or not isinstance(remember, int) or remember < 0:
+            raise LeaseError(f"remember: must be an int >= 0, got {remember!r}")
+        self.layout = layout
+        self.locks = locks
+        self._new_id = new_id
+        self._remember = remember
+        self._live: dict[bytes, _Loan] = {}
+        self._by_key: dict[tuple[str, str | None], bytes] = {}
+        self._ended: OrderedDict[bytes, str] = OrderedDict()
+        self._deadlines: list[tuple[float, int, bytes]] = []  # lazy heap; stale entries skipped
+        self._seq = 0
+
+    # ------------------------------------------------------------- lending
+    def lend(
+        self,
+        request: str,
+        num_tokens: int,
+        pages: Mapping[str, Any],
+        selection: RowSelection,
+        now: float,
+        ttl: float,
+        peer: str | None = None,
+    ) -> Lease:
+        """Lend what a decoder at ``num_tokens`` reads; validates everything first.
+
+        ``pages[group]`` is the request's page table: one slot ordinal per token
+        page (``ceil(num_tokens / tokens_per_page)`` entries), or one entry (the
+        state slot) for a recurrent group.  Only rows that are lent are range
+        checked, so stale rows of a windowed group may hold -1.
+        """
+        if not isinstance(request, str) or not request:
+            raise LeaseError(f"request: must be a non-empty str, got {request!r}")
+        if isinstance(num_tokens, bool) or not isinstance(num_tokens, int) or num_tokens <= 0:
+            raise PageRangeError(f"num_tokens: must be an int > 0, got {num_tokens!r}")
+        if not isinstance(selection, RowSelection):
+            raise LayoutError(f"selection: must be a RowSelection, got {selection!r}")
+        selected = self.layout.selected_buffers(selection)
+        now = _time("now", now)
+        ttl = _time("ttl", ttl)
+        if ttl <= 0 or not math.isfinite(now + ttl):
+            raise LeaseError(f"ttl: must be > 0 with a finite now + ttl, got now={now} ttl={ttl}")
+        peer = _peer(peer)
+        lent, locked = self._plan(num_tokens, pages, selected)
+        key = (request, peer)
+        other = self._live.get(self._by_key.get(key, b""))
+        if other is not None and now <= other.lease.expires_at:
+            raise LeaseError(
+                f"request {request!r} already has live lease {other.lease.hex} for peer {peer!r}; "
+                "release it first"
+            )
+        lease_id = self._new_id(LEASE_ID_BYTES)
+        if not isinstance(lease_id, bytes) or len(lease_id) != LEASE_ID_BYTES:
+            raise LeaseError(f"new_id: must return {LEASE_ID_BYTES} bytes, got {lease_id!r}")
+        if lease_id in self._live or lease_id in self._ended:
+            raise LeaseError(f"new_id: repeated lease id {lease_id.hex()}")
+        self._lock_all(locked)
+        lease = Lease(
+            id=lease_id, request=request, num_tokens=num_tokens, pages=MappingProxyType(lent),
+            selection=selection, peer=peer, ttl=ttl, expires_at=now + ttl,
+        )
+        self._live[lease_id] = _Loan(lease, locked)
+        self._by_key[key] = lease_id
+        self._push(lease)
+        return lease
+
+    def _plan(
+        self, num_tokens: int, pages: Mapping[str, Any], selected: tuple,
+    ) -> tuple[dict[str, GroupPages], tuple[tuple[str, np.ndarray], ...]]:
+        """Validate the page tables; return the lent rows and the ordinals to lock per region."""
+        groups = self.layout.groups
+        if not isinstance(pages, Mapping):
+            raise PageRangeError(f"pages: must be a mapping of group name to page table, got {type(pages).__name__}")
+        missing, unknown = sorted(set(groups) - set(pages)), sorted(map(repr, set(pages) - set(groups)))
+        if missing or unknown:
+            raise PageRangeError(f"pages: missing groups {missing}, unknown groups [{', '.join(unknown)}]")
+        tpp = self.layout.tokens_per_page
+        regions = self.layout.region_map
+        selected_names = {b.name for b in selected}
+        lent: dict[str, GroupPages] = {}
+        per_region: dict[str, list[np.ndarray]] = {}
+        for name, group in groups.items():
+            table = _table(name, pages[name], 1 if group.recurrent else -(-num_tokens // tpp))
+            group_regions = sorted({b.region for b in group.buffers if b.name in selected_names})
+            if not group_regions:
+                continue
+            rows = group.pages_read(num_tokens, tpp)
+            ordinals = table[rows]
+            for region_name in group_regions:
+                size = regions[region_name].num_pages
+                bad = np.flatnonzero((ordinals < 0) | (ordinals >= size))
+                if bad.size:
+                    i = int(bad[0])
+                    raise PageRangeError(
+                        f"pages[{name!r}]: token page {int(rows[i])} is in slot {int(ordinals[i])}, "
+                        f"outside region {region_name!r} of {size} pages"
+                    )
+                per_region.setdefault(region_name, []).append(ordinals)
+            lent[name] = GroupPages(rows, ordinals)
+        locked = tuple((r, np.unique(np.concatenate(parts))) for r, parts in sorted(per_region.items()))
+        return lent, locked
+
+    def _lock_all(self, locked: tuple[tuple[str, np.ndarray], ...]) -> None:
+        done: list[tuple[str, np.ndarray]] = []
+        try:
+            for region, ordinals in locked:
+                self.locks.lock(region, ordinals)
+                done.append((region, ordinals))
+        except Exception:
+            for region, ordinals in done:
+                self.locks.unlock(region, ordinals)
+            raise
+
+    # ------------------------------------------------------------ lifetime
+    def get(self, lease_id: bytes, now: float) -> Lease:
+        """The live lease; ``LeaseExpired`` past its expiry, ``LeaseUnknown`` if released or never granted."""
+        _check_id(lease_id)
+        now = _time("now", now)
+        loan = self._live.get(lease_id)
+        if loan is not None:
+            if now > loan.lease.expires_at:
+                raise LeaseExpired(f"lease {lease_id.hex()} expired at {loan.lease.expires_at} (now {now})")
+            return loan.lease
+        ended = self._ended.get(lease_id)
+        if ended == _EXPIRED:
+            raise LeaseExpired(f"lease {lease_id.hex()} expired")
+        if ended == _RELEASED:
+            raise LeaseUnknown(f"lease {lease_id.hex()} was released")
+        raise LeaseUnknown(f"lease {lease_id.hex()} was never granted (or is long gone)")
+
+    def check_read(self, lease_id: bytes, peer: str | None, now: float) -> Lease:
+        """The lease, if ``peer`` may read it now: live and offered to this peer (or to any)."""
+        peer = _peer(peer)
+        lease = self.get(lease_id, now)
+        if lease.peer is not None and lease.peer != peer:
+            raise LeaseDenied(f"lease {lease.hex} is not offered to peer {peer!r}")
+        return lease
+
+    def renew(self, lease_id: bytes, now: float) -> Lease:
+        """Push the expiry to ``now + ttl`` (never earlier than it was)."""
+        lease = self.get(lease_id, now)
+        renewed = replace(lease, expires_at=max(lease.expires_at, float(now) + lease.ttl))
+        if renewed.expires_at != lease.expires_at:
+            self._live[lease_id] = replace(self._live[lease_id], lease=renewed)
+            self._push(renewed)
+        return renewed
+
+    def release(self, lease_id: bytes) -> Lease | None:
+        """End a lease and drop its locks; None if it had already ended (harmless)."""
+        _check_id(lease_id)
+        if lease_id in self._live:
+            return self._end(lease_id, _RELEASED)
+        if lease_id in self._ended:
+            return None
+        raise LeaseUnknown(f"lease {lease_id.hex()} was never granted (or is long gone)")
+
+    def expire(self, now: float) -> list[Lease]:
+        """End every lease whose expiry is strictly before ``now``, oldest first."""
+        now = _time("now", now)
+        out = []
+        while self._deadlines and self._deadlines[0][0] < now:
+            expires_at, _, lease_id = heapq.heappop(self._deadlines)
+            loan = self._live.get(lease_id)
+            if loan is not None and loan.lease.expires_at == expires_at:
+                out.append(self._end(lease_id, _EXPIRED))
+        return out
+
+    def leases_of(self, peer: str | None) -> list[Lease]:
+        """Live leases offered to ``peer``."""
+        peer = _peer(peer)
+        return [loan.lease for loan in self._live.values() if loan.lease.peer == peer]
+
+    def release_peer(self, peer: str | None) -> list[Lease]:
+        """Release every lease offered to ``peer`` (it died or disconnected)."""
+        return [self._end(lease.id, _RELEASED) for lease in self.leases_of(peer)]
+
+    @property
+    def active_leases(self) -> int:
+        """Leases holding locks (including any past expiry that ``expire`` has not yet ended)."""
+        return len(self._live)
+
+    # ------------------------------------------------------------- helpers
+    def _push(self, lease: Lease) -> None:
+        self._seq += 1
+        heapq.heappush(self._deadlines, (lease.expires_at, self._seq, lease.id))
+
+    def _end(self, lease_id: bytes, why: str) -> Lease:
+        loan = self._live.pop(lease_id)
+        for region, ordinals in loan.locked:
+            self.locks.unlock(region, ordinals)
+        key = (loan.lease.request, loan.lease.peer)
+        if self._by_key.get(key) == lease_id:
+            del self._by_key[key]
+        self._ended[lease_id] = why
+        while len(self._ended) > self._remember:
+            self._ended.popitem(last=False)
+        return loan.lease
+
+
+def _check_id(lease_id: Any) -> None:
+    if not isinstance(lease_id, bytes) or len(lease_id) != LEASE_ID_BYTES:
+        got = f"{len(lease_id)} bytes" if isinstance(lease_id, bytes) else type(lease_id).__name__
+        raise LeaseUnknown(f"lease id: must be {LEASE_ID_BYTES} bytes, got {got}")
+
+
+def _table(group: str, value: Any, length: int) -> np.ndarray:
+    try:
+        arr = np.asarray(value)
+    except (TypeError, ValueError, OverflowError) as exc:
+        raise PageRangeError(f"pages[{group!r}]: not an integer array ({exc})") from None
+    if arr.ndim != 1 or arr.size != length:
+        raise PageRangeError(f"pages[{group!r}]: expected {length} entries, got shape {arr.shape}")
+    if arr.dtype.kind not in "iu":
+        raise PageRangeError(f"pages[{group!r}]: must be integers, got dtype {arr.dtype}")
+    if arr.dtype.kind == "u" and arr.size and int(arr.max()) > np.iinfo(np.int64).max:
+        raise PageRangeError(f"pages[{group!r}]: ordinal {int(arr.max())} is out of range")
+    return arr.astype(np.int64)
