@@ -1,0 +1,199 @@
+"""The ``kvlend`` console script.
+
+Each subcommand is one row of ``COMMANDS``: its path (``("layout", "show")``),
+a help line, a function that adds its arguments and a function that runs it
+and returns the exit code.  A new subcommand (``demo``, ``bench``) is one
+function and one row.  Expected failures (a bad file, an invalid layout) are
+one line on stderr and exit 2; ``--debug`` adds the traceback.
+
+Layout files are JSON holding exactly ``PageLayout.to_dict()`` (enums as
+strings), or, named ``*.msgpack``, the bytes of ``PageLayout.encode()``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import traceback
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Sequence
+
+from .errors import KvlendError, LayoutError, LayoutMismatch
+from .layout import LayerGroup, PageLayout
+
+EXIT_OK = 0
+EXIT_MISMATCH = 1
+EXIT_USAGE = 2
+
+
+class CliError(Exception):
+    """Bad command-line input (unreadable file, not JSON, invalid layout): exit 2."""
+
+
+@dataclass(frozen=True)
+class Command:
+    path: tuple[str, ...]
+    help: str
+    add_arguments: Callable[[argparse.ArgumentParser], None]
+    run: Callable[[argparse.Namespace], int]
+
+
+# ------------------------------------------------------------------ files
+def load_layout(path: str) -> PageLayout:
+    """Read a layout file: JSON of ``to_dict()``, or ``*.msgpack`` of ``encode()``."""
+    try:
+        data = Path(path).read_bytes()
+    except OSError as exc:
+        raise CliError(f"{path}: cannot read: {exc.strerror or exc}") from None
+    try:
+        if path.endswith(".msgpack"):
+            return PageLayout.decode(data)
+        try:
+            obj = json.loads(data)
+        except (ValueError, RecursionError) as exc:  # JSONDecodeError and bad UTF-8 are ValueErrors
+            raise CliError(f"{path}: not valid JSON: {exc}") from None
+        return PageLayout.from_dict(obj)
+    except LayoutError as exc:
+        raise CliError(f"{path}: invalid layout: {exc}") from None
+
+
+# ------------------------------------------------------------- formatting
+def _table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> list[str]:
+    cells = [list(map(str, headers))] + [[str(c) for c in row] for row in rows]
+    widths = [max(len(row[i]) for row in cells) for i in range(len(headers))]
+    return ["  " + "  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in cells]
+
+
+def _size(n: int) -> str:
+    for unit, shift in (("GiB", 30), ("MiB", 20), ("KiB", 10)):
+        if n >= 1 << shift:
+            return f"{n / (1 << shift):.1f} {unit}"
+    return f"{n} B"
+
+
+def _group_line(group: LayerGroup, tokens_per_page: int) -> str:
+    layers = len({b.identity.layer for b in group.buffers})
+    head = f"{group.name}: {group.kind.value}, {layers} layers, {len(group.buffers)} buffers"
+    if group.recurrent:
+        return f"{head}, one state row per request"
+    pages = -(-group.read_window // tokens_per_page)
+    sinks = f"{group.sinks} sink page" + ("" if group.sinks == 1 else "s")
+    return f"{head}, read window {group.read_window} tokens ({pages} pages), {sinks}"
+
+
+def format_layout(layout: PageLayout) -> str:
+    """A human summary: header fields, then regions, buffers and groups."""
+    rep = layout.replica
+    per_token = sum(b.page_bytes for b in layout.buffers if not b.recurrent) / layout.tokens_per_page
+    lines = _table(("field", "value"), [
+        ("layout_id", layout.layout_id),
+        ("tokens per page", layout.tokens_per_page),
+        ("kept window", f"{layout.kept_window} tokens"),
+        ("dtype", layout.dtype),
+        ("scope", repr(layout.scope)),
+        ("replica", f"tp {rep.tp_rank}/{rep.tp_size}, pp {rep.pp_rank}/{rep.pp_size}"),
+        ("attention bytes/token", f"{per_token:g}"),
+    ])[1:]
+    lines.append(f"regions ({len(layout.regions)}):")
+    lines += _table(("name", "kind", "device", "pages", "stride", "size"), [
+        (r.name, r.kind.value, r.device_id, r.num_pages, r.page_stride, _size(r.size)) for r in layout.regions
+    ])
+    lines.append(f"buffers ({len(layout.buffers)}):")
+    lines += _table(("name", "region", "offset", "bytes", "layer", "role", "group", "geometry", "window", "sinks"), [
+        (b.name, b.region, b.offset, b.page_bytes, b.identity.layer, b.identity.role.value, b.group,
+         "-" if b.geometry is None else
+         f"{b.geometry.heads}x{b.geometry.bytes_per_head}B {b.geometry.order.value} {b.geometry.sharding.value}",
+         "-" if b.window is None else b.window, b.sinks)
+        for b in layout.buffers
+    ])
+    lines.append(f"groups ({len(layout.groups)}):")
+    lines += ["  " + _group_line(g, layout.tokens_per_page) for g in layout.groups.values()]
+    return "\n".join(lines)
+
+
+# ------------------------------------------------------------ subcommands
+def _add_layout_show(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("file", help="layout file (.json, or .msgpack)")
+
+
+def _run_layout_show(args: argparse.Namespace) -> int:
+    layout = load_layout(args.file)
+    print(f"layout {args.file}")
+    print(format_layout(layout))
+    return EXIT_OK
+
+
+def _add_layout_check(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("local", help="this rank's layout file (e.g. decode)")
+    parser.add_argument("remote", help="the peer's layout file (e.g. prefill)")
+
+
+def _run_layout_check(args: argparse.Namespace) -> int:
+    local, remote = load_layout(args.local), load_layout(args.remote)
+    try:
+        from .negotiate import negotiate  # lazily: only this command needs it
+    except ImportError as exc:
+        raise CliError(f"layout check needs kvlend.negotiate: {exc}") from None
+    try:
+        plan = negotiate(local, remote)
+    except LayoutMismatch as exc:
+        print(f"mismatch: {args.local} (local) cannot exchange pages with {args.remote} (remote)")
+        for name, lv, rv, why in exc.fields:
+            print(f"  {name}: local={lv!r} remote={rv!r} ({why})")
+        if not exc.fields:
+            print(f"  {exc}")
+        return EXIT_MISMATCH
+    print(plan.summary())
+    return EXIT_OK
+
+
+COMMANDS: tuple[Command, ...] = (
+    Command(("layout", "show"), "print a human summary of a layout file", _add_layout_show, _run_layout_show),
+    Command(("layout", "check"), "negotiate two layouts: exit 0 with the plan, or 1 naming every mismatch",
+            _add_layout_check, _run_layout_check),
+)
+GROUP_HELP = {("layout",): "inspect and compare PageLayout files"}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="kvlend", description="KV-cache lending for disaggregated LLM serving.")
+    parser.add_argument("--debug", action="store_true", help="show tracebacks of errors")
+    parser.set_defaults(run=None, parser=parser)
+    subparsers = {(): parser.add_subparsers(title="commands", metavar="COMMAND")}
+    for cmd in COMMANDS:
+        for depth in range(1, len(cmd.path)):
+            prefix = cmd.path[:depth]
+            if prefix not in subparsers:
+                group = subparsers[prefix[:-1]].add_parser(prefix[-1], help=GROUP_HELP.get(prefix))
+                group.set_defaults(run=None, parser=group)
+                subparsers[prefix] = group.add_subparsers(title="commands", metavar="COMMAND")
+        leaf = subparsers[cmd.path[:-1]].add_parser(cmd.path[-1], help=cmd.help, description=cmd.help)
+        leaf.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="show tracebacks of errors")
+        cmd.add_arguments(leaf)
+        leaf.set_defaults(run=cmd.run, parser=leaf)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exc:  # argparse exits: 0 after --help, 2 on a usage error
+        return exc.code if isinstance(exc.code, int) else EXIT_USAGE
+    if args.run is None:
+        args.parser.print_help(sys.stderr)
+        return EXIT_USAGE
+    try:
+        return args.run(args)
+    except BrokenPipeError:  # stdout closed early (``| head``): quiet exit, as Python's docs advise
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
+    except (CliError, KvlendError) as exc:
+        if args.debug:
+            traceback.print_exc()
+        message = " ".join(str(exc).split())
+        print(f"kvlend: error: {message}", file=sys.stderr)
+        return EXIT_USAGE

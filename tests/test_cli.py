@@ -1,0 +1,198 @@
+"""The ``kvlend`` console script and the example layout files it reads."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvlend import cli
+from kvlend.layout import LayerKind, MemoryKind, PageLayout, RowSelection, layout_from_pools
+
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples" / "layouts"
+LLAMA = str(EXAMPLES / "llama-3.1-8b.json")
+JAMBA = str(EXAMPLES / "jamba-hybrid.json")
+
+
+def load(path: str) -> PageLayout:
+    return PageLayout.from_dict(json.loads(Path(path).read_text()))
+
+
+@pytest.fixture
+def llama_fp16(tmp_path) -> str:
+    d = json.loads(Path(LLAMA).read_text())
+    d["dtype"] = "float16"
+    path = tmp_path / "llama-fp16.json"
+    path.write_text(json.dumps(d))
+    return str(path)
+
+
+def run(capsys, *argv: str) -> tuple[int, str, str]:
+    code = cli.main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def has_row(out: str, cells: str) -> bool:
+    """A table row with these cells, whatever the column widths."""
+    return any(line.split() == cells.split() for line in out.splitlines())
+
+
+# ----------------------------------------------------------- the examples
+def test_example_files_are_what_make_layouts_writes():
+    spec = importlib.util.spec_from_file_location("make_layouts", EXAMPLES / "make_layouts.py")
+    make_layouts = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(make_layouts)
+    assert set(make_layouts.EXAMPLES) == {"llama-3.1-8b.json", "jamba-hybrid.json"}
+    for name, build in make_layouts.EXAMPLES.items():
+        assert (EXAMPLES / name).read_text() == make_layouts.render(build())
+
+
+def test_llama_example_is_what_layout_from_pools_makes():
+    lay = load(LLAMA)
+    assert (len(lay.regions), len(lay.buffers), lay.tokens_per_page, lay.dtype) == (32, 64, 16, "bfloat16")
+    assert sum(b.page_bytes for b in lay.buffers) // lay.tokens_per_page == 131072  # models.md: bytes per token
+    # Same per-page shape in small torch pools: same identity (capacity and addresses do not count).
+    pools = [torch.empty(2, 2, 8, 16, 128, dtype=torch.bfloat16) for _ in range(32)]
+    from_pools = layout_from_pools(pools, kept_window=131072, scope=lay.scope)
+    assert from_pools.layout_id == lay.layout_id
+    assert [b.name for b in from_pools.buffers] == [b.name for b in lay.buffers]
+
+
+def test_jamba_example_shape():
+    lay = load(JAMBA)
+    attention = sorted({b.identity.layer for b in lay.buffers if b.identity.kind is LayerKind.ATTENTION})
+    assert attention == [4, 12, 20, 28]
+    assert len({b.identity.layer for b in lay.buffers}) == 32
+    groups = lay.groups
+    assert (groups["swa"].read_window, groups["swa"].sinks) == (4096, 1)
+    assert groups["full"].read_window == lay.kept_window
+    assert groups["mamba"].recurrent and len(groups["mamba"].buffers) == 56
+    assert lay.buffer("L0.STATE").page_bytes == 8192 * 16 * 2 and lay.buffer("L0.CONV").page_bytes == 8192 * 3 * 2
+    assert lay.region("swa.host").kind is MemoryKind.HOST
+    with pytest.raises(Exception, match="HOST regions"):
+        lay.check_selection(RowSelection.all())
+
+
+# ------------------------------------------------------------ layout show
+def test_show_llama(capsys):
+    code, out, err = run(capsys, "layout", "show", LLAMA)
+    assert code == 0 and err == ""
+    lay = load(LLAMA)
+    assert lay.layout_id in out
+    for expected in ("tokens per page        16", "dtype                  bfloat16", "replica                tp 0/1, pp 0/1",
+                     "attention bytes/token  131072", "regions (32):", "buffers (64):", "groups (1):",
+                     "full: ATTENTION, 32 layers, 64 buffers, read window 131072 tokens (8192 pages), 0 sink pages"):
+        assert expected in out, expected
+    assert has_row(out, "L31.kv DEVICE 0 4096 65536 256.0 MiB")
+    assert has_row(out, "L31.V L31.kv 32768 32768 31 V full 8x256B HND INDEXED - 0")
+
+
+def test_show_jamba(capsys):
+    code, out, _ = run(capsys, "layout", "show", JAMBA)
+    assert code == 0
+    assert load(JAMBA).layout_id in out
+    assert has_row(out, "swa.host HOST 0 4096 131072 512.0 MiB")
+    assert "swa: ATTENTION, 2 layers, 4 buffers, read window 4096 tokens (256 pages), 1 sink page" in out
+    assert "mamba: RECURRENT, 28 layers, 56 buffers, one state row per request" in out
+    assert has_row(out, "L28.V swa.host 98304 32768 28 V swa 8x256B HND INDEXED 4096 1")
+
+
+def test_show_reads_msgpack(capsys, tmp_path):
+    path = tmp_path / "jamba.msgpack"
+    path.write_bytes(load(JAMBA).encode())
+    code, out, _ = run(capsys, "layout", "show", str(path))
+    assert code == 0 and load(JAMBA).layout_id in out
+
+
+# ----------------------------------------------------------- layout check
+def test_check_identical_layouts(capsys):
+    code, out, err = run(capsys, "layout", "check", LLAMA, LLAMA)
+    assert code == 0 and err == ""
+    assert out.strip()  # the plan summary
+
+
+def test_check_names_the_mismatch(capsys, llama_fp16):
+    code, out, err = run(capsys, "layout", "check", LLAMA, llama_fp16)
+    assert code == 1 and err == ""
+    assert out.startswith(f"mismatch: {LLAMA} (local) cannot exchange pages with {llama_fp16} (remote)")
+    assert "dtype" in out and "bfloat16" in out and "float16" in out
+
+
+def test_console_script(llama_fp16):
+    script = Path(sys.executable).with_name("kvlend")
+    assert script.exists(), f"{script}: run scripts/setup to install the console script"
+    show = subprocess.run([str(script), "layout", "show", JAMBA], capture_output=True, text=True, timeout=60)
+    assert show.returncode == 0 and load(JAMBA).layout_id in show.stdout
+    check = subprocess.run([str(script), "layout", "check", LLAMA, llama_fp16], capture_output=True, text=True, timeout=60)
+    assert check.returncode == 1 and "dtype" in check.stdout, check.stderr
+
+
+# ----------------------------------------------------------------- errors
+def write(tmp_path, name: str, data) -> str:
+    path = tmp_path / name
+    path.write_bytes(data if isinstance(data, bytes) else data.encode())
+    return str(path)
+
+
+@pytest.mark.parametrize("name, data, message", [
+    ("missing.json", None, "cannot read: No such file or directory"),
+    ("bad.json", "{not json", "not valid JSON"),
+    ("deep.json", "[" * 100_000, "not valid JSON"),
+    ("latin1.json", b"\xff\xfe\x00", "not valid JSON"),
+    ("list.json", "[]", "invalid layout: layout: expected a map, got list"),
+    ("zero.json", None, "invalid layout: tokens_per_page: must be in [1, 2**63), got 0"),
+    ("bad.msgpack", b"\xc1", "invalid layout: layout encoding is not valid msgpack"),
+])
+def test_bad_input_is_one_line_and_exit_2(capsys, tmp_path, name, data, message):
+    if name == "zero.json":
+        data = json.dumps({**load(LLAMA).to_dict(), "tokens_per_page": 0})
+    path = write(tmp_path, name, data) if data is not None else str(tmp_path / name)
+    for argv in (["layout", "show", path], ["layout", "check", path, LLAMA], ["layout", "check", LLAMA, path]):
+        code, out, err = run(capsys, *argv)
+        assert code == 2 and out == ""
+        assert err.count("\n") == 1 and err.startswith(f"kvlend: error: {path}: ")
+        assert message in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("argv", [["--debug", "layout", "show"], ["layout", "show", "--debug"]])
+def test_debug_adds_the_traceback(capsys, tmp_path, argv):
+    code, _, err = run(capsys, *argv, str(tmp_path / "missing.json"))
+    assert code == 2
+    assert "Traceback" in err and "CliError" in err
+    assert err.splitlines()[-1].startswith("kvlend: error: ")
+
+
+@pytest.mark.parametrize("argv", [[], ["layout"], ["frobnicate"], ["layout", "show"], ["layout", "check", LLAMA],
+                                  ["layout", "show", LLAMA, "extra"]])
+def test_usage_errors_exit_2(capsys, argv):
+    code, out, err = run(capsys, *argv)
+    assert code == 2 and out == ""
+    assert "usage: kvlend" in err
+
+
+def test_help_exits_0(capsys):
+    code, out, _ = run(capsys, "layout", "--help")
+    assert code == 0 and "show" in out and "check" in out
+
+
+def test_commands_are_a_table(capsys, monkeypatch):
+    assert [c.path for c in cli.COMMANDS] == [("layout", "show"), ("layout", "check")]
+    seen = []
+
+    def add(parser):
+        parser.add_argument("--n", type=int, default=1)
+
+    def demo(args):
+        seen.append(args.n)
+        return 7
+
+    monkeypatch.setattr(cli, "COMMANDS", cli.COMMANDS + (cli.Command(("demo",), "a demo", add, demo),))
+    assert cli.main(["demo", "--n", "3"]) == 7 and seen == [3]
+    assert cli.main(["layout", "show", LLAMA]) == 0
+    capsys.readouterr()
