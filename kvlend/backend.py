@@ -62,7 +62,8 @@ class Completion:
 
 @runtime_checkable
 class TransferBackend(Protocol):
-    name: str
+    kind: str  # the registry name both ends must share, e.g. "nixl"
+    name: str  # this agent's name, unique per process
 
     def register(self, regions: Sequence[MemoryRegion]) -> None:
         """Register pool regions (once, at start-up)."""
@@ -94,7 +95,7 @@ def available_backends() -> dict[str, str]:
     return {ep.name: ep.value for ep in entry_points(group=ENTRY_POINT_GROUP)}
 
 
-def load_backend(name: str, **options) -> TransferBackend:
+def load_backend(name: str, /, **options) -> TransferBackend:
     """Instantiate the installed backend ``name`` with ``options``."""
     matches = [ep for ep in entry_points(group=ENTRY_POINT_GROUP) if ep.name == name]
     if not matches:

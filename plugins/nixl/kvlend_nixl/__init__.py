@@ -1,1 +1,5 @@
-"""NIXL transfer backend for kvlend (work in progress)."""
+"""NIXL (UCX) transfer backend for kvlend, found through the ``nixl`` entry point."""
+
+from .backend import NixlBackend
+
+__all__ = ["NixlBackend"]
