@@ -13,6 +13,7 @@ strings), or, named ``*.msgpack``, the bytes of ``PageLayout.encode()``.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import sys
@@ -150,10 +151,43 @@ def _run_layout_check(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _examples_dir() -> Path:
+    """The repository's examples/ (the demo's toy engine lives there, not in the package)."""
+    path = Path(os.environ.get("KVLEND_EXAMPLES", Path(__file__).resolve().parents[1] / "examples"))
+    if not (path / "pair.py").is_file():
+        raise CliError(f"no examples/pair.py under {path}: run from a kvlend checkout or set $KVLEND_EXAMPLES")
+    return path
+
+
+def _example(name: str):
+    """Import ``examples/<name>.py`` (it puts examples/ on sys.path itself)."""
+    path = _examples_dir() / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(f"kvlend_examples_{name}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _add_demo(parser: argparse.ArgumentParser) -> None:
+    try:
+        _example("pair").build_parser(parser)
+    except CliError:
+        pass  # reported when the command runs
+
+
+def _run_demo(args: argparse.Namespace) -> int:
+    pair = _example("pair")
+    report = pair.run_pair(args)
+    print(json.dumps(report) if args.json else pair.format_report(report))
+    return EXIT_OK if report["verified"] else EXIT_MISMATCH
+
+
 COMMANDS: tuple[Command, ...] = (
     Command(("layout", "show"), "print a human summary of a layout file", _add_layout_show, _run_layout_show),
     Command(("layout", "check"), "negotiate two layouts: exit 0 with the plan, or 1 naming every mismatch",
             _add_layout_check, _run_layout_check),
+    Command(("demo",), "run a prefill/decode pair moving a real KV cache over NIXL on loopback, with a report",
+            _add_demo, _run_demo),
 )
 GROUP_HELP = {("layout",): "inspect and compare PageLayout files"}
 

@@ -430,6 +430,12 @@ class PageLayout:
             for n in selection.names:
                 self.buffer(n)
 
+    def full_selection(self) -> RowSelection:
+        """Every row of a lease: ALL where every region is DEVICE, else every buffer by name."""
+        if all(r.kind is MemoryKind.DEVICE for r in self.regions):
+            return RowSelection.all()
+        return RowSelection.named(*(b.name for b in self.buffers))
+
     def selected_buffers(self, selection: RowSelection) -> tuple[BufferDesc, ...]:
         self.check_selection(selection)
         if selection.mode is SelectionMode.ALL:

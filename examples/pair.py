@@ -1,0 +1,117 @@
+"""Launch a prefill rank and a decode rank as two processes on loopback and report.
+
+The pair gets a fresh shared secret (a 0600 file named by
+``$KVLEND_SECRET_FILE``), the prefill listens on 127.0.0.1, the decode
+connects, reads every request's KV over NIXL and checks the generated tokens
+against a single-process reference.  ``run_pair`` returns the decode's report;
+``main`` prints it (``--json`` for one JSON object).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+
+from workload import add_workload_args, workload_argv  # noqa: E402
+
+from kvlend.control import SECRET_ENV, SECRET_FILE_ENV, generate_secret  # noqa: E402
+from kvlend.errors import KvlendError, TransferTimeout  # noqa: E402
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(5)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def run_pair(args) -> dict:
+    """Run the pair; returns the decode's report dict (raises KvlendError on failure)."""
+    with tempfile.TemporaryDirectory(prefix="kvlend-pair-") as tmp:
+        secret_file = os.path.join(tmp, "secret")
+        fd = os.open(secret_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(generate_secret().hex())
+        env = {k: v for k, v in os.environ.items() if k != SECRET_ENV}
+        env[SECRET_FILE_ENV] = secret_file
+        env.setdefault("PYTHONUNBUFFERED", "1")
+        report_file = os.path.join(tmp, "report.json")
+        budget = args.timeout * 4 + 30 * args.requests
+        prefill = subprocess.Popen(
+            [sys.executable, os.path.join(HERE, "prefill.py"), *workload_argv(args)],
+            env=env, stdout=subprocess.PIPE, text=True,
+        )
+        decode = None
+        try:
+            line = prefill.stdout.readline()
+            if not line.startswith("LISTENING "):
+                raise KvlendError(f"prefill rank did not start (exit {prefill.wait()})")
+            _, host, port = line.split()
+            start = time.monotonic()
+            decode = subprocess.Popen(
+                [sys.executable, os.path.join(HERE, "decode.py"), *workload_argv(args),
+                 "--connect", f"{host}:{port}", "--report", report_file],
+                env=env,
+            )
+            try:
+                decode_rc = decode.wait(budget)
+                prefill_rc = prefill.wait(max(1.0, budget - (time.monotonic() - start)))
+            except subprocess.TimeoutExpired:
+                raise TransferTimeout(f"the pair did not finish within {budget:.0f} s") from None
+            if not os.path.exists(report_file):
+                raise KvlendError(f"decode rank failed (exit {decode_rc}) before writing its report")
+            with open(report_file) as f:
+                report = json.load(f)
+            report["prefill_exit"] = prefill_rc
+            report["wall_s"] = time.monotonic() - start
+            report["verified"] = bool(report["verified"] and prefill_rc == 0 and decode_rc == 0)
+            return report
+        finally:
+            for proc in (decode, prefill):
+                if proc is not None:
+                    _stop(proc)
+
+
+def format_report(r: dict) -> str:
+    return "\n".join([
+        "kvlend demo: prefill -> decode over NIXL (UCX, loopback)",
+        f"  requests              {r['requests']}",
+        f"  prompt tokens         {r['tokens']}",
+        f"  bytes moved           {r['bytes']:,} ({r['bytes'] / 2**20:.1f} MiB)",
+        f"  transfer throughput   {r['gbps']:.2f} GB/s",
+        f"  transfer latency      p50 {r['latency_ms_p50']:.2f} ms, p99 {r['latency_ms_p99']:.2f} ms",
+        f"  descriptors/request   {r['descriptors_per_request']:.1f}",
+        f"  handshake             {r['handshake_ms']:.1f} ms",
+        f"  wall time             {r['wall_s']:.1f} s",
+        f"  verified              {'yes' if r['verified'] else 'NO: ' + ', '.join(r['mismatched'] or ['a rank failed'])}",
+    ])
+
+
+def build_parser(p: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
+    """The pair's options; ``kvlend demo`` adds them to its own parser."""
+    p = p or argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_workload_args(p)
+    p.add_argument("--json", action="store_true", help="print the report as one JSON object")
+    return p
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    report = run_pair(args)
+    print(json.dumps(report) if args.json else format_report(report))
+    return 0 if report["verified"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,528 @@
+"""Prefill and decode endpoints: the thin I/O shell around the pure core.
+
+``PrefillNode`` registers its pools once, authenticates decode ranks on the
+control channel, checks their layouts, lends pages and offers the leases.
+``DecodeNode`` connects, negotiates a plan (cached per pair of layout ids),
+reads each lease in chunks, tracks delivery and only reports success once
+the prefill confirms the lease was still valid when the reads ended.
+Every wait has a deadline; nothing here is clever.
+"""
+
+from __future__ import annotations
+
+import logging
+import select
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping
+
+import numpy as np
+
+from .backend import TransferBackend
+from .control import DEFAULT_HOST, Channel, Listener, connect
+from .errors import (
+    KvlendError, LayoutMismatch, LeaseExpired, LeaseUnknown, PeerLost, ProtocolError, TransferTimeout,
+)
+from .layout import PageLayout, RowSelection
+from .lender import Lease, Lender
+from .negotiate import TransferPlan, negotiate
+from .plan import plan_reads
+from .tracker import DeliveryTracker
+from .wire import Abort, Bye, Done, DoneAck, Handshake, Heartbeat, LeaseOffer, Message, Offer
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class NodeConfig:
+    """Timeouts (seconds) and sizes shared by both ends."""
+
+    ttl: float = 30.0  # lease lifetime without a heartbeat
+    heartbeat: float = 1.0  # decode renews leases this often while reading
+    handshake_timeout: float = 10.0
+    transfer_timeout: float = 30.0  # one lease, posting to the prefill's done ack
+    chunk_pages: int = 256  # remote token pages per posted chunk
+
+    def __post_init__(self) -> None:
+        for name in ("ttl", "heartbeat", "handshake_timeout", "transfer_timeout"):
+            if not getattr(self, name) > 0:
+                raise KvlendError(f"NodeConfig.{name} must be > 0, got {getattr(self, name)!r}")
+        if self.heartbeat >= self.ttl:
+            raise KvlendError(f"NodeConfig.heartbeat {self.heartbeat} must be shorter than ttl {self.ttl}")
+        if self.chunk_pages < 1:
+            raise KvlendError(f"NodeConfig.chunk_pages must be >= 1, got {self.chunk_pages}")
+
+
+def _handshake(layout: PageLayout, backend: TransferBackend) -> Handshake:
+    return Handshake(layout=layout.encode(), backend=backend.kind, metadata=backend.metadata())
+
+
+def _peer_layout(message: Message, backend: TransferBackend) -> PageLayout:
+    if not isinstance(message, Handshake):
+        raise ProtocolError(f"expected handshake, got {message.TYPE}")
+    if message.backend != backend.kind:
+        raise ProtocolError(f"peer uses transfer backend {message.backend!r}, we use {backend.kind!r}")
+    return PageLayout.decode(message.layout)
+
+
+# ------------------------------------------------------------------ prefill
+class _Goodbye(KvlendError):
+    """A peer closed the channel in order."""
+
+
+@dataclass(eq=False)
+class _DecodePeer:
+    channel: Channel
+    layout: PageLayout | None = None
+
+
+class PrefillNode:
+    """Lends pages of ``layout`` to authenticated decode ranks.
+
+    ``on_release(lease, reason)`` is called when a lease ends (``"done"``,
+    ``"aborted"`` or ``"expired"``): the engine may then reuse its pages.
+    """
+
+    def __init__(
+        self,
+        layout: PageLayout,
+        backend: TransferBackend,
+        secret: bytes,
+        *,
+        name: str = "prefill",
+        host: str = DEFAULT_HOST,
+        port: int = 0,
+        config: NodeConfig = NodeConfig(),
+        on_release: Callable[[Lease, str], None] | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.layout = layout
+        self.backend = backend
+        self.config = config
+        self.name = name
+        self.lender = Lender(layout)
+        self.on_release = on_release or (lambda lease, reason: None)
+        self.clock = clock
+        backend.register(layout.regions)
+        self.listener = Listener(secret, name, host, port)
+        self.peers: dict[str, _DecodePeer] = {}
+        self._lock = threading.RLock()
+        self._thread: threading.Thread | None = None
+        self._stop = threading.Event()
+
+    def start(self, interval: float = 0.002) -> None:
+        """Serve peers from a background thread, so done acks and NIXL progress
+        do not wait for the engine's next iteration; ``offer`` stays safe to call."""
+        if self._thread is not None:
+            return
+
+        def loop() -> None:
+            while not self._stop.is_set():
+                self.step(interval)
+
+        self._thread = threading.Thread(target=loop, name=f"kvlend-{self.name}", daemon=True)
+        self._thread.start()
+
+    @property
+    def address(self) -> tuple[str, int]:
+        return self.listener.host, self.listener.port
+
+    def ready_peers(self) -> list[str]:
+        with self._lock:
+            return [n for n, p in self.peers.items() if p.layout is not None]
+
+    def wait_for_peer(self, timeout: float) -> str:
+        deadline = self.clock() + timeout
+        while not self.ready_peers():
+            if self.clock() > deadline:
+                raise TransferTimeout(f"no decode rank completed the handshake within {timeout:.3g} s")
+            if self._thread is None:
+                self.step(0.01)
+            else:
+                time.sleep(0.005)
+        return self.ready_peers()[0]
+
+    def offer(
+        self, peer: str, request: str, num_tokens: int, pages: Mapping[str, Any],
+        selection: RowSelection = RowSelection.all(), meta: Mapping[str, Any] | None = None,
+    ) -> Lease:
+        """Lend ``request``'s pages to ``peer`` and send it the offer."""
+        with self._lock:
+            return self._offer(peer, request, num_tokens, pages, selection, meta)
+
+    def _offer(self, peer, request, num_tokens, pages, selection, meta) -> Lease:
+        target = self.peers.get(peer)
+        if target is None or target.layout is None:
+            raise PeerLost(f"decode rank {peer!r} is not connected")
+        lease = self.lender.lend(request, num_tokens, pages, selection, self.clock(), self.config.ttl, peer=peer)
+        offer = LeaseOffer(lease.id, request, num_tokens, lease.pages, selection, lease.ttl, dict(meta or {}))
+        try:
+            target.channel.send(Offer(offer))
+        except KvlendError:
+            self._end(lease.id, "aborted")
+            self._drop(peer, "send failed")
+            raise
+        log.debug("lease %s: offered request %s (%d pages) to %s", lease.hex, request, lease.num_pages, peer)
+        return lease
+
+    def step(self, timeout: float = 0.0) -> None:
+        """Accept peers, answer their messages, expire leases and progress the backend.
+
+        Waits up to ``timeout`` for something to arrive (without holding the lock).
+        """
+        waitables = [self.listener] + [p.channel for p in list(self.peers.values())]
+        try:
+            select.select(waitables, [], [], timeout)
+        except (OSError, ValueError):
+            pass  # a channel closed under us; the step below notices
+        with self._lock:
+            self._step()
+
+    def _step(self) -> None:
+        channel = self.listener.accept(0.0)
+        if channel is not None:
+            if channel.peer in self.peers:
+                self._drop(channel.peer, "replaced by a new connection")
+            self.peers[channel.peer] = _DecodePeer(channel)
+        for name in list(self.peers):
+            self._serve(name)
+        for lease in self.lender.expire(self.clock()):
+            log.warning("lease %s of request %s expired (peer %s)", lease.hex, lease.request, lease.peer)
+            self.on_release(lease, "expired")
+        self.backend.poll()
+
+    def _serve(self, name: str) -> None:
+        peer = self.peers[name]
+        try:
+            while (message := peer.channel.poll()) is not None:
+                self._handle(name, peer, message)
+        except _Goodbye as bye:
+            self._drop(name, f"said bye: {bye}", logging.INFO)
+        except KvlendError as exc:
+            self._drop(name, str(exc))
+
+    def _handle(self, name: str, peer: _DecodePeer, message: Message) -> None:
+        now = self.clock()
+        if peer.layout is None:
+            layout = _peer_layout(message, self.backend)
+            negotiate(layout, self.layout)  # refuse a decode we cannot serve before it sees anything
+            peer.channel.send(_handshake(self.layout, self.backend))
+            peer.layout = layout
+            log.info("handshake with %s: its layout %s, ours %s", name, layout.layout_id[:12], self.layout.layout_id[:12])
+        elif isinstance(message, Heartbeat):
+            for lease_id in message.leases:
+                try:
+                    self.lender.check_read(lease_id, name, now)
+                    self.lender.renew(lease_id, now)
+                except KvlendError as exc:
+                    log.info("heartbeat for lease %s from %s: %s", lease_id.hex(), name, exc)
+        elif isinstance(message, Done):
+            try:
+                self.lender.check_read(message.lease, name, now)
+            except KvlendError as exc:
+                peer.channel.send(DoneAck(message.lease, False, f"{type(exc).__name__}: {exc}"))
+                return
+            self._end(message.lease, "done")
+            peer.channel.send(DoneAck(message.lease, True, ""))
+        elif isinstance(message, Abort):
+            try:
+                self.lender.check_read(message.lease, name, now)
+            except KvlendError:
+                return
+            log.info("lease %s aborted by %s: %s", message.lease.hex(), name, message.reason)
+            self._end(message.lease, "aborted")
+        elif isinstance(message, Bye):
+            raise _Goodbye(message.reason)
+        else:
+            raise ProtocolError(f"unexpected {message.TYPE} from decode rank {name}")
+
+    def _end(self, lease_id: bytes, reason: str) -> None:
+        lease = self.lender.release(lease_id)
+        if lease is not None:
+            self.on_release(lease, reason)
+
+    def _drop(self, name: str, why: str, level: int = logging.WARNING) -> None:
+        """Forget a peer's connection; its leases stay until they expire (its reads may still land)."""
+        peer = self.peers.pop(name)
+        log.log(level, "dropped decode rank %s: %s", name, why)
+        if peer.layout is None:
+            try:
+                peer.channel.send(Bye(why[:4000]), timeout=1.0)
+            except KvlendError:
+                pass
+        peer.channel.close()
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(5.0)
+        with self._lock:
+            for name in list(self.peers):
+                self._drop(name, "prefill shutting down", logging.INFO)
+            self.listener.close()
+
+
+# ------------------------------------------------------------------- decode
+@dataclass(frozen=True)
+class FetchResult:
+    request: str
+    bound: int
+    bytes: int
+    descriptors: int
+    seconds: float
+
+
+@dataclass(eq=False)
+class PrefillLink:
+    """One connected prefill rank: its channel, backend peer name and plan."""
+
+    channel: Channel
+    agent: str
+    plan: TransferPlan
+    handshake_ms: float
+    offers: deque = field(default_factory=deque)
+
+
+class DecodeNode:
+    """Reads leases offered by prefill ranks into this rank's pages."""
+
+    def __init__(
+        self,
+        layout: PageLayout,
+        backend: TransferBackend,
+        secret: bytes,
+        *,
+        name: str = "decode",
+        config: NodeConfig = NodeConfig(),
+        clock: Callable[[], float] = time.monotonic,
+        sleep: Callable[[float], None] = time.sleep,
+    ) -> None:
+        self.layout = layout
+        self.backend = backend
+        self.secret = secret
+        self.name = name
+        self.config = config
+        self.clock = clock
+        self.sleep = sleep
+        self.tracker = DeliveryTracker(layout)
+        self.links: dict[str, PrefillLink] = {}
+        self._plans: dict[tuple[str, str], TransferPlan] = {}
+        self._tags: dict[bytes, tuple[str, int]] = {}  # backend tag -> (request, chunk), until it completes
+        self._seq = 0
+        backend.register(layout.regions)
+
+    def connect(self, host: str, port: int) -> PrefillLink:
+        """Authenticate, exchange layouts and metadata, negotiate; re-handshakes a known peer."""
+        start = self.clock()
+        channel = connect(host, port, self.secret, self.name, timeout=self.config.handshake_timeout)
+        try:
+            channel.send(_handshake(self.layout, self.backend))
+            reply = channel.recv(self.config.handshake_timeout)
+            if isinstance(reply, Bye):
+                raise ProtocolError(f"prefill {channel.peer} refused the handshake: {reply.reason}")
+            remote = _peer_layout(reply, self.backend)
+            key = (self.layout.layout_id, remote.layout_id)
+            plan = self._plans.get(key) or self._plans.setdefault(key, negotiate(self.layout, remote))
+            if channel.peer in self.links:
+                self.disconnect(channel.peer)
+            agent = self.backend.add_peer(reply.metadata)
+        except KvlendError:
+            channel.close()
+            raise
+        link = PrefillLink(channel, agent, plan, (self.clock() - start) * 1e3)
+        self.links[channel.peer] = link
+        log.info("handshake with %s: %s", channel.peer, plan.summary().splitlines()[0])
+        return link
+
+    def disconnect(self, peer: str) -> None:
+        link = self.links.pop(peer)
+        link.channel.close()
+        try:
+            self.backend.remove_peer(link.agent)
+        except KvlendError as exc:
+            log.info("removing NIXL peer %s: %s", link.agent, exc)
+
+    def next_offer(self, timeout: float) -> tuple[str, LeaseOffer]:
+        """The next lease offered by any connected prefill rank."""
+        deadline = self.clock() + timeout
+        while True:
+            for peer, link in self.links.items():
+                if link.offers:
+                    return peer, link.offers.popleft()
+            if not self.links:
+                raise PeerLost("no prefill rank is connected")
+            remaining = deadline - self.clock()
+            if remaining <= 0:
+                raise TransferTimeout(f"no lease offered within {timeout:.3g} s")
+            for peer in list(self.links):
+                self._pump(peer, min(remaining, 0.05) if len(self.links) == 1 else 0.0)
+
+    def _pump(self, peer: str, timeout: float = 0.0) -> list[DoneAck]:
+        """Read what ``peer`` sent: queue offers, return done acks."""
+        link = self.links[peer]
+        acks = []
+        while (message := link.channel.poll(timeout)) is not None:
+            timeout = 0.0
+            if isinstance(message, Offer):
+                link.offers.append(message.lease)
+            elif isinstance(message, DoneAck):
+                acks.append(message)
+            elif isinstance(message, Bye):
+                raise PeerLost(f"prefill {peer} closed: {message.reason}")
+            elif isinstance(message, Abort):
+                log.info("prefill %s withdrew lease %s: %s", peer, message.lease.hex(), message.reason)
+            else:
+                raise ProtocolError(f"unexpected {message.TYPE} from prefill {peer}")
+        return acks
+
+    def fetch(self, peer: str, offer: LeaseOffer, dst: Mapping[str, np.ndarray]) -> FetchResult:
+        """Read ``offer`` into the local slots ``dst`` (local group -> slot per local token page).
+
+        Returns once every chunk landed and the prefill confirmed the lease
+        was valid throughout; otherwise raises (``PeerLost``,
+        ``TransferTimeout``, ``LeaseExpired``, ...) and what was read must
+        not be used beyond ``tracker.bound`` -- and not at all if the lease expired.
+        """
+        link = self.links[peer]
+        plan = link.plan
+        start = self.clock()
+        deadline = start + self.config.transfer_timeout
+        chunks = self._chunks(plan, offer)
+        self.tracker.begin(offer.request, offer.num_tokens, self._needed(plan, offer))
+        nbytes = ndesc = 0
+        try:
+            for src, local_pages in chunks:
+                batches = plan_reads(plan, src, dst, offer.selection)
+                self._seq += 1
+                tag = f"{self.name}:{self._seq}".encode()
+                self.backend.post_read(link.agent, batches, tag)
+                self.tracker.post(offer.request, self._seq, local_pages)
+                self._tags[tag] = (offer.request, self._seq)
+                nbytes += sum(b.nbytes for b in batches)
+                ndesc += sum(b.count for b in batches)
+            self._await_chunks(peer, offer, deadline)
+            link.channel.send(Done(offer.id, self.tracker.bound(offer.request)))
+            ack = self._await_ack(peer, offer, deadline)
+        except KvlendError as exc:
+            self._give_up(peer, offer, exc)
+            raise
+        bound = self.tracker.bound(offer.request)
+        self.tracker.finish(offer.request)
+        if not ack.ok:
+            kind = LeaseExpired if ack.error.startswith("LeaseExpired") else LeaseUnknown
+            raise kind(f"request {offer.request}: prefill refused done ({ack.error}); discard what was read")
+        return FetchResult(offer.request, bound, nbytes, ndesc, self.clock() - start)
+
+    def _settle(self) -> bool:
+        """Feed backend completions to the tracker; True if any arrived."""
+        completions = self.backend.poll()
+        for c in completions:
+            if c.tag not in self._tags:
+                continue
+            request, chunk = self._tags.pop(c.tag)
+            if c.error is None:
+                self.tracker.done(request, chunk)
+            else:
+                self.tracker.fail(request, chunk, c.error)
+            if self.tracker.aborted(request) and not self.tracker.pending(request):
+                self.tracker.finish(request)  # a late completion of a request we gave up on
+        return bool(completions)
+
+    def _await_chunks(self, peer: str, offer: LeaseOffer, deadline: float) -> None:
+        link = self.links[peer]
+        next_beat = self.clock() + self.config.heartbeat
+        idle = 0.0
+        while self.tracker.pending(offer.request):
+            progressed = self._settle()
+            if self.tracker.failed(offer.request):
+                error = next(e for e in self.tracker.errors(offer.request).values() if e is not None)
+                raise error
+            now = self.clock()
+            if now > deadline:
+                raise TransferTimeout(f"request {offer.request}: reads not finished within {self.config.transfer_timeout:.3g} s")
+            if now >= next_beat:
+                link.channel.send(Heartbeat((offer.id,)))
+                next_beat = now + self.config.heartbeat
+            self._pump(peer)
+            # Back off instead of spinning: on small hosts a spin starves NIXL.
+            idle = 0.0 if progressed else min(max(idle * 2, 20e-6), 1e-3)
+            if idle:
+                self.sleep(idle)
+
+    def _await_ack(self, peer: str, offer: LeaseOffer, deadline: float) -> DoneAck:
+        while True:
+            remaining = deadline - self.clock()
+            if remaining <= 0:
+                raise TransferTimeout(f"request {offer.request}: no done ack from {peer}")
+            for ack in self._pump(peer, min(remaining, 0.05)):
+                if ack.lease == offer.id:
+                    return ack
+
+    def _give_up(self, peer: str, offer: LeaseOffer, exc: Exception) -> None:
+        self.tracker.abort(offer.request)
+        link = self.links.get(peer)
+        if link is not None and not isinstance(exc, PeerLost):
+            try:
+                link.channel.send(Abort(offer.id, f"{type(exc).__name__}: {exc}"[:4000]), timeout=1.0)
+            except KvlendError:
+                pass
+        log.warning("request %s (lease %s) failed at bound %d: %s",
+                    offer.request, offer.id.hex(), self.tracker.bound(offer.request), exc)
+        if not self.tracker.pending(offer.request):
+            self.tracker.finish(offer.request)
+
+    # ------------------------------------------------------------ chunking
+    def _chunks(self, plan: TransferPlan, offer: LeaseOffer) -> list[tuple[dict, dict]]:
+        """Split the lease into chunks of whole pages on both sides; state rows go last."""
+        rtpp, ltpp = plan.remote.tokens_per_page, plan.local.tokens_per_page
+        span = self.config.chunk_pages * max(rtpp, ltpp)  # tokens per chunk, page-aligned both sides
+        groups = plan.remote.groups
+        n_chunks = max(1, -(-offer.num_tokens // span))
+        chunks: list[tuple[dict, dict]] = [({}, {}) for _ in range(n_chunks)]
+        for rg, pages in offer.pages.items():
+            lg = plan.group_map.get(rg)
+            if lg is None or not len(pages):
+                continue
+            if groups[rg].recurrent:
+                chunks[-1][0][rg] = pages
+                chunks[-1][1][lg] = np.zeros(1, dtype=np.int64)
+                continue
+            which = (pages.token_pages * rtpp) // span
+            for c in np.unique(which):
+                part = pages.select(which == c)
+                chunks[c][0][rg] = part
+                chunks[c][1][lg] = _local_pages(part.token_pages, rtpp, ltpp, offer.num_tokens)
+        return [c for c in chunks if c[0]]
+
+    def _needed(self, plan: TransferPlan, offer: LeaseOffer) -> dict[str, np.ndarray]:
+        needed = {name: np.zeros(0, dtype=np.int64) for name in self.layout.groups}
+        rtpp, ltpp = plan.remote.tokens_per_page, plan.local.tokens_per_page
+        for rg, pages in offer.pages.items():
+            lg = plan.group_map.get(rg)
+            if lg is None:
+                continue
+            if plan.remote.groups[rg].recurrent:
+                needed[lg] = np.zeros(1, dtype=np.int64)
+            else:
+                needed[lg] = np.union1d(needed[lg], _local_pages(pages.token_pages, rtpp, ltpp, offer.num_tokens))
+        return needed
+
+    def close(self) -> None:
+        for peer in list(self.links):
+            try:
+                self.links[peer].channel.send(Bye("decode shutting down"), timeout=1.0)
+            except KvlendError:
+                pass
+            self.disconnect(peer)
+
+
+def _local_pages(remote_pages: np.ndarray, rtpp: int, ltpp: int, num_tokens: int) -> np.ndarray:
+    """Local token pages holding the tokens of ``remote_pages`` (integer page ratios)."""
+    last = -(-num_tokens // ltpp)
+    if rtpp >= ltpp:
+        k = rtpp // ltpp
+        pages = (remote_pages[:, None] * k + np.arange(k)[None, :]).reshape(-1)
+        return pages[pages < last]
+    return np.unique(remote_pages // (ltpp // rtpp))

@@ -1,0 +1,387 @@
+"""Control protocol between a prefill and a decode rank, sans-IO.
+
+Frames are ``u32 length | payload | HMAC-SHA256(key, length | payload)``;
+the payload is msgpack ``[protocol version, sequence number, message]``.
+The first two frames (``Hello``/``HelloAck``) are keyed by the shared secret
+and exchange nonces; every later frame is keyed by a per-session,
+per-direction key derived from both nonces and carries a strictly increasing
+sequence number, so a frame replayed from another session, reflected back to
+its sender, or out of order fails authentication.
+
+``FrameDecoder`` is fed bytes and returns messages (the h11 style); it never
+allocates for a claimed length before checking it against the cap, and any
+malformed input is a ``ProtocolError`` (``AuthError`` for a bad MAC).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import math
+import reprlib
+import struct
+from dataclasses import dataclass, field, fields
+from typing import Any, ClassVar, Mapping
+
+import msgpack
+import numpy as np
+
+from .errors import AuthError, ProtocolError
+from .layout import RowSelection, SelectionMode
+from .pages import GroupPages
+
+PROTOCOL_VERSION = 1
+MAX_FRAME_BYTES = 16 << 20
+MAC_BYTES = 32
+NONCE_BYTES = 16
+LEASE_ID_BYTES = 16
+MAX_GROUP_PAGES = 1 << 22
+_LEN = struct.Struct(">I")
+_INT64 = (-(1 << 63), 1 << 63)
+
+# Error messages quote a peer's values: keep the quote short and never recurse
+# (repr of a 1000-deep list, which msgpack happily decodes, raises RecursionError).
+_REPR = reprlib.Repr()
+_REPR.maxstring = _REPR.maxother = 80
+_REPR.maxlevel = 3
+
+
+def _show(value: Any) -> str:
+    return _REPR.repr(value)
+
+
+# ------------------------------------------------------------------ messages
+@dataclass(frozen=True)
+class Message:
+    TYPE: ClassVar[str] = ""
+    # field name -> checker(value, where) returning the parsed value
+    SCHEMA: ClassVar[Mapping[str, Any]] = {}
+
+    def to_wire(self) -> dict:
+        out = {"t": self.TYPE}
+        for f in fields(self):
+            out[f.name] = _to_wire_value(getattr(self, f.name))
+        return out
+
+
+def _to_wire_value(v: Any) -> Any:
+    if isinstance(v, LeaseOffer):
+        return v.to_wire()
+    if isinstance(v, tuple):
+        return list(v)
+    return v
+
+
+def _typed(kind, name: str, max_len: int | None = None, exact_len: int | None = None):
+    def check(v: Any, where: str):
+        if isinstance(v, bool) and kind is not bool or not isinstance(v, kind):
+            raise ProtocolError(f"{where}: expected {name}, got {type(v).__name__}")
+        if exact_len is not None and len(v) != exact_len:
+            raise ProtocolError(f"{where}: expected {exact_len} bytes, got {len(v)}")
+        if max_len is not None and len(v) > max_len:
+            raise ProtocolError(f"{where}: {len(v)} exceeds the cap of {max_len}")
+        if kind is int and not _INT64[0] <= v < _INT64[1]:
+            raise ProtocolError(f"{where}: integer {v} out of range")
+        return v
+    return check
+
+
+_str = _typed(str, "str", 4096)
+_int = _typed(int, "int")
+_bool = _typed(bool, "bool")
+_bytes = _typed(bytes, "bytes", MAX_FRAME_BYTES)
+_nonce = _typed(bytes, "nonce", exact_len=NONCE_BYTES)
+_lease_id = _typed(bytes, "lease id", exact_len=LEASE_ID_BYTES)
+
+
+def _float(v: Any, where: str) -> float:
+    ok = isinstance(v, float) and math.isfinite(v) or (
+        isinstance(v, int) and not isinstance(v, bool) and _INT64[0] <= v < _INT64[1])
+    if not ok:
+        raise ProtocolError(f"{where}: expected a finite number, got {_show(v)}")
+    return float(v)
+
+
+def _is_int64(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool) and _INT64[0] <= x < _INT64[1]
+
+
+def _lease_ids(v: Any, where: str) -> tuple[bytes, ...]:
+    if not isinstance(v, list) or len(v) > 65536:
+        raise ProtocolError(f"{where}: expected a list of lease ids")
+    return tuple(_lease_id(x, f"{where}[]") for x in v)
+
+
+def _map(v: Any, where: str) -> dict:
+    if not isinstance(v, dict) or len(v) > 64:
+        raise ProtocolError(f"{where}: expected a map of at most 64 entries")
+    for k, x in v.items():
+        _str(k, f"{where} key")
+        scalar = isinstance(x, (str, float, bool, bytes, type(None))) or _is_int64(x)
+        if not scalar and not (isinstance(x, list) and len(x) <= 1 << 20 and all(map(_is_int64, x))):
+            raise ProtocolError(f"{where}[{_show(k)}]: values must be scalars or lists of int64")
+    return v
+
+
+@dataclass(frozen=True, eq=False)
+class LeaseOffer:
+    """What the decode side needs to read a lease: pages per (prefill) group, selection, TTL.
+
+    ``meta`` carries the engine's own small per-request data (first token, ...).
+    """
+
+    id: bytes
+    request: str
+    num_tokens: int
+    pages: Mapping[str, GroupPages]
+    selection: RowSelection
+    ttl: float
+    meta: Mapping[str, Any] = field(default_factory=dict)
+
+    def to_wire(self) -> dict:
+        return {
+            "id": self.id, "request": self.request, "num_tokens": self.num_tokens,
+            "pages": {g: [p.token_pages.astype("<i8").tobytes(), p.ordinals.astype("<i8").tobytes()]
+                      for g, p in self.pages.items()},
+            "selection": [self.selection.mode.value, list(self.selection.names)],
+            "ttl": self.ttl, "meta": dict(self.meta),
+        }
+
+    @classmethod
+    def from_wire(cls, v: Any, where: str = "offer.lease") -> LeaseOffer:
+        d = _exact(v, where, {"id", "request", "num_tokens", "pages", "selection", "ttl", "meta"})
+        pages_in = d["pages"]
+        if not isinstance(pages_in, dict) or not 0 < len(pages_in) <= 256:
+            raise ProtocolError(f"{where}.pages: expected a map of 1..256 groups")
+        pages = {}
+        for g, arrays in pages_in.items():
+            _str(g, f"{where}.pages key")
+            if not isinstance(arrays, list) or len(arrays) != 2:
+                raise ProtocolError(f"{where}.pages[{g!r}]: expected [token_pages, ordinals]")
+            tp, od = (_int64_array(a, f"{where}.pages[{g!r}]") for a in arrays)
+            try:
+                pages[g] = GroupPages(tp, od)
+            except Exception as exc:
+                raise ProtocolError(f"{where}.pages[{g!r}]: {exc}") from None
+        sel = d["selection"]
+        if not isinstance(sel, list) or len(sel) != 2 or not isinstance(sel[1], list) or len(sel[1]) > 65536:
+            raise ProtocolError(f"{where}.selection: expected [mode, names]")
+        try:
+            selection = RowSelection(SelectionMode(sel[0]), tuple(sel[1]))
+        except Exception as exc:
+            raise ProtocolError(f"{where}.selection: {exc}") from None
+        num_tokens = _int(d["num_tokens"], f"{where}.num_tokens")
+        ttl = _float(d["ttl"], f"{where}.ttl")
+        if num_tokens <= 0 or ttl <= 0:
+            raise ProtocolError(f"{where}: num_tokens and ttl must be positive")
+        return cls(
+            id=_lease_id(d["id"], f"{where}.id"), request=_str(d["request"], f"{where}.request"),
+            num_tokens=num_tokens, pages=pages, selection=selection, ttl=ttl,
+            meta=_map(d["meta"], f"{where}.meta"),
+        )
+
+
+def _int64_array(v: Any, where: str) -> np.ndarray:
+    if not isinstance(v, bytes) or len(v) % 8 or len(v) > 8 * MAX_GROUP_PAGES:
+        raise ProtocolError(f"{where}: expected little-endian int64 bytes")
+    return np.frombuffer(v, dtype="<i8").astype(np.int64)
+
+
+def _offer(v: Any, where: str) -> LeaseOffer:
+    return LeaseOffer.from_wire(v, where)
+
+
+@dataclass(frozen=True)
+class Hello(Message):
+    """Decode -> prefill, first frame (keyed by the shared secret)."""
+    TYPE: ClassVar[str] = "hello"
+    SCHEMA: ClassVar = {"peer": _str, "nonce": _nonce}
+    peer: str
+    nonce: bytes
+
+
+@dataclass(frozen=True)
+class HelloAck(Message):
+    """Prefill -> decode, keyed by the shared secret; completes the session key."""
+    TYPE: ClassVar[str] = "hello_ack"
+    SCHEMA: ClassVar = {"peer": _str, "nonce": _nonce}
+    peer: str
+    nonce: bytes
+
+
+@dataclass(frozen=True)
+class HelloConfirm(Message):
+    """Decode -> prefill, the first frame under the session key.
+
+    Proves the decode side holds the secret (a replayed ``Hello`` cannot
+    produce it), so the listener hands out only channels to real peers.
+    """
+    TYPE: ClassVar[str] = "hello_confirm"
+    SCHEMA: ClassVar = {}
+
+
+@dataclass(frozen=True)
+class Handshake(Message):
+    """Each side's encoded PageLayout and transfer-backend metadata."""
+    TYPE: ClassVar[str] = "handshake"
+    SCHEMA: ClassVar = {"layout": _bytes, "backend": _str, "metadata": _bytes}
+    layout: bytes
+    backend: str
+    metadata: bytes
+
+
+@dataclass(frozen=True)
+class Offer(Message):
+    """Prefill -> decode: a lease ready to be read."""
+    TYPE: ClassVar[str] = "offer"
+    SCHEMA: ClassVar = {"lease": _offer}
+    lease: LeaseOffer
+
+
+@dataclass(frozen=True)
+class Heartbeat(Message):
+    """Decode -> prefill: these leases still have reads in flight; renew them."""
+    TYPE: ClassVar[str] = "heartbeat"
+    SCHEMA: ClassVar = {"leases": _lease_ids}
+    leases: tuple[bytes, ...]
+
+
+@dataclass(frozen=True)
+class Done(Message):
+    """Decode -> prefill: reading finished up to ``bound`` tokens; release the lease."""
+    TYPE: ClassVar[str] = "done"
+    SCHEMA: ClassVar = {"lease": _lease_id, "bound": _int}
+    lease: bytes
+    bound: int
+
+
+@dataclass(frozen=True)
+class DoneAck(Message):
+    """Prefill -> decode: whether the lease was still valid when released.
+
+    Only an ``ok`` ack lets decode use what it read: a lease that expired may
+    have had its pages reused under the reader.
+    """
+    TYPE: ClassVar[str] = "done_ack"
+    SCHEMA: ClassVar = {"lease": _lease_id, "ok": _bool, "error": _str}
+    lease: bytes
+    ok: bool
+    error: str
+
+
+@dataclass(frozen=True)
+class Abort(Message):
+    """Either side: stop this lease (decode gives up, or prefill withdraws it)."""
+    TYPE: ClassVar[str] = "abort"
+    SCHEMA: ClassVar = {"lease": _lease_id, "reason": _str}
+    lease: bytes
+    reason: str
+
+
+@dataclass(frozen=True)
+class Bye(Message):
+    """Orderly close."""
+    TYPE: ClassVar[str] = "bye"
+    SCHEMA: ClassVar = {"reason": _str}
+    reason: str
+
+
+MESSAGES: dict[str, type[Message]] = {
+    m.TYPE: m for m in (Hello, HelloAck, HelloConfirm, Handshake, Offer, Heartbeat, Done, DoneAck, Abort, Bye)
+}
+
+
+def _exact(v: Any, where: str, keys: set[str]) -> dict:
+    if not isinstance(v, dict):
+        raise ProtocolError(f"{where}: expected a map, got {type(v).__name__}")
+    if set(v) != keys:
+        raise ProtocolError(f"{where}: fields {_show(sorted(map(str, v)))} != expected {sorted(keys)}")
+    return v
+
+
+def message_from_wire(obj: Any) -> Message:
+    if not isinstance(obj, dict) or "t" not in obj:
+        raise ProtocolError("message: expected a map with a type field 't'")
+    cls = MESSAGES.get(obj["t"]) if isinstance(obj["t"], str) else None
+    if cls is None:
+        raise ProtocolError(f"message: unknown type {_show(obj['t'])}")
+    body = _exact(obj, cls.TYPE, set(cls.SCHEMA) | {"t"})
+    return cls(**{k: check(body[k], f"{cls.TYPE}.{k}") for k, check in cls.SCHEMA.items()})
+
+
+# -------------------------------------------------------------------- frames
+_SENDERS = {"client": b"/c2s", "server": b"/s2c"}
+
+
+def session_key(secret: bytes, client_nonce: bytes, server_nonce: bytes, sender: str = "client") -> bytes:
+    """The key for frames ``sender`` sends; one per direction, so no frame can be reflected."""
+    if sender not in _SENDERS:
+        raise ProtocolError(f"session_key: sender {_show(sender)} is not 'client' or 'server'")
+    label = b"kvlend/session/v1" + _SENDERS[sender]
+    return hmac.new(secret, label + client_nonce + server_nonce, hashlib.sha256).digest()
+
+
+def encode_frame(key: bytes, seq: int, message: Message) -> bytes:
+    payload = msgpack.packb([PROTOCOL_VERSION, seq, message.to_wire()], use_bin_type=True)
+    if len(payload) + MAC_BYTES > MAX_FRAME_BYTES:
+        raise ProtocolError(f"{message.TYPE} frame of {len(payload)} bytes exceeds the cap of {MAX_FRAME_BYTES}")
+    head = _LEN.pack(len(payload) + MAC_BYTES)
+    return head + payload + hmac.new(key, head + payload, hashlib.sha256).digest()
+
+
+class FrameDecoder:
+    """Buffers bytes and yields authenticated messages in sequence order.
+
+    ``key`` may be changed between frames (after the hello exchange).
+    """
+
+    def __init__(self, key: bytes, max_frame: int = MAX_FRAME_BYTES) -> None:
+        self.key = key
+        self.max_frame = max_frame
+        self.expected_seq = 0
+        self._buf = bytearray()
+
+    def feed(self, data: bytes) -> None:
+        self._buf += data
+        if len(self._buf) >= 4:
+            self._check_length()
+
+    def _check_length(self) -> int:
+        (n,) = _LEN.unpack_from(self._buf)
+        if n < MAC_BYTES + 1 or n > self.max_frame:
+            raise ProtocolError(f"frame length {n} outside [{MAC_BYTES + 1}, {self.max_frame}]")
+        return n
+
+    def need(self) -> int:
+        """Bytes still missing for the next frame (at least 1 when none is complete)."""
+        if len(self._buf) < 4:
+            return 4 - len(self._buf)
+        return max(0, 4 + self._check_length() - len(self._buf))
+
+    def next_message(self) -> Message | None:
+        if self.need():
+            return None
+        n = self._check_length()
+        frame = bytes(self._buf[: 4 + n])
+        del self._buf[: 4 + n]
+        head_payload, mac = frame[:-MAC_BYTES], frame[-MAC_BYTES:]
+        if not hmac.compare_digest(mac, hmac.new(self.key, head_payload, hashlib.sha256).digest()):
+            raise AuthError("frame failed authentication (wrong secret, or a frame from another session)")
+        try:
+            obj = msgpack.unpackb(
+                head_payload[4:], raw=False, strict_map_key=True, use_list=True,
+                max_str_len=1 << 16, max_bin_len=MAX_FRAME_BYTES, max_array_len=1 << 16,
+                max_map_len=1 << 10, max_ext_len=0,
+            )
+        except Exception as exc:
+            raise ProtocolError(f"frame payload is not valid msgpack: {type(exc).__name__}") from None
+        if not isinstance(obj, list) or len(obj) != 3:
+            raise ProtocolError("frame payload must be [version, seq, message]")
+        version, seq, body = obj
+        if type(version) is not int or version != PROTOCOL_VERSION:
+            raise ProtocolError(f"protocol version {_show(version)} is not {PROTOCOL_VERSION}")
+        if type(seq) is not int or seq != self.expected_seq:
+            raise AuthError(f"frame sequence {_show(seq)} where {self.expected_seq} was expected (replay or reorder)")
+        message = message_from_wire(body)
+        self.expected_seq += 1
+        return message
