@@ -1,0 +1,286 @@
+"""negotiate(): identity and mapped plans, and every refusal naming its field."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+from kvlend.errors import LayoutMismatch
+from kvlend.layout import (
+    BufferDesc, HeadGeometry, HeadOrder, LayerIdentity, LayerKind, MemoryKind, MemoryRegion, PageLayout,
+    ReplicaRank, Role, Sharding, layout_from_pools,
+)
+from kvlend.negotiate import IDENTITY, MAPPED, Piece, negotiate
+
+BPH = 8  # bytes per head and token
+
+
+def attention(*, layers=(0, 1), heads=4, tpp=16, order=HeadOrder.HND, tp=(1, 0), pp=(1, 0), dtype="bfloat16",
+              scope="model", sharding=Sharding.INDEXED, bph=BPH, pad=0, num_pages=8, group="full",
+              window=None, prefix="") -> PageLayout:
+    """One region per layer holding K then V (then ``pad`` bytes) in each slot."""
+    page = heads * tpp * bph
+    regions, buffers = [], []
+    for layer in layers:
+        stride = 2 * page + pad
+        name = f"{prefix}L{layer}"
+        regions.append(MemoryRegion(name, MemoryKind.DEVICE, 0, stride * num_pages, stride, num_pages, 1 << 30))
+        for i, role in enumerate((Role.K, Role.V)):
+            buffers.append(BufferDesc(
+                f"{prefix}L{layer}.{role.value}", name, i * page, page,
+                LayerIdentity(layer, LayerKind.ATTENTION, role), group,
+                HeadGeometry(heads, bph, order, sharding), window))
+    return PageLayout(tuple(regions), tuple(buffers), tpp, 4096, dtype, scope,
+                      ReplicaRank(tp[0], tp[1], pp[0], pp[1]))
+
+
+def with_state(layout: PageLayout, *, heads=4, bph=16, rows=4, sharding=Sharding.INDEXED) -> PageLayout:
+    """Add one recurrent layer (id 99) whose state row is ``heads x bph`` bytes."""
+    row = heads * bph
+    region = MemoryRegion("state", MemoryKind.DEVICE, 0, row * rows, row, rows, 1 << 31)
+    buf = BufferDesc("S99", "state", 0, row, LayerIdentity(99, LayerKind.RECURRENT, Role.STATE), "mamba",
+                     HeadGeometry(heads, bph, HeadOrder.HND, sharding))
+    return dataclasses.replace(layout, regions=layout.regions + (region,), buffers=layout.buffers + (buf,))
+
+
+def fields(exc: LayoutMismatch) -> list[str]:
+    return [f for f, *_ in exc.fields]
+
+
+# ------------------------------------------------------------------ identity
+def test_equal_layouts_give_an_identity_plan_of_whole_slots():
+    pools = [np.zeros((6, 2, 4, 16, 8), dtype=np.uint8) for _ in range(3)]
+    other = [np.zeros((9, 2, 4, 16, 8), dtype=np.uint8) for _ in range(3)]
+    remote = layout_from_pools(kv=pools, kept_window=1024)
+    local = layout_from_pools(kv=other, kept_window=4096)  # other capacity, addresses, kept window
+    plan = negotiate(local, remote)
+    assert plan.kind == IDENTITY and plan.local_id == plan.remote_id
+    assert dict(plan.group_map) == {"full": "full"}
+    assert len(plan.pairs) == 3 and all(p.whole_slot for p in plan.pairs)
+    pair = plan.pairs[0]
+    assert (pair.remote_region, pair.local_region) == ("L0.kv", "L0.kv")
+    half = 4 * 16 * 8
+    assert pair.pieces == (Piece("L0.K", 0, 0, half), Piece("L0.V", half, half, half))
+    assert "identity plan" in plan.summary()
+
+
+def test_names_windows_and_capacities_never_block():
+    remote = attention(group="full", window=None, num_pages=8)
+    local = attention(group="g0", window=512, num_pages=3, prefix="dec.")
+    plan = negotiate(local, remote)
+    assert plan.kind == IDENTITY
+    assert dict(plan.group_map) == {"full": "g0"}
+    assert {(p.remote_region, p.local_region) for p in plan.pairs} == {("L0", "dec.L0"), ("L1", "dec.L1")}
+
+
+def test_identity_with_two_groups_in_one_region_copies_per_buffer():
+    layout = attention(layers=(0,))
+    regrouped = dataclasses.replace(layout, buffers=(
+        layout.buffers[0], dataclasses.replace(layout.buffers[1], group="other")))
+    plan = negotiate(regrouped, regrouped)
+    assert plan.kind == IDENTITY
+    assert sorted((p.remote_group, p.whole_slot) for p in plan.pairs) == [("full", False), ("other", False)]
+
+
+# ------------------------------------------------------------ tensor parallel
+def test_tp1_to_tp2_reads_the_head_slice_of_each_part():
+    remote = attention(heads=4)
+    for rank in (0, 1):
+        plan = negotiate(attention(heads=2, tp=(2, rank)), remote)
+        assert plan.kind == MAPPED
+        run = 2 * 16 * BPH  # two heads of 16 tokens: one contiguous run in HND
+        k_src, v_src = rank * run, 4 * 16 * BPH + rank * run
+        assert plan.pairs[0].pieces == (Piece("L0.K", k_src, 0, run), Piece("L0.V", v_src, run, run))
+
+
+def test_tp2_to_tp1_lands_each_prefill_rank_at_its_heads():
+    local = attention(heads=4)
+    run = 2 * 16 * BPH
+    for rank in (0, 1):
+        plan = negotiate(local, attention(heads=2, tp=(2, rank)))
+        assert plan.pairs[0].pieces == (Piece("L0.K", 0, rank * run, run),
+                                        Piece("L0.V", run, 4 * 16 * BPH + rank * run, run))
+
+
+def test_replicated_buffers_come_from_the_first_source_rank_only():
+    def layout(heads, tp):
+        base = attention(layers=(0,), heads=heads, tp=tp)
+        return with_state(base, heads=2, sharding=Sharding.REPLICATED)
+
+    local = layout(4, (1, 0))
+    first, second = negotiate(local, layout(2, (2, 0))), negotiate(local, layout(2, (2, 1)))
+    assert "S99" in {p.buffer for pair in first.pairs for p in pair.pieces}
+    assert first.read_elsewhere == ()
+    assert "S99" not in {p.buffer for pair in second.pairs for p in pair.pieces}
+    assert second.read_elsewhere == ("S99",)
+    assert "another prefill rank" in second.summary()
+
+
+def test_recurrent_state_head_slices_follow_tp():
+    local = with_state(attention(layers=(0,), heads=2, tp=(2, 1)), heads=2, bph=16)
+    remote = with_state(attention(layers=(0,), heads=4), heads=4, bph=16)
+    plan = negotiate(local, remote)
+    (state,) = [p for p in plan.pairs if p.remote_group == "mamba"]
+    assert state.pieces == (Piece("S99", 2 * 16, 0, 2 * 16),)
+
+
+def test_a_prefill_rank_holding_none_of_the_heads_is_refused():
+    with pytest.raises(LayoutMismatch) as err:
+        negotiate(attention(heads=2, tp=(2, 0)), attention(heads=1, tp=(4, 2)))
+    assert fields(err.value) == ["replica.tp_rank"]
+
+
+def test_equal_tp_with_different_ranks_is_refused():
+    with pytest.raises(LayoutMismatch) as err:
+        negotiate(attention(heads=2, tp=(2, 0)), attention(heads=2, tp=(2, 1)))
+    assert fields(err.value) == ["replica.tp_rank"]
+
+
+def test_all_replicated_pair_that_exchanges_nothing_is_refused():
+    local = attention(heads=4, sharding=Sharding.REPLICATED)
+    negotiate(local, attention(heads=4, tp=(2, 0), sharding=Sharding.REPLICATED))
+    with pytest.raises(LayoutMismatch) as err:
+        negotiate(local, attention(heads=4, tp=(2, 1), sharding=Sharding.REPLICATED))
+    assert fields(err.value) == ["replica.tp_rank"]
+    assert "exchanges nothing" in str(err.value)
+
+
+def test_nhd_across_tp_is_refused_naming_geometry_order():
+    with pytest.raises(LayoutMismatch) as err:
+        negotiate(attention(heads=2, tp=(2, 0), order=HeadOrder.NHD), attention(heads=4, order=HeadOrder.NHD))
+    assert set(fields(err.value)) == {f"buffer({layer},{role}).geometry.order" for layer in (0, 1) for role in "KV"}
+    assert "HND" in str(err.value)
+
+
+def test_non_integer_tp_factor_is_refused():
+    with pytest.raises(LayoutMismatch) as err:
+        negotiate(attention(heads=4, tp=(3, 0)), attention(heads=6, tp=(2, 0)))
+    assert "replica.tp_size" in fields(err.value)
+
+
+def test_total_heads_must_match_across_tp():
+    with pytest.raises(LayoutMismatch) as err:
+        negotiate(attention(heads=4, tp=(2, 0)), attention(heads=4, tp=(1, 0)))
+    assert "buffer(0,K).geometry.heads" in fields(err.value)
+
+
+# ------------------------------------------------------------- page sizes
+@pytest.mark.parametrize("order", [HeadOrder.HND, HeadOrder.NHD])
+def test_big_remote_pages_split_into_small_local_pages(order):
+    plan = negotiate(attention(layers=(0,), heads=2, tpp=16, order=order),
+                     attention(layers=(0,), heads=2, tpp=32, order=order))
+    pair = plan.pairs[0]
+    assert (pair.remote_per_local, pair.local_per_remote) == (1, 2)
+    k = [p for p in pair.pieces if p.buffer == "L0.K"]
+    if order is HeadOrder.HND:  # one run per head per small page
+        assert k == [Piece("L0.K", (h * 32 + j * 16) * BPH, h * 16 * BPH, 16 * BPH, j)
+                     for j in range(2) for h in range(2)]
+    else:  # a small page is a contiguous part of the big one
+        assert k == [Piece("L0.K", j * 16 * 2 * BPH, 0, 16 * 2 * BPH, j) for j in range(2)]
+
+
+@pytest.mark.parametrize("order", [HeadOrder.HND, HeadOrder.NHD])
+def test_small_remote_pages_fill_big_local_pages(order):
+    plan = negotiate(attention(layers=(0,), heads=2, tpp=32, order=order),
+                     attention(layers=(0,), heads=2, tpp=16, order=order))
+    pair = plan.pairs[0]
+    assert (pair.remote_per_local, pair.local_per_remote) == (2, 1)
+    k = [p for p in pair.pieces if p.buffer == "L0.K"]
+    if order is HeadOrder.HND:
+        assert k == [Piece("L0.K", h * 16 * BPH, (h * 32 + q * 16) * BPH, 16 * BPH, q)
+                     for q in range(2) for h in range(2)]
+    else:
+        assert k == [Piece("L0.K", 0, q * 16 * 2 * BPH, 16 * 2 * BPH, q) for q in range(2)]
+
+
+def test_recurrent_state_is_copied_whole_whatever_the_page_size():
+    plan = negotiate(with_state(attention(tpp=16)), with_state(attention(tpp=32)))
+    (state,) = [p for p in plan.pairs if p.remote_group == "mamba"]
+    assert (state.remote_per_local, state.local_per_remote) == (1, 1)
+    assert state.pieces == (Piece("S99", 0, 0, 4 * 16),)
+
+
+def test_non_integer_page_factor_is_refused():
+    with pytest.raises(LayoutMismatch) as err:
+        negotiate(attention(tpp=16), attention(tpp=24))
+    assert fields(err.value) == ["tokens_per_page"]
+
+
+def test_geometry_free_buffers_map_page_sizes_by_bytes_per_token():
+    def opaque(tpp, per_token):
+        layout = attention(layers=(0,), tpp=tpp)
+        buffers = tuple(dataclasses.replace(b, geometry=None, page_bytes=per_token * tpp, offset=i * per_token * tpp)
+                        for i, b in enumerate(layout.buffers))
+        stride = 2 * per_token * tpp
+        region = dataclasses.replace(layout.regions[0], page_stride=stride, size=stride * 8)
+        return dataclasses.replace(layout, regions=(region,), buffers=buffers)
+
+    plan = negotiate(opaque(16, 64), opaque(32, 64))
+    assert [p for p in plan.pairs[0].pieces if p.buffer == "L0.K"] == [
+        Piece("L0.K", j * 16 * 64, 0, 16 * 64, j) for j in range(2)]
+    with pytest.raises(LayoutMismatch) as err:
+        negotiate(opaque(16, 64), opaque(32, 32))
+    assert "buffer(0,K).page_bytes" in fields(err.value)
+
+
+# ------------------------------------------------------------------ refusals
+def test_every_difference_is_listed_at_once():
+    with pytest.raises(LayoutMismatch) as err:
+        negotiate(attention(dtype="bfloat16", scope="a", bph=8), attention(dtype="float16", scope="b", bph=16))
+    got = fields(err.value)
+    assert got[:2] == ["dtype", "scope"]
+    assert {f"buffer({layer},{role}).geometry.bytes_per_head" for layer in (0, 1) for role in "KV"} <= set(got)
+    entry = dict((f, (lv, rv)) for f, lv, rv, _ in err.value.fields)
+    assert entry["dtype"] == ("bfloat16", "float16")
+    assert "bfloat16" in str(err.value) and "float16" in str(err.value)
+
+
+def test_missing_buffers_are_refused_both_ways_when_pp_matches():
+    with pytest.raises(LayoutMismatch) as err:
+        negotiate(attention(layers=(0, 1)), attention(layers=(0, 2)))
+    assert sorted(fields(err.value)) == ["buffer(1,K)", "buffer(1,V)", "buffer(2,K)", "buffer(2,V)"]
+
+
+def test_other_roles_of_a_layer_are_named():
+    local = attention(layers=(0,))
+    kv = BufferDesc("L0.KV", "L0", 0, 2 * 4 * 16 * BPH, LayerIdentity(0, LayerKind.ATTENTION, Role.KV),
+                    "full", HeadGeometry(4, BPH))
+    with pytest.raises(LayoutMismatch) as err:
+        negotiate(local, dataclasses.replace(local, buffers=(kv,)))
+    assert "buffer(0,K).identity.role" in fields(err.value)
+
+
+def test_sharding_and_geometry_presence_must_agree():
+    with pytest.raises(LayoutMismatch) as err:
+        negotiate(attention(sharding=Sharding.REPLICATED), attention())
+    assert "buffer(0,K).geometry.sharding" in fields(err.value)
+    layout = attention(layers=(0,))
+    bare = dataclasses.replace(layout, buffers=tuple(dataclasses.replace(b, geometry=None) for b in layout.buffers))
+    with pytest.raises(LayoutMismatch) as err:
+        negotiate(bare, layout)
+    assert fields(err.value) == ["buffer(0,K).geometry", "buffer(0,V).geometry"]
+
+
+def test_groups_must_correspond_one_to_one():
+    remote = attention()
+    split = dataclasses.replace(remote, buffers=tuple(
+        dataclasses.replace(b, group=f"g{b.identity.layer}") for b in remote.buffers))
+    for local, other in ((split, remote), (remote, split)):
+        with pytest.raises(LayoutMismatch) as err:
+            negotiate(local, other)
+        assert set(fields(err.value)) == {"buffer(1,K).group", "buffer(1,V).group"}
+
+
+# ---------------------------------------------------------- pipeline parallel
+def test_pipeline_sizes_differ_plan_covers_the_intersection():
+    local = attention(layers=(0, 1, 2, 3), pp=(2, 0))
+    remote = attention(layers=(0, 1), pp=(4, 0))
+    plan = negotiate(local, remote)
+    assert plan.kind == MAPPED and plan.uncovered == (2, 3)
+    assert {p.local_region for p in plan.pairs} == {"L0", "L1"}
+    assert "uncovered local layers: [2, 3]" in plan.summary()
+    with pytest.raises(LayoutMismatch) as err:
+        negotiate(local, attention(layers=(6, 7), pp=(4, 3)))
+    assert fields(err.value) == ["replica.pp_rank"]
