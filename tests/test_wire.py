@@ -1,0 +1,597 @@
+"""Control-protocol frames and messages, sans-IO: round trips, authentication, caps, fuzz."""
+
+import hashlib
+import hmac
+import random
+import struct
+import tracemalloc
+from collections import Counter
+
+import msgpack
+import numpy as np
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from kvlend.errors import AuthError, ProtocolError
+from kvlend.layout import RowSelection
+from kvlend.pages import GroupPages
+from kvlend.wire import (
+    MAC_BYTES, MAX_FRAME_BYTES, MESSAGES, PROTOCOL_VERSION, Abort, Bye, Done, DoneAck, FrameDecoder,
+    Handshake, Heartbeat, Hello, HelloAck, HelloConfirm, LeaseOffer, Offer, encode_frame,
+    message_from_wire, session_key,
+)
+
+KEY = bytes(range(32))
+OTHER_KEY = bytes(range(1, 33))
+LID, LID2 = bytes(range(16)), bytes(range(16, 32))
+
+
+def lease(selection=RowSelection.all(), meta=None, n_full=4) -> LeaseOffer:
+    return LeaseOffer(
+        id=LID, request="req-1", num_tokens=300,
+        pages={
+            "full": GroupPages(np.arange(n_full) * 3, np.arange(n_full)[::-1] + 7),
+            "mamba": GroupPages(np.array([0]), np.array([42])),
+            "swa": GroupPages(np.array([], dtype=np.int64), np.array([], dtype=np.int64)),
+        },
+        selection=selection, ttl=2.5, meta=meta or {},
+    )
+
+
+META = {"first_token": 17, "logprobs": [1, -2, 2**63 - 1], "note": "x", "f": 0.5, "flag": True,
+        "none": None, "raw": b"\x00\xff"}
+SAMPLES = [
+    Hello("decode-0", b"\x01" * 16),
+    HelloAck("prefill-0", b"\x02" * 16),
+    HelloConfirm(),
+    Handshake(b"layout-bytes", "nixl", b"\x00agent-metadata"),
+    Offer(lease()),
+    Offer(lease(RowSelection.named("L0.K", "L0.V"), META, n_full=5000)),
+    Heartbeat((LID, LID2)),
+    Heartbeat(()),
+    Done(LID, 300),
+    DoneAck(LID, True, ""),
+    DoneAck(LID2, False, "LeaseExpired: gone"),
+    Abort(LID, "decode gave up"),
+    Bye("shutdown"),
+]
+
+
+def wire_bytes(m) -> bytes:
+    """A canonical byte form for comparing messages (LeaseOffer has no ==; NaN != NaN)."""
+    return msgpack.packb(m.to_wire(), use_bin_type=True)
+
+
+def framed(key: bytes, payload: bytes) -> bytes:
+    """A frame around arbitrary payload bytes with a valid MAC, so it reaches the decoder's checks."""
+    head = struct.pack(">I", len(payload) + MAC_BYTES)
+    return head + payload + hmac.new(key, head + payload, hashlib.sha256).digest()
+
+
+def decode_all(data: bytes, key: bytes = KEY) -> list:
+    dec = FrameDecoder(key)
+    dec.feed(data)
+    out = []
+    while (m := dec.next_message()) is not None:
+        out.append(m)
+    return out
+
+
+# ------------------------------------------------------------------ round trips
+def test_samples_cover_every_message_type():
+    assert {type(m) for m in SAMPLES} == set(MESSAGES.values())
+
+
+def test_every_message_round_trips_in_one_feed():
+    stream = b"".join(encode_frame(KEY, i, m) for i, m in enumerate(SAMPLES))
+    got = decode_all(stream)
+    assert [type(m) for m in got] == [type(m) for m in SAMPLES]
+    assert [wire_bytes(m) for m in got] == [wire_bytes(m) for m in SAMPLES]
+    simple = [(a, b) for a, b in zip(SAMPLES, got) if not isinstance(a, Offer)]
+    assert all(a == b for a, b in simple)
+
+
+def test_every_message_round_trips_byte_by_byte():
+    dec = FrameDecoder(KEY)
+    for i, m in enumerate(SAMPLES[:5] + SAMPLES[6:]):  # skip the 5000-page offer: O(n^2) per byte
+        frame = encode_frame(KEY, i, m)
+        for j, byte in enumerate(frame):
+            assert dec.need() == (4 - j if j < 4 else len(frame) - j)
+            assert dec.next_message() is None
+            dec.feed(bytes([byte]))
+        assert dec.need() == 0
+        got = dec.next_message()
+        assert type(got) is type(m) and wire_bytes(got) == wire_bytes(m)
+        assert dec.next_message() is None and dec.need() == 4
+
+
+def test_random_chunking_and_a_split_trailing_frame():
+    rng = random.Random(7)
+    stream = b"".join(encode_frame(KEY, i, m) for i, m in enumerate(SAMPLES))
+    dec, got, pos = FrameDecoder(KEY), [], 0
+    while pos < len(stream):
+        step = rng.choice([1, 2, 3, 5, 31, 32, 33, 4096, 70000])
+        dec.feed(stream[pos:pos + step])
+        pos += step
+        while (m := dec.next_message()) is not None:
+            got.append(m)
+    assert [wire_bytes(m) for m in got] == [wire_bytes(m) for m in SAMPLES]
+
+
+def test_offer_arrays_selection_and_meta_survive():
+    offer = SAMPLES[5].lease
+    (got,) = decode_all(encode_frame(KEY, 0, SAMPLES[5]))
+    back = got.lease
+    assert back.id == LID and back.request == "req-1" and back.num_tokens == 300 and back.ttl == 2.5
+    assert set(back.pages) == {"full", "mamba", "swa"}
+    for g, p in offer.pages.items():
+        assert back.pages[g].token_pages.dtype == np.int64
+        np.testing.assert_array_equal(back.pages[g].token_pages, p.token_pages)
+        np.testing.assert_array_equal(back.pages[g].ordinals, p.ordinals)
+    assert len(back.pages["full"]) == 5000 and len(back.pages["swa"]) == 0
+    assert back.selection == RowSelection.named("L0.K", "L0.V")
+    assert back.meta == META
+    (got_all,) = decode_all(encode_frame(KEY, 0, SAMPLES[4]))
+    assert got_all.lease.selection == RowSelection.all() and got_all.lease.meta == {}
+
+
+def test_key_switch_between_frames():
+    k2 = session_key(KEY, b"a" * 16, b"b" * 16)
+    dec = FrameDecoder(KEY)
+    dec.feed(encode_frame(KEY, 0, SAMPLES[0]) + encode_frame(k2, 1, Bye("after")))
+    assert isinstance(dec.next_message(), Hello)
+    dec.key = k2
+    assert dec.next_message() == Bye("after")
+
+
+def test_session_keys_are_per_session_and_per_direction():
+    n1, n2 = b"\x01" * 16, b"\x02" * 16
+    keys = {
+        session_key(KEY, n1, n2, "client"), session_key(KEY, n1, n2, "server"),
+        session_key(KEY, n2, n1, "client"), session_key(KEY, n1, n1, "client"),
+        session_key(OTHER_KEY, n1, n2, "client"),
+    }
+    assert len(keys) == 5
+    assert session_key(KEY, n1, n2) == session_key(KEY, n1, n2, "client")
+    with pytest.raises(ProtocolError, match="sender"):
+        session_key(KEY, n1, n2, "both")
+
+
+# ------------------------------------------------------------- authentication
+def test_wrong_key_is_auth_error():
+    with pytest.raises(AuthError):
+        decode_all(encode_frame(OTHER_KEY, 0, Bye("x")))
+
+
+def test_every_flipped_bit_after_the_header_is_auth_error():
+    frame = encode_frame(KEY, 0, Done(LID, 5))
+    for pos in range(4, len(frame)):
+        for bit in (0, 7):
+            bad = bytearray(frame)
+            bad[pos] ^= 1 << bit
+            with pytest.raises(AuthError):
+                decode_all(bytes(bad))
+
+
+def test_flipped_header_bits_never_decode():
+    frame = encode_frame(KEY, 0, Done(LID, 5))
+    for pos in range(4):
+        for bit in range(8):
+            bad = bytearray(frame)
+            bad[pos] ^= 1 << bit
+            dec = FrameDecoder(KEY)
+            try:
+                dec.feed(bytes(bad))
+                assert dec.next_message() is None  # a longer claim just waits for more bytes
+            except (AuthError, ProtocolError):
+                pass
+
+
+def test_replayed_skipped_and_early_sequence_numbers_are_auth_errors():
+    f0, f1, f2 = (encode_frame(KEY, i, Bye(str(i))) for i in range(3))
+    with pytest.raises(AuthError, match="sequence 0 where 1"):
+        decode_all(f0 + f0)
+    with pytest.raises(AuthError, match="sequence 2 where 1"):
+        decode_all(f0 + f2)
+    with pytest.raises(AuthError, match="sequence 1 where 0"):
+        decode_all(f1)
+    assert [m.reason for m in decode_all(f0 + f1 + f2)] == ["0", "1", "2"]
+
+
+@pytest.mark.parametrize("version, seq, err", [
+    (2, 0, ProtocolError), (0, 0, ProtocolError), (True, 0, ProtocolError), (1.0, 0, ProtocolError),
+    ("1", 0, ProtocolError), (1, False, AuthError), (1, 0.0, AuthError), (1, -1, AuthError),
+    (1, None, AuthError), (1, 2**64 - 1, AuthError),
+])
+def test_version_and_sequence_must_be_exact_ints(version, seq, err):
+    payload = msgpack.packb([version, seq, Bye("x").to_wire()], use_bin_type=True)
+    with pytest.raises(err):
+        decode_all(framed(KEY, payload))
+    assert decode_all(framed(KEY, msgpack.packb([PROTOCOL_VERSION, 0, Bye("x").to_wire()]))) == [Bye("x")]
+
+
+# ----------------------------------------------------------- caps and lengths
+@pytest.mark.parametrize("claim", [0xFFFFFFFF, MAX_FRAME_BYTES + 1, 1 << 31, 0, 1, MAC_BYTES])
+def test_bad_length_header_raises_on_the_fourth_byte_without_allocating(claim):
+    head = struct.pack(">I", claim)
+    dec = FrameDecoder(KEY)
+    dec.feed(head[:3])
+    assert dec.next_message() is None
+    tracemalloc.start()
+    try:
+        with pytest.raises(ProtocolError, match=f"frame length {claim} outside"):
+            dec.feed(head[3:])
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < 1 << 20
+
+
+def test_length_is_checked_before_the_body_arrives_even_in_one_feed():
+    with pytest.raises(ProtocolError, match="outside"):
+        FrameDecoder(KEY).feed(b"\xff\xff\xff\xff" + b"\x00" * 100)
+
+
+def test_decoder_honours_a_smaller_cap():
+    frame = encode_frame(KEY, 0, Bye("x" * 200))
+    with pytest.raises(ProtocolError, match="outside"):
+        FrameDecoder(KEY, max_frame=100).feed(frame)
+    assert decode_all(frame) == [Bye("x" * 200)]
+
+
+def test_the_cap_is_exact():
+    payload_cap = MAX_FRAME_BYTES - MAC_BYTES
+    overhead = len(msgpack.packb([1, 0, Handshake(b"", "b", b"").to_wire()], use_bin_type=True))
+    room = payload_cap - overhead - 3  # an empty bin has a 2-byte header, a large one 5
+    fits = Handshake(b"\x00" * room, "b", b"")
+    frame = encode_frame(KEY, 0, fits)
+    assert len(frame) == 4 + MAX_FRAME_BYTES
+    assert isinstance(decode_all(frame)[0], Handshake)
+    with pytest.raises(ProtocolError, match="exceeds the cap"):
+        encode_frame(KEY, 0, Handshake(b"\x00" * (room + 1), "b", b""))
+
+
+def test_truncated_frames_stay_incomplete():
+    frame = encode_frame(KEY, 0, SAMPLES[4])
+    for cut in range(len(frame)):
+        dec = FrameDecoder(KEY)
+        dec.feed(frame[:cut])
+        assert dec.next_message() is None and dec.need() == (4 - cut if cut < 4 else len(frame) - cut)
+
+
+# --------------------------------------------------------------- schema checks
+def wire(m) -> dict:
+    return m.to_wire()
+
+
+def offer_wire(**changes) -> dict:
+    d = wire(Offer(lease()))
+    lw = d["lease"]
+    for k, v in changes.items():
+        if v is KeyError:
+            del lw[k]
+        else:
+            lw[k] = v
+    return d
+
+
+DEEP = []
+for _ in range(1000):
+    DEEP = [DEEP]
+
+BAD_MESSAGES = [
+    ([], "type field"),
+    ({"t": "nope"}, "unknown type 'nope'"),
+    ({"t": 3}, "unknown type 3"),
+    ({"t": DEEP}, "unknown type"),
+    ({"t": "bye"}, "bye: fields"),
+    ({"t": "bye", "reason": "x", "extra": 1}, "bye: fields"),
+    ({"t": "bye", "reason": b"x"}, "bye.reason: expected str"),
+    ({"t": "bye", "reason": "x" * 4097}, "bye.reason: 4097 exceeds"),
+    ({"t": "hello", "peer": "p", "nonce": b"\x00" * 15}, "hello.nonce: expected 16 bytes"),
+    ({"t": "hello", "peer": "p", "nonce": "0" * 16}, "hello.nonce: expected nonce"),
+    ({"t": "hello_confirm", "x": 1}, "hello_confirm: fields"),
+    ({"t": "done", "lease": LID, "bound": True}, "done.bound: expected int"),
+    ({"t": "done", "lease": LID, "bound": 2**63}, "done.bound: integer"),
+    ({"t": "done", "lease": LID, "bound": 1.0}, "done.bound: expected int"),
+    ({"t": "done_ack", "lease": LID, "ok": 1, "error": ""}, "done_ack.ok: expected bool"),
+    ({"t": "heartbeat", "leases": LID}, "heartbeat.leases: expected a list"),
+    ({"t": "heartbeat", "leases": [LID, b"short"]}, "heartbeat.leases[]"),
+    ({"t": "heartbeat", "leases": [LID] * 65537}, "heartbeat.leases: expected a list"),
+    ({"t": "handshake", "layout": "str", "backend": "b", "metadata": b""}, "handshake.layout"),
+    ({"t": "offer", "lease": []}, "offer.lease: expected a map"),
+    (offer_wire(ttl=KeyError), "offer.lease: fields"),
+    (offer_wire(pages={}), "offer.lease.pages: expected a map of 1..256"),
+    (offer_wire(pages={str(i): [b"", b""] for i in range(257)}), "1..256"),
+    (offer_wire(pages={"g": [b"\x00" * 8]}), "pages['g']: expected [token_pages, ordinals]"),
+    (offer_wire(pages={"g": [b"\x00" * 7, b"\x00" * 7]}), "pages['g']: expected little-endian"),
+    (offer_wire(pages={"g": [[0], [0]]}), "pages['g']: expected little-endian"),
+    (offer_wire(pages={"g": [np.array([0, 1], "<i8").tobytes(), np.array([0], "<i8").tobytes()]}), "differ"),
+    (offer_wire(pages={"g": [np.array([1, 1], "<i8").tobytes(), np.array([0, 1], "<i8").tobytes()]}),
+     "strictly increasing"),
+    (offer_wire(pages={"g": [np.array([0], "<i8").tobytes(), np.array([-1], "<i8").tobytes()]}), "negative"),
+    (offer_wire(pages={b"g": [b"", b""]}), "pages key: expected str"),
+    (offer_wire(selection=["SOME", []]), "offer.lease.selection"),
+    (offer_wire(selection=["NAMED", []]), "needs at least one"),
+    (offer_wire(selection=["ALL", ["k"]]), "takes no names"),
+    (offer_wire(selection=["NAMED", ["k", "k"]]), "duplicate"),
+    (offer_wire(selection=["NAMED", [3]]), "offer.lease.selection"),
+    (offer_wire(selection=[DEEP, []]), "offer.lease.selection"),
+    (offer_wire(selection="ALL"), "expected [mode, names]"),
+    (offer_wire(ttl=0.0), "must be positive"),
+    (offer_wire(ttl=float("nan")), "offer.lease.ttl: expected a finite number"),
+    (offer_wire(ttl=float("inf")), "offer.lease.ttl"),
+    (offer_wire(ttl=10**400), "offer.lease.ttl"),
+    (offer_wire(ttl=DEEP), "offer.lease.ttl"),
+    (offer_wire(ttl=True), "offer.lease.ttl"),
+    (offer_wire(num_tokens=0), "must be positive"),
+    (offer_wire(num_tokens=2.0), "offer.lease.num_tokens"),
+    (offer_wire(id=b"\x00" * 17), "offer.lease.id"),
+    (offer_wire(request=None), "offer.lease.request"),
+    (offer_wire(meta={"k": {"nested": 1}}), "offer.lease.meta['k']"),
+    (offer_wire(meta={"k": [1, "x"]}), "offer.lease.meta['k']"),
+    (offer_wire(meta={"k": [True]}), "offer.lease.meta['k']"),
+    (offer_wire(meta={"k": 2**63}), "offer.lease.meta['k']"),
+    (offer_wire(meta={"k": [2**64 - 1]}), "offer.lease.meta['k']"),
+    (offer_wire(meta={b"k": 1}), "offer.lease.meta key"),
+    (offer_wire(meta={str(i): i for i in range(65)}), "at most 64"),
+    (offer_wire(meta=[]), "offer.lease.meta"),
+]
+
+
+@pytest.mark.parametrize("obj, needle", BAD_MESSAGES, ids=range(len(BAD_MESSAGES)))
+def test_schema_rejects_with_a_named_field(obj, needle):
+    with pytest.raises(ProtocolError) as info:
+        message_from_wire(obj)
+    assert needle in str(info.value)
+    assert len(str(info.value)) < 1000
+
+
+def test_deeply_nested_values_in_an_authenticated_frame_are_protocol_errors():
+    """msgpack decodes ~1000-deep nesting; quoting it in an error must not recurse."""
+    deep = b"\x91" * 1000 + b"\xc0"
+    bodies = [
+        b"\x93\x01\x00\x81\xa1t" + deep,  # message type
+        b"\x93" + deep + b"\x00\x81\xa1t\xa3bye",  # version
+        b"\x93\x01" + deep + b"\x81\xa1t\xa3bye",  # sequence
+        b"\x93\x01\x00\x82\xa1t\xa3bye\xa6reason" + deep,  # field value
+        b"\x93\x01\x00" + b"\x91" * 5000 + b"\xc0",  # past msgpack's own depth limit
+    ]
+    for payload in bodies:
+        with pytest.raises(ProtocolError) as info:
+            decode_all(framed(KEY, payload))
+        assert len(str(info.value)) < 1000
+
+
+# ----------------------------------------------------------------------- fuzz
+MSGPACK_MARKERS = [
+    0x00, 0x7F, 0x80, 0x8F, 0x90, 0x9F, 0xA0, 0xBF, 0xC0, 0xC1, 0xC2, 0xC3, 0xC4, 0xC5, 0xC6, 0xC7,
+    0xC8, 0xC9, 0xCA, 0xCB, 0xCC, 0xCF, 0xD0, 0xD3, 0xD4, 0xD8, 0xD9, 0xDA, 0xDB, 0xDC, 0xDD, 0xDE,
+    0xDF, 0xE0, 0xFF,
+]
+HUGE_CLAIMS = [
+    b"\xdd\xff\xff\xff\xff", b"\xdf\xff\xff\xff\xff", b"\xc6\xff\xff\xff\xff", b"\xdb\xff\xff\xff\xff",
+    b"\xc9\xff\xff\xff\xff\x01", b"\xdc\xff\xff", b"\xde\xff\xff", b"\xc5\xff\xff", b"\xda\xff\xff",
+    b"\xdd\x00\x01\x00\x00", b"\xdd\x00\x01\x00\x01", b"\xdf\x00\x00\x04\x01", b"\xc6\x01\x00\x00\x00",
+    b"\xc6\x00\xff\xff\xff" + b"\x00" * 64, b"\xdc\xff\xff" + b"\xc0" * 100, b"\xde\x04\x00",
+    b"\xd8\xff" + b"\x00" * 16, b"\xc7\x0c\xff" + b"\x00" * 12, b"\xd6\xff\x00\x00\x00\x00",
+    b"\xcf\xff\xff\xff\xff\xff\xff\xff\xff", b"\xd3\x80\x00\x00\x00\x00\x00\x00\x00",
+    b"\xcb\x7f\xf8\x00\x00\x00\x00\x00\x00", b"\x91" * 1000 + b"\xc0", b"\x81" * 600 + b"\xc0",
+]
+
+
+def _raw_map(items) -> bytes:
+    """A msgpack map whose values are raw (possibly malformed) msgpack bytes."""
+    assert len(items) < 16
+    return bytes([0x80 | len(items)]) + b"".join(msgpack.packb(k) + v for k, v in items)
+
+
+def _random_value(rng: random.Random, depth: int = 0):
+    r = rng.random()
+    if depth > 3 or r < 0.5:
+        return rng.choice([
+            None, True, False, 0, -1, 1, 15, 16, 2**31, 2**63 - 1, -2**63, 2**64 - 1, 0.0, -0.0,
+            float("nan"), float("inf"), 1e308, "", "x", "ALL", "NAMED", "bye", "é" * 3, "x" * 5000,
+            b"", b"\x00" * 15, b"\x00" * 16, b"\x00" * 17, b"\x01" * 8, b"\x00" * 24, LID,
+        ])
+    if r < 0.75:
+        return [_random_value(rng, depth + 1) for _ in range(rng.randrange(4))]
+    keys = ["t", "id", "lease", "pages", "x", "meta", "selection", "reason"]
+    return {rng.choice(keys): _random_value(rng, depth + 1) for _ in range(rng.randrange(4))}
+
+
+def _mutate(rng: random.Random, data: bytes) -> bytes:
+    b = bytearray(data)
+    for _ in range(rng.randrange(1, 4)):
+        op = rng.randrange(7)
+        pos = rng.randrange(len(b) + 1)
+        if op == 0 and b:
+            b[min(pos, len(b) - 1)] ^= 1 << rng.randrange(8)
+        elif op == 1 and b:
+            b[min(pos, len(b) - 1)] = rng.choice(MSGPACK_MARKERS)
+        elif op == 2:
+            b[pos:pos] = bytes(rng.randrange(256) for _ in range(rng.randrange(1, 9)))
+        elif op == 3:
+            del b[pos:pos + rng.randrange(1, 9)]
+        elif op == 4:
+            del b[pos:]
+        elif op == 5:
+            b[pos:pos] = rng.choice(HUGE_CLAIMS)
+        else:
+            end = min(len(b), pos + rng.randrange(1, 17))
+            b[pos:pos] = b[pos:end]
+    return bytes(b)
+
+
+def _wrong_shape(rng: random.Random, m) -> object:
+    body = m.to_wire()
+    target = body["lease"] if isinstance(m, Offer) and rng.random() < 0.6 else body
+    op = rng.randrange(5)
+    key = rng.choice(sorted(target))
+    if op == 0:
+        target[key] = _random_value(rng)
+    elif op == 1:
+        del target[key]
+    elif op == 2:
+        target[rng.choice(["extra", "t2", "", "id"])] = _random_value(rng)
+    elif op == 3 and isinstance(m, Offer):
+        g = rng.choice(sorted(body["lease"]["pages"]))
+        body["lease"]["pages"][g] = rng.choice([
+            [_random_value(rng), _random_value(rng)], _random_value(rng),
+            [np.array([5, 3], "<i8").tobytes(), np.array([1, 2], "<i8").tobytes()],
+            [np.array([0], "<i8").tobytes(), np.array([-7], "<i8").tobytes()],
+        ])
+    else:
+        return _random_value(rng)
+    return body
+
+
+def _classify(counts: Counter, key: bytes, data: bytes) -> None:
+    dec = FrameDecoder(key)
+    try:
+        dec.feed(data)
+        while dec.next_message() is not None:
+            counts["ok"] += 1
+        counts["incomplete"] += 1
+    except AuthError:
+        counts["auth"] += 1
+    except ProtocolError as exc:
+        assert len(str(exc)) < 2000
+        text = str(exc)
+        counts["msgpack" if "msgpack" in text else "length" if "frame length" in text else "schema"] += 1
+
+
+def test_fuzz_frames_raise_only_kvlend_errors():
+    """>= 20,000 hostile inputs: mutated frames, MAC-valid mutated payloads, wrong shapes, huge claims."""
+    rng = random.Random(20240611)
+    counts = Counter()
+    payloads = [msgpack.packb([PROTOCOL_VERSION, 0, m.to_wire()], use_bin_type=True) for m in SAMPLES[:5] + SAMPLES[6:]]
+    frames = [framed(KEY, p) for p in payloads]
+    for _ in range(6000):  # raw frame bytes mutated: mostly MAC failures, some bad lengths
+        _classify(counts, KEY, _mutate(rng, rng.choice(frames)))
+    for _ in range(9000):  # payload mutated, then MAC'd: reaches msgpack and the schema
+        _classify(counts, KEY, framed(KEY, _mutate(rng, rng.choice(payloads))))
+    for _ in range(5000):  # well-formed msgpack of the wrong shape, MAC'd
+        m = rng.choice(SAMPLES[:5] + SAMPLES[6:])
+        body = _wrong_shape(rng, m)
+        head = [PROTOCOL_VERSION, 0] if rng.random() < 0.9 else [_random_value(rng), _random_value(rng)]
+        _classify(counts, KEY, framed(KEY, msgpack.packb(head + [body], use_bin_type=True)))
+    for claim in HUGE_CLAIMS:  # huge claimed sizes in every position of the payload
+        for payload in (
+            claim, b"\x93" + claim + b"\x00\x81\xa1t\xa3bye", b"\x93\x01" + claim + b"\x81\xa1t\xa3bye",
+            b"\x93\x01\x00" + claim, b"\x93\x01\x00" + _raw_map([("t", claim)]),
+            b"\x93\x01\x00" + _raw_map([("t", msgpack.packb("bye")), ("reason", claim)]),
+            b"\x93\x01\x00" + _raw_map([("t", msgpack.packb("offer")), ("lease", claim)]),
+            b"\x93\x01\x00" + _raw_map([("t", msgpack.packb("heartbeat")), ("leases", claim)]),
+            b"\x93\x01\x00" + _raw_map([("t", msgpack.packb("offer")), ("lease", _raw_map(
+                [(k, claim if k in ("pages", "meta", "selection") else msgpack.packb(v, use_bin_type=True))
+                 for k, v in lease().to_wire().items()]))]),
+        ):
+            _classify(counts, KEY, framed(KEY, payload))
+    total = sum(counts.values())
+    assert total >= 20000, counts
+    for outcome in ("ok", "auth", "msgpack", "schema", "length"):  # every layer was reached
+        assert counts[outcome] > 0, counts
+
+
+def test_huge_claims_do_not_allocate_what_they_claim():
+    tracemalloc.start()
+    try:
+        for claim in HUGE_CLAIMS:
+            for payload in (claim, b"\x93\x01\x00" + _raw_map([("t", msgpack.packb("bye")), ("reason", claim)])):
+                with pytest.raises(ProtocolError):
+                    decode_all(framed(KEY, payload))
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < 8 << 20
+
+
+# ----------------------------------------------------------------- hypothesis
+names = st.text(st.characters(min_codepoint=33, max_codepoint=0x2FF), min_size=1, max_size=12)
+ids16 = st.binary(min_size=16, max_size=16)
+int64 = st.integers(-(2**63), 2**63 - 1)
+meta_values = st.one_of(
+    st.none(), st.booleans(), int64, st.floats(), st.text(max_size=20), st.binary(max_size=20),
+    st.lists(int64, max_size=5),
+)
+
+
+@st.composite
+def group_pages(draw):
+    tp = sorted(draw(st.sets(st.integers(0, 10**6), max_size=20)))
+    od = draw(st.lists(st.integers(0, 2**40), min_size=len(tp), max_size=len(tp)))
+    return GroupPages(np.array(tp, dtype=np.int64), np.array(od, dtype=np.int64))
+
+
+@st.composite
+def lease_offers(draw):
+    named = draw(st.booleans())
+    sel = RowSelection.named(*draw(st.sets(names, min_size=1, max_size=4))) if named else RowSelection.all()
+    return LeaseOffer(
+        id=draw(ids16), request=draw(st.text(max_size=30)), num_tokens=draw(st.integers(1, 2**40)),
+        pages=draw(st.dictionaries(names, group_pages(), min_size=1, max_size=4)), selection=sel,
+        ttl=draw(st.floats(1e-6, 1e6)), meta=draw(st.dictionaries(st.text(max_size=10), meta_values, max_size=5)),
+    )
+
+
+valid_messages = st.one_of(
+    st.builds(Hello, st.text(max_size=40), ids16), st.builds(HelloAck, st.text(max_size=40), ids16),
+    st.just(HelloConfirm()), st.builds(Handshake, st.binary(max_size=200), st.text(max_size=20), st.binary(max_size=200)),
+    st.builds(Offer, lease_offers()), st.builds(Heartbeat, st.lists(ids16, max_size=5).map(tuple)),
+    st.builds(Done, ids16, int64), st.builds(DoneAck, ids16, st.booleans(), st.text(max_size=40)),
+    st.builds(Abort, ids16, st.text(max_size=40)), st.builds(Bye, st.text(max_size=40)),
+)
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.lists(valid_messages, min_size=1, max_size=4), st.data())
+def test_hypothesis_valid_messages_round_trip(messages, data):
+    stream = b"".join(encode_frame(KEY, i, m) for i, m in enumerate(messages))
+    cuts = sorted(data.draw(st.lists(st.integers(0, len(stream)), max_size=4)))
+    dec, got = FrameDecoder(KEY), []
+    for a, b in zip([0] + cuts, cuts + [len(stream)]):
+        dec.feed(stream[a:b])
+        while (m := dec.next_message()) is not None:
+            got.append(m)
+    assert [wire_bytes(m) for m in got] == [wire_bytes(m) for m in messages]
+
+
+anything = st.recursive(
+    st.one_of(st.none(), st.booleans(), st.integers(), st.floats(), st.text(max_size=10), st.binary(max_size=20)),
+    lambda c: st.lists(c, max_size=3) | st.dictionaries(st.one_of(st.text(max_size=6), st.binary(max_size=4)), c, max_size=3),
+    max_leaves=12,
+)
+
+
+@st.composite
+def message_dicts(draw):
+    """Dicts that look like messages: right type, each field valid or garbage, keys dropped or added."""
+    valid = draw(valid_messages).to_wire()
+    out = {}
+    for k, v in valid.items():
+        choice = draw(st.integers(0, 5))
+        if choice == 0:
+            continue
+        if choice == 1 and k != "t":
+            v = draw(anything)
+        if choice == 2 and k == "lease" and isinstance(v, dict):
+            v = dict(v)
+            v[draw(st.sampled_from(sorted(v)))] = draw(anything)
+        out[k] = v
+    if draw(st.integers(0, 4)) == 0:
+        out[draw(st.text(max_size=5))] = draw(anything)
+    return out
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.one_of(message_dicts(), anything))
+def test_hypothesis_message_from_wire_accepts_or_raises_protocol_error(obj):
+    try:
+        m = message_from_wire(obj)
+    except ProtocolError as exc:
+        assert len(str(exc)) < 2000
+        return
+    (back,) = decode_all(encode_frame(KEY, 0, m))  # whatever is accepted must also travel
+    assert type(back) is type(m) and wire_bytes(back) == wire_bytes(m)
+
