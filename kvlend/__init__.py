@@ -1,8 +1,8 @@
 """kvlend: in-place KV-cache lending for disaggregated LLM serving over NIXL."""
 
 from .errors import (
-    AuthError, BackendError, KvlendError, LayoutError, LayoutMismatch, LeaseError,
-    LeaseExpired, LeaseUnknown, PageRangeError, PeerLost, ProtocolError, TransferTimeout,
+    AuthError, BackendError, KvlendError, LayoutError, LayoutMismatch, LeaseDenied, LeaseError,
+    LeaseExpired, LeaseUnknown, PageRangeError, PeerLost, ProtocolError, TrackerError, TransferTimeout,
 )
 from .pages import GroupPages
 from .layout import (

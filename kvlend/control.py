@@ -140,6 +140,17 @@ def _wait(sock: socket.socket, events: int, timeout: float) -> bool:
         raise PeerLost(f"control socket unusable: {exc}") from None
 
 
+def wait_readable(waitables, timeout: float) -> None:
+    """Sleep until any of ``waitables`` (objects with ``fileno``) is readable, or ``timeout``."""
+    poller = select.poll()
+    try:
+        for w in waitables:
+            poller.register(w, select.POLLIN)
+        poller.poll(max(0, math.ceil(timeout * 1000)))
+    except (OSError, ValueError):
+        pass  # a channel closed under us; its next read says so
+
+
 def _readable(sock: socket.socket, timeout: float) -> bool:
     return _wait(sock, select.POLLIN, timeout)
 

@@ -11,7 +11,6 @@ Every wait has a deadline; nothing here is clever.
 from __future__ import annotations
 
 import logging
-import select
 import threading
 import time
 from collections import deque
@@ -21,7 +20,7 @@ from typing import Any, Callable, Mapping
 import numpy as np
 
 from .backend import TransferBackend
-from .control import DEFAULT_HOST, Channel, Listener, connect
+from .control import DEFAULT_HOST, Channel, Listener, connect, wait_readable
 from .errors import (
     KvlendError, LayoutMismatch, LeaseExpired, LeaseUnknown, PeerLost, ProtocolError, TransferTimeout,
 )
@@ -172,11 +171,7 @@ class PrefillNode:
 
         Waits up to ``timeout`` for something to arrive (without holding the lock).
         """
-        waitables = [self.listener] + [p.channel for p in list(self.peers.values())]
-        try:
-            select.select(waitables, [], [], timeout)
-        except (OSError, ValueError):
-            pass  # a channel closed under us; the step below notices
+        wait_readable([self.listener] + [p.channel for p in list(self.peers.values())], timeout)
         with self._lock:
             self._step()
 
@@ -360,10 +355,23 @@ class DecodeNode:
                 self._pump(peer, min(remaining, 0.05) if len(self.links) == 1 else 0.0)
 
     def _pump(self, peer: str, timeout: float = 0.0) -> list[DoneAck]:
-        """Read what ``peer`` sent: queue offers, return done acks."""
+        """Read what ``peer`` sent: queue offers, return done acks.
+
+        A prefill may close right after its last ack (the example's does once
+        its last lease ends), so ack and close can both be waiting here: acks
+        already read are returned, and the closed channel raises on the next call.
+        """
         link = self.links[peer]
         acks = []
-        while (message := link.channel.poll(timeout)) is not None:
+        while True:
+            try:
+                message = link.channel.poll(timeout)
+            except PeerLost:
+                if acks:
+                    return acks
+                raise
+            if message is None:
+                return acks
             timeout = 0.0
             if isinstance(message, Offer):
                 link.offers.append(message.lease)
@@ -375,7 +383,6 @@ class DecodeNode:
                 log.info("prefill %s withdrew lease %s: %s", peer, message.lease.hex(), message.reason)
             else:
                 raise ProtocolError(f"unexpected {message.TYPE} from prefill {peer}")
-        return acks
 
     def fetch(self, peer: str, offer: LeaseOffer, dst: Mapping[str, np.ndarray]) -> FetchResult:
         """Read ``offer`` into the local slots ``dst`` (local group -> slot per local token page).
