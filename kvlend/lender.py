@@ -36,7 +36,7 @@ import numpy as np
 from .errors import LayoutError, LeaseDenied, LeaseError, LeaseExpired, LeaseUnknown, PageRangeError
 from .layout import PageLayout, RowSelection
 from .locks import PageLocks
-from .pages import GroupPages
+from .pages import GroupPages, int_array
 
 LEASE_ID_BYTES = 16
 _EXPIRED, _RELEASED = "expired", "released"
@@ -309,14 +309,4 @@ def _check_id(lease_id: Any) -> None:
 
 
 def _table(group: str, value: Any, length: int) -> np.ndarray:
-    try:
-        arr = np.asarray(value)
-    except (TypeError, ValueError, OverflowError) as exc:
-        raise PageRangeError(f"pages[{group!r}]: not an integer array ({exc})") from None
-    if arr.ndim != 1 or arr.size != length:
-        raise PageRangeError(f"pages[{group!r}]: expected {length} entries, got shape {arr.shape}")
-    if arr.dtype.kind not in "iu":
-        raise PageRangeError(f"pages[{group!r}]: must be integers, got dtype {arr.dtype}")
-    if arr.dtype.kind == "u" and arr.size and int(arr.max()) > np.iinfo(np.int64).max:
-        raise PageRangeError(f"pages[{group!r}]: ordinal {int(arr.max())} is out of range")
-    return arr.astype(np.int64)
+    return int_array(f"pages[{group!r}]", value, length=length)

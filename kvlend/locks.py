@@ -14,6 +14,7 @@ import numpy as np
 
 from .errors import PageRangeError
 from .layout import PageLayout
+from .pages import int_array
 
 _INT32_MAX = np.iinfo(np.int32).max
 
@@ -34,16 +35,9 @@ class PageLocks:
 
     def _ordinals(self, region: str, ordinals: Any) -> tuple[np.ndarray, np.ndarray]:
         counts = self._region(region)
-        try:
-            arr = np.asarray(ordinals)
-        except (TypeError, ValueError, OverflowError) as exc:
-            raise PageRangeError(f"ordinals of region {region!r}: not an integer array ({exc})") from None
-        if arr.ndim != 1:
-            raise PageRangeError(f"ordinals of region {region!r}: must be 1-D, got shape {arr.shape}")
+        arr = int_array(f"ordinals of region {region!r}", ordinals)
         if arr.size == 0:
-            return counts, np.zeros(0, dtype=np.int64)
-        if arr.dtype.kind not in "iu":
-            raise PageRangeError(f"ordinals of region {region!r}: must be integers, got dtype {arr.dtype}")
+            return counts, arr
         lo, hi = arr.min(), arr.max()
         if lo < 0 or hi >= counts.size:
             bad = lo if lo < 0 else hi

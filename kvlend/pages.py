@@ -3,10 +3,29 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
 from .errors import PageRangeError
+
+
+def int_array(where: str, value: Any, *, length: int | None = None) -> np.ndarray:
+    """``value`` as a 1-D int64 array, or a ``PageRangeError`` naming ``where``."""
+    try:
+        arr = np.asarray(value)
+    except (TypeError, ValueError, OverflowError) as exc:
+        raise PageRangeError(f"{where}: not an integer array ({exc})") from None
+    if arr.ndim != 1 or (length is not None and arr.size != length):
+        expect = "must be 1-D" if length is None else f"expected {length} entries"
+        raise PageRangeError(f"{where}: {expect}, got shape {arr.shape}")
+    if arr.size == 0:
+        return np.zeros(0, dtype=np.int64)
+    if arr.dtype.kind not in "iu":
+        raise PageRangeError(f"{where}: must be integers, got dtype {arr.dtype}")
+    if arr.dtype.kind == "u" and int(arr.max()) > np.iinfo(np.int64).max:
+        raise PageRangeError(f"{where}: {int(arr.max())} is out of range")
+    return arr.astype(np.int64)
 
 
 @dataclass(frozen=True, eq=False)

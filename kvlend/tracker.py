@@ -26,6 +26,7 @@ import numpy as np
 
 from .errors import PageRangeError, TrackerError
 from .layout import PageLayout
+from .pages import int_array
 
 
 @dataclass(frozen=True)
@@ -239,16 +240,9 @@ def _check_chunk_id(chunk_id: Any) -> None:
 
 def _pages(where: str, value: Any, size: int) -> np.ndarray:
     """Token-page indices in ``[0, size)`` as a sorted, unique int64 array."""
-    try:
-        arr = np.asarray(value)
-    except (TypeError, ValueError, OverflowError) as exc:
-        raise PageRangeError(f"{where}: not an integer array ({exc})") from None
-    if arr.ndim != 1:
-        raise PageRangeError(f"{where}: must be 1-D, got shape {arr.shape}")
+    arr = int_array(where, value)
     if arr.size == 0:
-        return np.zeros(0, dtype=np.int64)
-    if arr.dtype.kind not in "iu":
-        raise PageRangeError(f"{where}: must be integers, got dtype {arr.dtype}")
+        return arr
     lo, hi = arr.min(), arr.max()
     if lo < 0 or hi >= size:
         raise PageRangeError(f"{where}: token page {int(lo if lo < 0 else hi)} is outside [0, {size})")
