@@ -119,7 +119,11 @@ class PrefillNode:
 
         def loop() -> None:
             while not self._stop.is_set():
-                self.step(interval)
+                try:
+                    self.step(interval)
+                except Exception:  # keep serving the other leases; the engine sees it in the log
+                    log.exception("prefill %s: step failed", self.name)
+                    self._stop.wait(interval)
 
         self._thread = threading.Thread(target=loop, name=f"kvlend-{self.name}", daemon=True)
         self._thread.start()

@@ -1,0 +1,430 @@
+"""Prefill and decode nodes end to end over real NIXL agents (UCX on DRAM), no mocks.
+
+In one process the prefill serves from its background thread while the test
+thread drives the decode; in two processes a child prefill lends pages it
+filled from per-request seeds and this process checks every byte it read.
+Each request's pages are scattered on both sides; a windowed group lends
+only its sink and window pages, and the destination of its stale pages must
+stay untouched.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import select
+import subprocess
+import sys
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+import numpy as np
+import pytest
+from conftest import (
+    SENTINEL, TPP, FreeList, group_layers, make_layout, make_pools, nixl, pattern, prefill_request, slots,
+)
+
+from kvlend.control import SECRET_ENV, generate_secret
+from kvlend.errors import AuthError, KvlendError, LeaseExpired, PeerLost, TransferTimeout
+from kvlend.layout import PageLayout
+from kvlend.node import DecodeNode, FetchResult, NodeConfig, PrefillNode
+from kvlend.wire import Done, LeaseOffer
+
+DEADLINE = 10.0  # seconds any single wait may take before the test fails
+SRC_PAGES = 256
+DST_PAGES = 96  # capacities need not match: only the page geometry does
+MAX_TOKENS = 160  # 40 token pages: 5 chunks of 8 pages at most
+DECODE_CONFIG = NodeConfig(chunk_pages=8, handshake_timeout=DEADLINE, transfer_timeout=DEADLINE)
+TESTS = os.path.dirname(os.path.abspath(__file__))
+
+
+@dataclass
+class Rig:
+    """A started prefill and a decode connected to it, each over its own pools."""
+
+    prefill: PrefillNode
+    decode: DecodeNode
+    peer: str  # the decode as the prefill knows it
+    link: str  # the prefill as the decode knows it
+    src: list[np.ndarray]
+    dst: list[np.ndarray]
+    released: list[tuple[str, str]] = field(default_factory=list)  # (request, reason), from the prefill thread
+
+    @property
+    def layout(self) -> PageLayout:
+        return self.prefill.layout
+
+
+@contextlib.contextmanager
+def rig(prefill_config: NodeConfig = NodeConfig(), clock=time.monotonic, on_release=None):
+    secret = generate_secret()
+    src, dst = make_pools(SRC_PAGES), make_pools(DST_PAGES)
+    released: list[tuple[str, str]] = []
+
+    def record(lease, reason):
+        released.append((lease.request, reason))
+        if on_release is not None:
+            on_release(lease, reason)
+
+    prefill = PrefillNode(make_layout(src), nixl("prefill"), secret, config=prefill_config,
+                          clock=clock, on_release=record)
+    decode = None
+    try:
+        prefill.start()
+        decode = DecodeNode(make_layout(dst), nixl("decode"), secret, config=DECODE_CONFIG)
+        link = decode.connect(*prefill.address)
+        yield Rig(prefill, decode, prefill.wait_for_peer(DEADLINE), link.channel.peer, src, dst, released)
+    finally:
+        if decode is not None:
+            decode.close()
+            decode.backend.close()
+        prefill.close()
+        prefill.backend.close()
+
+
+def free_lists(layout: PageLayout, num_pages: int, seed: int) -> dict[str, FreeList]:
+    rng = np.random.default_rng(seed)
+    return {name: FreeList(num_pages, rng) for name in layout.groups}
+
+
+def fetch_and_verify(decode: DecodeNode, link: str, offer: LeaseOffer, dst_pools: list[np.ndarray],
+                     free: dict[str, FreeList]) -> FetchResult:
+    """Fetch ``offer`` into freshly allocated, sentinel-filled pages and check every byte.
+
+    Lent token pages must hold exactly what the prefill wrote for the seed in
+    the offer's meta; stale pages of a windowed group must not be written.
+    """
+    layout = decode.layout
+    n_pages = -(-offer.num_tokens // TPP)
+    dst = {name: free[name].alloc(n_pages) for name in layout.groups}
+    try:
+        for name, table in dst.items():
+            for layer in group_layers(layout, name):
+                slots(dst_pools[layer])[table] = SENTINEL
+        result = decode.fetch(link, offer, dst)
+        for name, table in dst.items():
+            lent = offer.pages[name].token_pages
+            np.testing.assert_array_equal(lent, layout.groups[name].pages_read(offer.num_tokens, TPP))
+            stale = np.setdiff1d(np.arange(n_pages), lent)
+            for layer in group_layers(layout, name):
+                got = slots(dst_pools[layer])[table]
+                want = pattern(offer.meta["seed"], layer, n_pages, got.shape[1])
+                wrong = np.flatnonzero((got[lent] != want[lent]).any(axis=1))
+                assert not wrong.size, (
+                    f"{offer.request}: layer {layer} token page {lent[wrong[0]]} "
+                    f"(slot {table[lent[wrong[0]]]}) differs from what the prefill lent")
+                assert (got[stale] == SENTINEL).all(), f"{offer.request}: a stale page of layer {layer} was written"
+        return result
+    finally:
+        for name, table in dst.items():
+            free[name].release(table)
+
+
+def assert_locked(prefill: PrefillNode, tables: dict[str, np.ndarray], locked: bool) -> None:
+    layout = prefill.layout
+    with prefill._lock:
+        for name, table in tables.items():
+            for layer in group_layers(layout, name):
+                evictable = prefill.lender.locks.can_evict(f"L{layer}.kv", table[table >= 0])
+                assert (not evictable.any()) if locked else evictable.all(), (name, layer, locked)
+
+
+# ------------------------------------------------------------ one process
+def test_a_thousand_leases_arrive_byte_exact():
+    """Random lengths, scattered pages on both sides, four leases outstanding at a time."""
+    n_leases, window = 1000, 4
+    rng = np.random.default_rng(7)
+    with rig() as r:
+        src_free = free_lists(r.layout, SRC_PAGES, 1)
+        dst_free = free_lists(r.decode.layout, DST_PAGES, 2)
+        queued: deque = deque()
+        bytes_moved = 0
+
+        def consume() -> None:
+            nonlocal bytes_moved
+            lease, tables = queued.popleft()
+            assert_locked(r.prefill, tables, True)
+            link, offer = r.decode.next_offer(DEADLINE)
+            assert link == r.link
+            assert (offer.id, offer.request, offer.num_tokens) == (lease.id, lease.request, lease.num_tokens)
+            result = fetch_and_verify(r.decode, link, offer, r.dst, dst_free)
+            assert result.bound == offer.num_tokens
+            assert result.descriptors >= 1
+            bytes_moved += result.bytes
+            assert_locked(r.prefill, tables, False)  # released before the done ack was sent
+            for name, table in tables.items():
+                src_free[name].release(table)
+
+        for i in range(n_leases):
+            num_tokens = int(rng.integers(1, MAX_TOKENS + 1))
+            tables = prefill_request(r.layout, r.src, src_free, num_tokens, seed=i)
+            lease = r.prefill.offer(r.peer, f"req-{i}", num_tokens, tables, r.layout.full_selection(),
+                                    meta={"seed": i})
+            queued.append((lease, tables))
+            if len(queued) == window:
+                consume()
+        while queued:
+            consume()
+
+        with r.prefill._lock:
+            assert r.prefill.lender.locks.locked_pages() == 0
+            assert r.prefill.lender.active_leases == 0
+        assert sorted(r.released) == sorted((f"req-{i}", "done") for i in range(n_leases))
+        assert r.decode.tracker.stats.requests == 0 and r.decode.tracker.stats.failed == 0
+        assert bytes_moved > 0
+        assert all(len(f) == SRC_PAGES for f in src_free.values())
+
+
+def test_windowed_group_lends_only_sinks_and_window():
+    num_tokens = 150  # 38 token pages; the window needs pages 21..37, plus sink page 0
+    with rig() as r:
+        tables = prefill_request(r.layout, r.src, free_lists(r.layout, SRC_PAGES, 3), num_tokens, seed=42)
+        assert (tables["swa"] < 0).sum() == 38 - 18  # the stale pages are gone on the prefill
+        lease = r.prefill.offer(r.peer, "long", num_tokens, tables, r.layout.full_selection(), meta={"seed": 42})
+        np.testing.assert_array_equal(lease.pages["swa"].token_pages, [0, *range(21, 38)])
+        np.testing.assert_array_equal(lease.pages["full"].token_pages, np.arange(38))
+        with r.prefill._lock:
+            assert r.prefill.lender.locks.locked_pages("L2.kv") == 18
+            assert r.prefill.lender.locks.locked_pages("L0.kv") == 38
+        link, offer = r.decode.next_offer(DEADLINE)
+        result = fetch_and_verify(r.decode, link, offer, r.dst, free_lists(r.decode.layout, DST_PAGES, 4))
+        assert result.bound == num_tokens
+        # Every slot byte of 38 full pages and 18 window pages, both layers of each group.
+        slot = slots(r.src[0]).shape[1]
+        assert result.bytes == 2 * (38 + 18) * slot
+
+
+@pytest.mark.parametrize("field_name, mismatch", [
+    ("dtype", dict(dtype=np.uint8, head_dim=16)),  # same bytes per head, other element type
+    ("bytes_per_head", dict(head_dim=16)),
+])
+def test_handshake_refuses_a_mismatched_layout(field_name, mismatch):
+    with rig() as r:
+        other = DecodeNode(make_layout(make_pools(DST_PAGES, **mismatch)), nixl("odd-decode"),
+                           r.decode.secret, name="odd-decode", config=DECODE_CONFIG)
+        try:
+            with pytest.raises(KvlendError, match=field_name):
+                other.connect(*r.prefill.address)
+            assert other.links == {}
+        finally:
+            other.backend.close()
+        assert "odd-decode" not in r.prefill.peers
+        assert r.prefill.ready_peers() == [r.peer]
+        tables = prefill_request(r.layout, r.src, free_lists(r.layout, SRC_PAGES, 5), 8, seed=1)
+        with pytest.raises(PeerLost):
+            r.prefill.offer("odd-decode", "never", 8, tables, r.layout.full_selection())
+        assert r.prefill.lender.active_leases == 0
+        # The refusal cost the good peer nothing.
+        r.prefill.offer(r.peer, "after", 8, tables, r.layout.full_selection(), meta={"seed": 1})
+        link, offer = r.decode.next_offer(DEADLINE)
+        assert fetch_and_verify(r.decode, link, offer, r.dst, free_lists(r.decode.layout, DST_PAGES, 6)).bound == 8
+
+
+def test_wrong_secret_gets_no_channel():
+    secret = generate_secret()
+    prefill = PrefillNode(make_layout(make_pools(32)), nixl("prefill"), secret)
+    decode = DecodeNode(make_layout(make_pools(32)), nixl("decode"), generate_secret(),
+                        config=NodeConfig(handshake_timeout=2.0))
+    try:
+        prefill.start()
+        with pytest.raises((PeerLost, AuthError)):
+            decode.connect(*prefill.address)
+        assert decode.links == {}
+        assert prefill.peers == {}
+        with pytest.raises(TransferTimeout):
+            prefill.wait_for_peer(0.2)
+    finally:
+        decode.backend.close()
+        prefill.close()
+        prefill.backend.close()
+
+
+class Intercept:
+    """A real control channel with hooks before each send and poll, to force one interleaving."""
+
+    def __init__(self, channel, before_send=lambda message: None, before_poll=lambda: None):
+        self.channel = channel
+        self.before_send = before_send
+        self.before_poll = before_poll
+
+    def send(self, message, timeout: float = 10.0) -> None:
+        self.before_send(message)
+        self.channel.send(message, timeout)
+
+    def poll(self, timeout: float = 0.0):
+        self.before_poll()
+        return self.channel.poll(timeout)
+
+    def __getattr__(self, name):
+        return getattr(self.channel, name)
+
+
+@pytest.mark.parametrize("when", ["before_fetch", "after_reads"])
+def test_fetch_of_an_expired_lease_raises_lease_expired(when):
+    """The reads may well land, but the prefill may have reused the pages: decode must not use them."""
+    offset = [0.0]
+    expired = threading.Event()
+
+    def on_release(lease, reason):
+        if reason == "expired":
+            expired.set()
+
+    def expire(message=None) -> None:
+        if message is None or isinstance(message, Done):
+            offset[0] += 60.0  # past the 5 s ttl on the prefill's clock
+            assert expired.wait(DEADLINE), "the prefill did not expire the lease"
+
+    with rig(NodeConfig(ttl=5.0), clock=lambda: time.monotonic() + offset[0], on_release=on_release) as r:
+        tables = prefill_request(r.layout, r.src, free_lists(r.layout, SRC_PAGES, 8), 40, seed=3)
+        r.prefill.offer(r.peer, "late", 40, tables, r.layout.full_selection(), meta={"seed": 3})
+        link, offer = r.decode.next_offer(DEADLINE)
+        if when == "before_fetch":
+            expire()
+        else:  # every read has landed; the lease lapses before the prefill sees Done
+            r.decode.links[link].channel = Intercept(r.decode.links[link].channel, before_send=expire)
+        with pytest.raises(LeaseExpired, match="discard"):
+            r.decode.fetch(link, offer, {name: np.arange(10) for name in r.decode.layout.groups})
+        assert r.released == [("late", "expired")]
+        with r.prefill._lock:
+            assert r.prefill.lender.locks.locked_pages() == 0
+            assert r.prefill.lender.active_leases == 0
+        assert r.decode.tracker.stats.requests == 0
+        assert r.prefill.ready_peers() == [r.peer]  # a refused done is no reason to drop the peer
+
+
+def test_done_ack_survives_the_prefill_closing_right_after_it():
+    """The prefill's last ack and its close can land together; the ack must still count.
+
+    This is the example pair's shutdown: the prefill exits once its last lease
+    ends, which is just after it sent that lease's done ack.
+    """
+    released, closed = threading.Event(), threading.Event()
+    with rig(on_release=lambda lease, reason: released.set()) as r:
+        tables = prefill_request(r.layout, r.src, free_lists(r.layout, SRC_PAGES, 9), 77, seed=9)
+        r.prefill.offer(r.peer, "last", 77, tables, r.layout.full_selection(), meta={"seed": 9})
+        link, offer = r.decode.next_offer(DEADLINE)
+
+        def shut_down() -> None:
+            if released.wait(DEADLINE):
+                r.prefill.close()  # joins its thread, which sends the ack first
+                closed.set()
+
+        closer = threading.Thread(target=shut_down, daemon=True)
+        closer.start()
+        done_sent = threading.Event()
+        r.decode.links[link].channel = Intercept(
+            r.decode.links[link].channel,
+            before_send=lambda m: done_sent.set() if isinstance(m, Done) else None,
+            before_poll=lambda: done_sent.is_set() and closed.wait(DEADLINE),
+        )
+        result = fetch_and_verify(r.decode, link, offer, r.dst, free_lists(r.decode.layout, DST_PAGES, 10))
+        closer.join(DEADLINE)
+        assert closed.is_set()
+        assert result.bound == 77
+        with pytest.raises(PeerLost):  # and the loss still shows on the next read
+            r.decode.next_offer(1.0)
+
+
+# ----------------------------------------------------------- two processes
+CHILD = r"""
+import json, queue, sys, time
+sys.path.insert(0, sys.argv[1])
+import numpy as np
+from conftest import FreeList, make_layout, make_pools, nixl, prefill_request
+from kvlend.control import load_secret
+from kvlend.node import PrefillNode
+
+n_leases, max_tokens, window, deadline_s = map(int, sys.argv[2:6])
+pools = make_pools(256)
+layout = make_layout(pools)
+released = queue.SimpleQueue()
+node = PrefillNode(layout, nixl("child-prefill"), load_secret(),
+                   on_release=lambda lease, why: released.put((lease.request, why)))
+print("LISTENING", *node.address, flush=True)
+node.start()
+rng = np.random.default_rng(11)
+free = {name: FreeList(256, rng) for name in layout.groups}
+tables, ended = {}, []
+
+def reclaim():
+    request, why = released.get(timeout=deadline_s)
+    ended.append(why)
+    for name, table in tables.pop(request).items():
+        free[name].release(table)
+
+try:
+    peer = node.wait_for_peer(deadline_s)
+    for i in range(n_leases):
+        while len(tables) >= window:
+            reclaim()
+        num_tokens = int(rng.integers(1, max_tokens + 1))
+        request, seed = f"req-{i}", 5000 + i
+        tables[request] = prefill_request(layout, pools, free, num_tokens, seed)
+        node.offer(peer, request, num_tokens, tables[request], layout.full_selection(), meta={"seed": seed})
+    while tables:
+        reclaim()
+    end = time.monotonic() + deadline_s
+    while node.ready_peers() and time.monotonic() < end:  # until the decode says bye
+        time.sleep(0.005)
+    print(json.dumps({"ended": ended, "locked": node.lender.locks.locked_pages()}), flush=True)
+finally:
+    node.close()
+    node.backend.close()
+"""
+
+
+def _listening(proc: subprocess.Popen, deadline_s: float) -> tuple[str, int]:
+    end = time.monotonic() + deadline_s
+    while True:
+        remaining = end - time.monotonic()
+        if remaining <= 0 or not select.select([proc.stdout], [], [], remaining)[0]:
+            raise AssertionError(f"prefill child did not listen within {deadline_s} s")
+        line = proc.stdout.readline()
+        if not line:
+            raise AssertionError(f"prefill child exited early (rc {proc.wait(DEADLINE)})")
+        if line.startswith("LISTENING "):
+            _, host, port = line.split()
+            return host, int(port)
+
+
+@pytest.mark.slow
+def test_two_processes_byte_exact(tmp_path):
+    n_leases = 100
+    secret = generate_secret()
+    script = tmp_path / "prefill_child.py"
+    script.write_text(CHILD)
+    errors = (tmp_path / "stderr").open("w+")
+    env = {**os.environ, SECRET_ENV: secret.hex()}
+    proc = subprocess.Popen(
+        [sys.executable, str(script), TESTS, str(n_leases), str(MAX_TOKENS), "4", str(int(DEADLINE))],
+        stdout=subprocess.PIPE, stderr=errors, text=True, env=env,
+    )
+    try:
+        dst = make_pools(DST_PAGES)
+        decode = DecodeNode(make_layout(dst), nixl("decode"), secret, config=DECODE_CONFIG)  # while the child starts
+        try:
+            decode.connect(*_listening(proc, 30.0))
+            free = free_lists(decode.layout, DST_PAGES, 12)
+            requests = []
+            for _ in range(n_leases):
+                link, offer = decode.next_offer(DEADLINE)
+                result = fetch_and_verify(decode, link, offer, dst, free)
+                assert result.bound == offer.num_tokens
+                requests.append(offer.request)
+            assert requests == [f"req-{i}" for i in range(n_leases)]
+        finally:
+            decode.close()
+            decode.backend.close()
+        out, _ = proc.communicate(timeout=30)
+        errors.seek(0)
+        assert proc.returncode == 0, errors.read()
+        summary = json.loads(out.strip().splitlines()[-1])
+        assert summary == {"ended": ["done"] * n_leases, "locked": 0}
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        errors.close()
