@@ -182,12 +182,43 @@ def _run_demo(args: argparse.Namespace) -> int:
     return EXIT_OK if report["verified"] else EXIT_MISMATCH
 
 
+def _add_bench(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--scenario", default="1,2,3,4", help="comma-separated scenarios to run (default 1,2,3,4)")
+    parser.add_argument("--reps", type=int, default=None, help="timed repetitions per method in scenarios 1-2")
+    parser.add_argument("--quick", action="store_true", help="small sizes and few repetitions (seconds, for tests)")
+    parser.add_argument("--json", action="store_true", help="print the report as JSON")
+    parser.add_argument("--plot", metavar="FILE.png", help="also draw every ratio (needs matplotlib)")
+
+
+def _run_bench(args: argparse.Namespace) -> int:
+    from . import bench  # lazily: it needs the NIXL plugin
+
+    try:
+        scenarios = [int(s) for s in args.scenario.split(",") if s.strip()]
+    except ValueError:
+        raise CliError(f"--scenario: expected numbers like 1,2,3, got {args.scenario!r}") from None
+    if args.reps is not None and args.reps < 1:
+        raise CliError(f"--reps: must be >= 1, got {args.reps}")
+    if args.plot:
+        bench.pyplot()
+    try:
+        report = bench.run(scenarios, args.quick, args.reps)
+    except ImportError as exc:
+        raise CliError(f"bench needs the NIXL plugin (pip install plugins/nixl): {exc}") from None
+    print(json.dumps(report, indent=1) if args.json else bench.format_report(report))
+    if args.plot:
+        bench.plot(report, args.plot)
+    return EXIT_OK
+
+
 COMMANDS: tuple[Command, ...] = (
     Command(("layout", "show"), "print a human summary of a layout file", _add_layout_show, _run_layout_show),
     Command(("layout", "check"), "negotiate two layouts: exit 0 with the plan, or 1 naming every mismatch",
             _add_layout_check, _run_layout_check),
     Command(("demo",), "run a prefill/decode pair moving a real KV cache over NIXL on loopback, with a report",
             _add_demo, _run_demo),
+    Command(("bench",), "measure kvlend's reads against raw NIXL, memcpy, per-page and staging baselines",
+            _add_bench, _run_bench),
 )
 GROUP_HELP = {("layout",): "inspect and compare PageLayout files"}
 

@@ -182,7 +182,7 @@ def test_help_exits_0(capsys):
 
 
 def test_commands_are_a_table(capsys, monkeypatch):
-    assert [c.path for c in cli.COMMANDS] == [("layout", "show"), ("layout", "check"), ("demo",)]
+    assert [c.path for c in cli.COMMANDS] == [("layout", "show"), ("layout", "check"), ("demo",), ("bench",)]
     seen = []
 
     def add(parser):

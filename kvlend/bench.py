@@ -1,0 +1,685 @@
+"""``kvlend bench``: kvlend's read path against baselines measured in the same run.
+
+Two NIXL agents in two processes on loopback: this process reads, a lender
+process started with multiprocessing ``spawn`` owns the source pools and
+answers commands over a pipe.  Every figure is reported next to a baseline
+(raw NIXL on the same bytes, memcpy, per-page descriptors, host staging)
+timed in the same run, so the ratios hold on any host even when the
+absolute numbers do not.  A CLI tool, not core: it does I/O, clocks and
+subprocesses.  Both agents run with the progress thread off and are
+progressed by polling (see plugins/nixl/README.md).
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import platform
+import sys
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+import numpy as np
+
+from .errors import KvlendError
+from .layout import MemoryKind, MemoryRegion, PageLayout, layout_from_pools
+from .lender import Lender
+from .negotiate import negotiate
+from .plan import plan_reads
+from .tracker import DeliveryTracker
+
+HEADS, TPP, HEAD_DIM = 8, 16, 128  # Llama-3-8B-like: 32 KiB per K (or V) page per layer, 2-byte elements
+PAGE_BYTES = HEADS * TPP * HEAD_DIM * 2
+GROUP = "full"
+CALL_TIMEOUT = 120.0  # seconds for one lender command (pool allocation of a few GiB included)
+XFER_TIMEOUT = 30.0
+
+
+class BenchError(KvlendError):
+    """The benchmark could not run (lender process died, a wait passed its deadline, bad data)."""
+
+
+@dataclass(frozen=True)
+class Sizes:
+    s1_bytes: int
+    s2_requests: tuple[tuple[int, int], ...]  # (tokens, layers)
+    s3_layers: int
+    s3_pages: int
+    reps: int
+    s3_reps: int
+
+
+FULL = Sizes(256 << 20, ((1024, 32), (8192, 32), (32768, 8)), 1, 16, 10, 500)
+QUICK = Sizes(8 << 20, ((1024, 4),), 1, 16, 3, 30)
+
+
+# ------------------------------------------------------------------ pools
+def _shape(pages: int, layers: int, combined: bool) -> list[tuple[int, ...]]:
+    if combined:
+        return [(pages, 2, HEADS, TPP, HEAD_DIM)] * layers
+    return [(pages, HEADS, TPP, HEAD_DIM)] * (2 * layers)
+
+
+def _pools(pages: int, layers: int, combined: bool, fill: bool) -> tuple[list[np.ndarray], PageLayout]:
+    """Per-layer pools (K and V apart unless ``combined``); ``fill`` stamps every 8-byte word."""
+    arrays = [np.zeros(s, dtype=np.uint16) for s in _shape(pages, layers, combined)]
+    if fill:
+        for r, a in enumerate(arrays):
+            words = a.reshape(-1).view(np.uint64)
+            words[:] = np.arange(words.size, dtype=np.uint64)
+            words += np.uint64(r << 40)
+    if combined:
+        layout = layout_from_pools(kv=arrays, kept_window=1 << 30)
+    else:
+        layout = layout_from_pools(k=arrays[0::2], v=arrays[1::2], kept_window=1 << 30)
+    return arrays, layout
+
+
+def _region(arr: np.ndarray, name: str) -> MemoryRegion:
+    return MemoryRegion(name, MemoryKind.HOST, 0, arr.nbytes, arr.nbytes, 1, arr.ctypes.data)
+
+
+def _expected_ok(dst: np.ndarray, r: int, src_slots: np.ndarray, dst_slots: np.ndarray) -> bool:
+    """Every word of ``dst[dst_slots]`` holds the stamp of region ``r``'s ``src_slots``."""
+    per = dst[0].nbytes // 8
+    got = dst.reshape(dst.shape[0], -1).view(np.uint64)[dst_slots]
+    want = (src_slots.astype(np.uint64)[:, None] * np.uint64(per) + np.arange(per, dtype=np.uint64)[None, :])
+    return bool(np.array_equal(got, want + np.uint64(r << 40)))
+
+
+# ----------------------------------------------------------- lender side
+def _lender_main(conn) -> None:
+    """The lender process: owns source pools, answers commands, keeps its agent progressed."""
+    from kvlend_nixl import NixlBackend
+
+    backend = NixlBackend(f"bench-lender-{os.getpid()}", timeout=XFER_TIMEOUT)
+    agent = backend._agent  # raw NIXL: the target only has to be progressed
+    arrays: list[np.ndarray] = []
+    staging = np.zeros(0, np.uint8)
+    spin, notifs = False, 0
+    cold: list = []  # scenario 4 objects, kept alive until quit
+    try:
+        while True:
+            if conn.poll(0 if spin else 0.0005):
+                cmd, arg = conn.recv()
+                if cmd == "quit":
+                    break
+                if cmd == "pools":
+                    backend.deregister()
+                    arrays = staging = None
+                    arrays, layout = _pools(arg["pages"], arg["layers"], arg["combined"], fill=True)
+                    staging = np.zeros(max(arg["staging"], 1), np.uint8)
+                    backend.register(list(layout.regions) + [_region(staging, "staging")])
+                    conn.send((layout.encode(), backend.metadata(), staging.ctypes.data))
+                elif cmd == "gather":  # host staging baseline: copy the lent pages into one buffer
+                    start = time.perf_counter()
+                    offset = 0
+                    for a in arrays:
+                        n = len(arg) * a[0].nbytes
+                        out = staging[offset:offset + n].view(a.dtype).reshape((len(arg),) + a.shape[1:])
+                        np.take(a, arg, axis=0, out=out)
+                        offset += n
+                    conn.send(time.perf_counter() - start)
+                elif cmd == "prefill":  # scenario 4: a PrefillNode that offers one lease to its first peer
+                    cold.append(_cold_prefill(arg))
+                    conn.send(cold[-1][0].address)
+                elif cmd == "listener":  # scenario 4 baseline: a raw agent behind NIXL's own listener
+                    cold.append(_cold_listener(arg))
+                    conn.send(cold[-1][1])
+                elif cmd == "spin":
+                    spin = bool(arg)
+                    conn.send(True)
+                elif cmd == "notifs":  # count since the last call, waiting up to 2 s for ``arg`` of them
+                    deadline = time.monotonic() + 2.0
+                    while notifs < (arg or 0) and time.monotonic() < deadline:
+                        notifs += sum(len(v) for v in agent.get_new_notifs().values())
+                    conn.send(notifs)
+                    notifs = 0
+            notifs += sum(len(v) for v in agent.get_new_notifs().values())
+    finally:
+        for obj in cold:
+            obj[0].close()
+        backend.close()
+
+
+def _cold_prefill(arg: dict):
+    """A PrefillNode on its own agent; a thread offers ``arg['pages']`` pages once a decode connects."""
+    import threading
+
+    from kvlend_nixl import NixlBackend
+
+    from .node import PrefillNode
+
+    arrays, layout = _pools(arg["pages"], 1, False, fill=True)
+    node = PrefillNode(layout, NixlBackend(f"cold-prefill-{os.getpid()}"), arg["secret"], name="bench-prefill")
+    node.start()
+
+    def offer() -> None:
+        try:
+            peer = node.wait_for_peer(30.0)
+            node.offer(peer, "cold", arg["pages"] * TPP, {GROUP: np.arange(arg["pages"])}, layout.full_selection())
+        except KvlendError:
+            pass  # the decode side times out and reports it
+
+    threading.Thread(target=offer, daemon=True).start()
+    return node, arrays
+
+
+class _Closer:
+    def __init__(self, fn) -> None:
+        self.close = fn
+
+
+def _cold_listener(arg: dict):
+    """A raw NIXL agent with its listener on ``arg['port']`` and one stamped buffer."""
+    from nixl._api import nixl_agent, nixl_agent_config
+
+    buf = np.arange(arg["bytes"] // 8, dtype=np.uint64)
+    agent = nixl_agent("cold-listener", nixl_agent_config(enable_listen_thread=True, listen_port=arg["port"]))
+    reg = agent.register_memory(_rows(np.array([buf.ctypes.data]), np.array([buf.nbytes])), "DRAM")
+    return _Closer(lambda: (agent.deregister_memory(reg), buf)), (agent.name, buf.ctypes.data)
+
+
+class _Lender:
+    """The lender process and its pipe; always terminated on exit."""
+
+    def __init__(self) -> None:
+        ctx = multiprocessing.get_context("spawn")
+        self.conn, child = ctx.Pipe()
+        self.proc = ctx.Process(target=_lender_main, args=(child,), daemon=True, name="kvlend-bench-lender")
+        self.proc.start()
+        child.close()
+
+    def call(self, cmd: str, arg=None, timeout: float = CALL_TIMEOUT):
+        try:
+            self.conn.send((cmd, arg))
+            deadline = time.monotonic() + timeout
+            while not self.conn.poll(0.05):
+                if not self.proc.is_alive():
+                    raise BenchError(f"lender process died (exit code {self.proc.exitcode}) during {cmd!r}")
+                if time.monotonic() > deadline:
+                    raise BenchError(f"lender did not answer {cmd!r} within {timeout:g} s")
+            return self.conn.recv()
+        except (EOFError, BrokenPipeError, ConnectionResetError) as exc:
+            raise BenchError(f"lender pipe closed during {cmd!r}: {exc}") from None
+
+    def close(self) -> None:
+        try:
+            if self.proc.is_alive():
+                self.conn.send(("quit", None))
+                self.proc.join(5)
+        except (OSError, ValueError):
+            pass
+        if self.proc.is_alive():
+            self.proc.terminate()
+            self.proc.join(5)
+        if self.proc.is_alive():
+            self.proc.kill()
+            self.proc.join(5)
+        self.conn.close()
+
+
+# ----------------------------------------------------------- reader side
+def _stats(samples: list[float], nbytes: int | None = None) -> dict:
+    ms = np.array(samples) * 1e3
+    out = {"n": len(samples), "p50_ms": float(np.median(ms)), "min_ms": float(ms.min()), "max_ms": float(ms.max()),
+           "p10_ms": float(np.percentile(ms, 10)), "p90_ms": float(np.percentile(ms, 90)),
+           "p99_ms": float(np.percentile(ms, 99))}
+    if nbytes:
+        out["gbps"] = nbytes / (out["p50_ms"] / 1e3) / 1e9
+    return out
+
+
+def _side_by_side(methods: dict[str, Callable[[], object]], reps: int, warmup: int) -> dict[str, list[float]]:
+    """Warm each method up (the first transfer wires UCX up: 100+ ms), then time them
+    round-robin, so drift on a shared host hits every method alike."""
+    for fn in methods.values():
+        for _ in range(warmup):
+            fn()
+    times: dict[str, list[float]] = {name: [] for name in methods}
+    for _ in range(reps):
+        for name, fn in methods.items():
+            start = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - start)
+    return times
+
+
+def _rows(addresses: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+    return np.stack([addresses.astype(np.uint64), lengths.astype(np.uint64), np.zeros(len(addresses), np.uint64)], 1)
+
+
+def _fragmented(pool_pages: int, need: int, seed: int) -> np.ndarray:
+    """``need`` slots from a pool allocated in short runs (1..4 pages) in random order."""
+    rng = np.random.default_rng(seed)
+    cuts = np.cumsum(rng.integers(1, 5, size=pool_pages))
+    cuts = cuts[cuts < pool_pages]
+    runs = np.split(np.arange(pool_pages), cuts)
+    order = rng.permutation(len(runs))
+    slots = np.concatenate([runs[i] for i in order])
+    return slots[:need].astype(np.int64)
+
+
+def _min_descriptors(src: np.ndarray, dst: np.ndarray, buffers: int) -> int:
+    """Maximal runs contiguous on both sides, per buffer (buffers are separate regions)."""
+    breaks = ~((np.diff(src) == 1) & (np.diff(dst) == 1))
+    return buffers * (1 + int(breaks.sum()))
+
+
+class _Reader:
+    """This side: a NixlBackend, the local pools, a plan against the lender's, and the timed paths."""
+
+    def __init__(self, lender: _Lender, backend, pages: int, layers: int, combined: bool, staging: int) -> None:
+        encoded, metadata, self.remote_staging = lender.call(
+            "pools", {"pages": pages, "layers": layers, "combined": combined, "staging": staging})
+        self.lender_proc = lender
+        self.backend = backend
+        self.remote = PageLayout.decode(encoded)
+        self.arrays, self.local = _pools(pages, layers, combined, fill=False)
+        self.staging = np.zeros(max(staging, 1), np.uint8)
+        backend.deregister()
+        backend.register(list(self.local.regions) + [_region(self.staging, "staging")])
+        self.peer = backend.add_peer(metadata)
+        self.agent = backend._agent
+        self.plan = negotiate(self.local, self.remote)
+        self.lender = Lender(self.remote)  # the lend runs here: same CPU work, no control channel
+        self.tracker = DeliveryTracker(self.local)
+        self.selection = self.local.full_selection()
+        self.seq = 0
+
+    # the kvlend path: lend + plan + post + poll + tracker + release
+    def kvlend(self, src: np.ndarray, dst: np.ndarray, tokens: int) -> int:
+        self.seq += 1
+        request = f"r{self.seq}"
+        lease = self.lender.lend(request, tokens, {GROUP: src}, self.selection, time.monotonic(), 60.0)
+        batches = plan_reads(self.plan, lease.pages, {GROUP: dst}, lease.selection)
+        self.tracker.begin(request, tokens)
+        tag = request.encode()
+        self.backend.post_read(self.peer, batches, tag)
+        self.tracker.post(request, 0, {GROUP: lease.pages[GROUP].token_pages})
+        deadline = time.monotonic() + XFER_TIMEOUT
+        spins = 0
+        while not self.tracker.complete(request):
+            for c in self.backend.poll():
+                if c.error is not None:
+                    raise BenchError(f"kvlend read {tag!r} failed: {c.error}")
+                self.tracker.done(request, 0)
+            spins = _backoff(spins, deadline, "kvlend read")
+        self.tracker.finish(request)
+        self.lender.release(lease.id)
+        return sum(b.count for b in batches)
+
+    def descriptors(self, src: np.ndarray, dst: np.ndarray, tokens: int) -> tuple[np.ndarray, np.ndarray]:
+        """kvlend's own coalesced descriptors for a request (local, remote)."""
+        lease = self.lender.lend("plan-only", tokens, {GROUP: src}, self.selection, time.monotonic(), 60.0)
+        batches = plan_reads(self.plan, lease.pages, {GROUP: dst}, lease.selection)
+        self.lender.release(lease.id)
+        return np.concatenate([b.local for b in batches]), np.concatenate([b.remote for b in batches])
+
+    def per_page(self, src: np.ndarray, dst: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """One descriptor per page per layer buffer, as common connectors post."""
+        local, remote = [], []
+        for lr, rr in zip(self.local.regions, self.remote.regions):
+            local.append(_rows(lr.address + dst * lr.page_stride, np.full(len(dst), lr.page_stride)))
+            remote.append(_rows(rr.address + src * rr.page_stride, np.full(len(src), rr.page_stride)))
+        return np.concatenate(local), np.concatenate(remote)
+
+    def raw(self, local: np.ndarray, remote: np.ndarray, notif: bytes = b"") -> None:
+        a = self.agent
+        h = a.initialize_xfer("READ", a.get_xfer_descs(local, "DRAM"), a.get_xfer_descs(remote, "DRAM"),
+                              self.peer, notif)
+        try:
+            state = a.transfer(h)
+            deadline = time.monotonic() + XFER_TIMEOUT
+            spins = 0
+            while state == "PROC":
+                spins = _backoff(spins, deadline, "raw NIXL read")
+                state = a.check_xfer_state(h)
+            if state != "DONE":
+                raise BenchError(f"raw NIXL read ended in state {state}")
+        finally:
+            h.release()
+
+    def verified(self, fn: Callable[[], object], src: np.ndarray, dst: np.ndarray) -> bool:
+        """Zero the destination pages, run ``fn`` once, check every word landed where it belongs."""
+        for a in self.arrays:
+            a[dst] = 0
+        fn()
+        return all(_expected_ok(a, r, src, dst) for r, a in enumerate(self.arrays))
+
+    def close(self) -> None:
+        try:
+            self.backend.remove_peer(self.peer)
+        except KvlendError:
+            pass
+
+
+def _backoff(spins: int, deadline: float, what: str) -> int:
+    """Spin briefly, then yield the CPU (2-vCPU hosts starve the peer otherwise)."""
+    if time.monotonic() > deadline:
+        raise BenchError(f"{what} not done within {XFER_TIMEOUT:g} s")
+    if spins > 50:
+        time.sleep(20e-6)
+    return spins + 1
+
+
+# -------------------------------------------------------------- scenarios
+def _ratio(a: dict, b: dict) -> float:
+    """Throughput of ``a`` over ``b`` (> 1: ``a`` is faster), from medians."""
+    return b["p50_ms"] / a["p50_ms"]
+
+
+def scenario_1(lender: _Lender, backend, sizes: Sizes, progress) -> dict:
+    pages = sizes.s1_bytes // (2 * PAGE_BYTES)
+    reader = _Reader(lender, backend, pages, 1, True, 0)
+    nbytes = pages * 2 * PAGE_BYTES
+    slots = np.arange(pages, dtype=np.int64)
+    try:
+        local, remote = reader.descriptors(slots, slots, pages * TPP)
+        one_l = _rows(np.array([reader.local.regions[0].address]), np.array([nbytes]))
+        one_r = _rows(np.array([reader.remote.regions[0].address]), np.array([nbytes]))
+        src, dst = np.ones(nbytes, np.uint8), np.empty(nbytes, np.uint8)
+        methods = {"kvlend": lambda: reader.kvlend(slots, slots, pages * TPP),
+                   "raw_nixl": lambda: reader.raw(one_l, one_r),
+                   "memcpy": lambda: np.copyto(dst, src)}
+        progress(f"scenario 1: {nbytes >> 20} MiB as one lease: kvlend, raw NIXL (one descriptor), memcpy, "
+                 f"{sizes.reps} rounds")
+        times = _side_by_side(methods, sizes.reps, warmup=2)
+        kv, raw, mem = (_stats(times[k], nbytes) for k in methods)
+        del src, dst
+        kv["descriptors"] = len(local)
+        kv["verified"] = reader.verified(methods["kvlend"], slots, slots)
+        raw["verified"] = reader.verified(methods["raw_nixl"], slots, slots)
+    finally:
+        reader.close()
+    return {
+        "name": "large contiguous read", "bytes": nbytes,
+        "results": {"kvlend": kv, "raw_nixl": raw, "memcpy": mem},
+        "ratios": {"kvlend/raw": _ratio(kv, raw), "kvlend/memcpy": _ratio(kv, mem)},
+        "targets": {"kvlend/raw >= 0.90": _ratio(kv, raw) >= 0.90},
+    }
+
+
+def scenario_2(lender: _Lender, backend, sizes: Sizes, progress) -> dict:
+    rows, notes = [], []
+    configs: dict[int, list[int]] = {}
+    for tokens, layers in sizes.s2_requests:
+        configs.setdefault(layers, []).append(tokens)
+        if layers != 32:
+            notes.append(f"{tokens} tokens: scaled to {layers} layers instead of 32 "
+                         "(size cap: both processes hold pools and staging buffers in RAM)")
+    for layers, requests in configs.items():
+        need = max(requests) // TPP
+        pool = need * 3 // 2
+        reader = _Reader(lender, backend, pool, layers, False, need * 2 * layers * PAGE_BYTES)
+        try:
+            for tokens in requests:
+                rows.append(_model_request(reader, lender, tokens, layers, pool, sizes.reps, progress))
+        finally:
+            reader.close()
+    return {"name": "model-shaped fragmented reads (Llama-3-8B-like: 8 KV heads x 128, 2-byte, 16 tokens/page)",
+            "requests": rows, "notes": notes}
+
+
+def _model_request(reader: _Reader, lender: _Lender, tokens: int, layers: int, pool: int, reps: int, progress) -> dict:
+    n = tokens // TPP
+    src, dst = _fragmented(pool, n, seed=tokens), _fragmented(pool, n, seed=tokens + 1)
+    nbytes = n * 2 * layers * PAGE_BYTES
+    label = f"scenario 2: {tokens} tokens x {layers} layers ({nbytes >> 20} MiB)"
+    local, remote = reader.descriptors(src, dst, tokens)
+    pl, pr = reader.per_page(src, dst)
+    steps: dict[str, list[float]] = {"gather": [], "transfer": [], "scatter": []}
+    one_l = _rows(np.array([reader.staging.ctypes.data]), np.array([nbytes]))
+    one_r = _rows(np.array([reader.remote_staging]), np.array([nbytes]))
+
+    def staged() -> None:
+        steps["gather"].append(lender.call("gather", src))  # timed inside the lender process
+        start = time.perf_counter()
+        reader.raw(one_l, one_r)
+        steps["transfer"].append(time.perf_counter() - start)
+        start = time.perf_counter()
+        offset = 0
+        for a in reader.arrays:
+            size = n * a[0].nbytes
+            a[dst] = reader.staging[offset:offset + size].view(a.dtype).reshape((n,) + a.shape[1:])
+            offset += size
+        steps["scatter"].append(time.perf_counter() - start)
+
+    methods = {"kvlend": lambda: reader.kvlend(src, dst, tokens),
+               "raw_same_descriptors": lambda: reader.raw(local, remote),
+               "raw_per_page": lambda: reader.raw(pl, pr)}
+    progress(f"{label}: kvlend, raw NIXL (same descriptors), raw NIXL (per page), {reps} rounds")
+    times = _side_by_side(methods, reps, warmup=2)
+    progress(f"{label}: host staging (gather, one-descriptor read, scatter), {reps} rounds")
+    _side_by_side({"staging": staged}, reps, warmup=2)
+    steps = {k: v[2:] for k, v in steps.items()}  # drop the warm-up
+    kv, raw, per = (_stats(times[k], nbytes) for k in methods)
+    stage = _stats([sum(t) for t in zip(*steps.values())], nbytes)
+    stage["steps"] = {k: _stats(v) for k, v in steps.items()}
+    for r, name in ((kv, "kvlend"), (raw, "raw_same_descriptors"), (per, "raw_per_page")):
+        r["verified"] = reader.verified(methods[name], src, dst)
+    stage["verified"] = reader.verified(staged, src, dst)
+    minimum = _min_descriptors(src, dst, 2 * layers)
+    return {
+        "tokens": tokens, "layers": layers, "pages": n, "bytes": nbytes,
+        "descriptors": {"kvlend": len(local), "minimum": minimum, "per_page": len(pl), "staging": 1},
+        "results": {"kvlend": kv, "raw_same_descriptors": raw, "raw_per_page": per, "staging": stage},
+        "ratios": {"kvlend/raw_same": _ratio(kv, raw), "kvlend/per_page": _ratio(kv, per),
+                   "kvlend/staging": _ratio(kv, stage)},
+        "targets": {"descriptors == minimum": len(local) == minimum,
+                    "kvlend/raw_same >= 0.90": _ratio(kv, raw) >= 0.90,
+                    "kvlend/staging >= 1.5": _ratio(kv, stage) >= 1.5},
+    }
+
+
+def scenario_3(lender: _Lender, backend, sizes: Sizes, progress) -> dict:
+    n = sizes.s3_pages
+    pool = n * 8
+    reader = _Reader(lender, backend, pool, sizes.s3_layers, False, 0)
+    src, dst = _fragmented(pool, n, seed=3), _fragmented(pool, n, seed=4)
+    tokens = n * TPP
+    nbytes = n * 2 * sizes.s3_layers * PAGE_BYTES
+    try:
+        local, remote = reader.descriptors(src, dst, tokens)
+        lender.call("spin", True)  # the target busy-polls its notifications, as the raw baseline needs
+        try:
+            methods = {"kvlend": lambda: reader.kvlend(src, dst, tokens),
+                       "raw_nixl_notif": lambda: reader.raw(local, remote, b"bench")}
+            progress(f"scenario 3: {n}-page requests: kvlend, raw NIXL READ with a notification, "
+                     f"{sizes.s3_reps} rounds")
+            lender.call("notifs")
+            times = _side_by_side(methods, sizes.s3_reps, warmup=5)
+            kv, raw = (_stats(times[k]) for k in methods)
+            kv["verified"] = reader.verified(methods["kvlend"], src, dst)
+            raw["verified"] = reader.verified(methods["raw_nixl_notif"], src, dst)
+        finally:
+            lender.call("spin", False)
+        raw["notifications_seen_by_target"] = lender.call("notifs", sizes.s3_reps + 6)
+    finally:
+        reader.close()
+    return {
+        "name": "small requests back to back", "pages": n, "layers": sizes.s3_layers, "bytes": nbytes,
+        "descriptors": len(local),
+        "path": "kvlend: lend + plan_reads + post_read + poll + tracker + release, in-process, no TCP control channel",
+        "results": {"kvlend": kv, "raw_nixl_notif": raw},
+        "ratios": {"p50 kvlend/raw": kv["p50_ms"] / raw["p50_ms"], "p99 kvlend/raw": kv["p99_ms"] / raw["p99_ms"]},
+        "targets": {"p50 <= 2x raw": kv["p50_ms"] <= 2 * raw["p50_ms"]},
+    }
+
+
+def scenario_4(lender: _Lender, backend, sizes: Sizes, progress) -> dict:
+    """First contact to first verified byte: kvlend's control channel vs NIXL's listener (one sample each)."""
+    import socket
+
+    from kvlend_nixl import NixlBackend
+    from nixl._api import nixl_agent, nixl_agent_config
+
+    from .control import generate_secret
+    from .node import DecodeNode
+
+    n = sizes.s3_pages
+    secret = generate_secret()
+    host, port = lender.call("prefill", {"pages": n, "secret": secret})
+    arrays, layout = _pools(n, 1, False, fill=False)
+    progress("scenario 4: cold decode -> PrefillNode (TCP handshake, negotiate, add_peer, first read)")
+    cold_backend = NixlBackend(f"cold-decode-{os.getpid()}")
+    decode = DecodeNode(layout, cold_backend, secret, name="bench-decode")
+    try:
+        start = time.perf_counter()
+        link = decode.connect(host, port)
+        peer, offer = decode.next_offer(30.0)
+        decode.fetch(peer, offer, {GROUP: np.arange(n)})
+        kv_s = time.perf_counter() - start
+        slots = np.arange(n)
+        verified = all(_expected_ok(a, r, slots, slots) for r, a in enumerate(arrays))
+        handshake_ms = link.handshake_ms
+    finally:
+        decode.close()
+        cold_backend.close()
+    progress("scenario 4: cold raw NIXL agent -> peer listener (fetch_remote_metadata, first read)")
+    with socket.socket() as sock:  # a free port for the peer's listener
+        sock.bind(("127.0.0.1", 0))
+        free = sock.getsockname()[1]
+    nbytes = n * 2 * PAGE_BYTES
+    name, address = lender.call("listener", {"port": free, "bytes": nbytes})
+    dst = np.zeros(nbytes // 8, np.uint64)
+    agent = nixl_agent(f"cold-raw-{os.getpid()}", nixl_agent_config(enable_listen_thread=True, listen_port=0))
+    reg = agent.register_memory(_rows(np.array([dst.ctypes.data]), np.array([nbytes])), "DRAM")
+    try:
+        start = time.perf_counter()
+        agent.fetch_remote_metadata(name, "127.0.0.1", free)
+        deadline = time.monotonic() + 30.0
+        while not agent.check_remote_metadata(name):
+            if time.monotonic() > deadline:
+                raise BenchError("NIXL listener metadata did not arrive within 30 s")
+            time.sleep(0.0005)
+        local = agent.get_xfer_descs(_rows(np.array([dst.ctypes.data]), np.array([nbytes])), "DRAM")
+        remote = agent.get_xfer_descs(_rows(np.array([address]), np.array([nbytes])), "DRAM")
+        h = agent.initialize_xfer("READ", local, remote, name)
+        state = agent.transfer(h)
+        spins = 0
+        while state == "PROC":
+            spins = _backoff(spins, deadline, "cold raw NIXL read")
+            state = agent.check_xfer_state(h)
+        raw_s = time.perf_counter() - start
+        h.release()
+        raw_ok = state == "DONE" and bool(np.array_equal(dst, np.arange(dst.size, dtype=np.uint64)))
+    finally:
+        agent.deregister_memory(reg)
+    return {
+        "name": "cold peer: first contact to first verified byte (one sample each)", "pages": n, "bytes": nbytes,
+        "results": {"kvlend": {"ms": kv_s * 1e3, "handshake_ms": handshake_ms, "verified": verified},
+                    "raw_nixl_listener": {"ms": raw_s * 1e3, "verified": raw_ok}},
+        "ratios": {"kvlend/raw time": kv_s / raw_s},
+        "targets": {"kvlend <= 50 ms": kv_s * 1e3 <= 50},
+    }
+
+
+SCENARIOS = {1: scenario_1, 2: scenario_2, 3: scenario_3, 4: scenario_4}
+
+
+def machine() -> dict:
+    model = next((line.split(":", 1)[1].strip() for line in _read("/proc/cpuinfo").splitlines()
+                  if line.startswith("model name")), platform.processor())
+    mem = next((line.split()[1] for line in _read("/proc/meminfo").splitlines() if line.startswith("MemTotal")), "0")
+    return {"nproc": os.cpu_count(), "memory_gib": round(int(mem) / 2**20, 1), "cpu": model,
+            "python": platform.python_version()}
+
+
+def _read(path: str) -> str:
+    try:
+        with open(path) as f:
+            return f.read()
+    except OSError:
+        return ""
+
+
+def run(scenarios: list[int], quick: bool, reps: int | None, progress=None) -> dict:
+    """Run the scenarios; the lender process is always terminated."""
+    from kvlend_nixl import NixlBackend
+
+    progress = progress or (lambda line: print(line, file=sys.stderr, flush=True))
+    sizes = QUICK if quick else FULL
+    if reps is not None:  # S1/S2 repetitions; S3 keeps its own request count
+        sizes = Sizes(sizes.s1_bytes, sizes.s2_requests, sizes.s3_layers, sizes.s3_pages, reps, sizes.s3_reps)
+    unknown = sorted(set(scenarios) - set(SCENARIOS))
+    if unknown:
+        raise BenchError(f"--scenario: unknown scenario(s) {unknown}; have {sorted(SCENARIOS)}")
+    report = {"machine": machine(), "quick": quick, "reps": sizes.reps, "scenarios": {}}
+    lender = _Lender()
+    backend = NixlBackend(f"bench-reader-{os.getpid()}", timeout=XFER_TIMEOUT)
+    try:
+        for s in scenarios:
+            report["scenarios"][str(s)] = SCENARIOS[s](lender, backend, sizes, progress)
+    finally:
+        backend.close()
+        lender.close()
+    return report
+
+
+# ------------------------------------------------------------- formatting
+def _fmt(r: dict) -> str:
+    gb = f", {r['gbps']:.2f} GB/s" if "gbps" in r else ""
+    return f"{r['p50_ms']:.3f} ms (min {r['min_ms']:.3f}, max {r['max_ms']:.3f}{gb})"
+
+
+def format_report(report: dict) -> str:
+    m = report["machine"]
+    lines = [f"kvlend bench: {m['nproc']} CPUs, {m['memory_gib']} GiB, {m['cpu']}; "
+             f"{report['reps']} reps after warm-up{' (--quick sizes)' if report['quick'] else ''}"]
+    for key, s in report["scenarios"].items():
+        lines.append(f"\nscenario {key}: {s['name']}")
+        blocks = s.get("requests") or [s]
+        for b in blocks:
+            if "tokens" in b:
+                d = b["descriptors"]
+                lines.append(f"  {b['tokens']} tokens x {b['layers']} layers, {b['bytes'] >> 20} MiB; descriptors: "
+                             f"kvlend {d['kvlend']}, minimum {d['minimum']}, per page {d['per_page']}")
+            for name, r in b["results"].items():
+                extra = "" if "verified" not in r else f"  verified={r['verified']}"
+                if name == "staging":
+                    extra += "  [" + ", ".join(f"{k} {v['p50_ms']:.2f} ms" for k, v in r["steps"].items()) + "]"
+                if "p99_ms" in r and key == "3":
+                    extra = f"  p99 {r['p99_ms']:.3f} ms" + extra
+                if "ms" in r:  # scenario 4: one sample
+                    more = f", handshake {r['handshake_ms']:.1f} ms" if "handshake_ms" in r else ""
+                    lines.append(f"    {name:22s} {r['ms']:.1f} ms{more}{extra}")
+                    continue
+                lines.append(f"    {name:22s} {_fmt(r)}{extra}")
+            lines.append("    ratios: " + ", ".join(f"{k} {v:.2f}x" for k, v in b["ratios"].items()))
+            lines.append("    targets: " + ", ".join(f"{k}: {'met' if v else 'MISSED'}" for k, v in b["targets"].items()))
+        for note in s.get("notes", []):
+            lines.append(f"  note: {note}")
+        if "path" in s:
+            lines.append(f"  path: {s['path']}")
+    return "\n".join(lines)
+
+
+def pyplot():
+    """matplotlib's pyplot, headless; checked before a run so a missing extra fails fast."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise BenchError("--plot needs matplotlib: pip install 'kvlend[bench]'") from None
+    return plt
+
+
+def plot(report: dict, path: str) -> None:
+    """Bar chart of every ratio (needs the ``bench`` extra: matplotlib)."""
+    plt = pyplot()
+    labels, values = [], []
+    for key, s in report["scenarios"].items():
+        for b in s.get("requests") or [s]:
+            where = f"S{key}" + (f" {b['tokens']}t" if "tokens" in b else "")
+            for k, v in b["ratios"].items():
+                labels.append(f"{where} {k}")
+                values.append(v)
+    fig, ax = plt.subplots(figsize=(8, 0.35 * len(labels) + 1))
+    ax.barh(labels, values)
+    ax.axvline(1.0, color="k", lw=0.8)
+    ax.set_xlabel("ratio (same-run baseline = 1)")
+    fig.tight_layout()
+    fig.savefig(path)

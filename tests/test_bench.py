@@ -1,0 +1,111 @@
+"""``kvlend bench``: the quick run's report shape, verified bytes, and its helpers (no timing asserts)."""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+
+import numpy as np
+import pytest
+
+from kvlend import bench, cli
+
+
+@pytest.fixture(scope="module")
+def quick_report() -> dict:
+    """One real quick run (two NIXL agents, two processes), shared by the checks below."""
+    import contextlib
+    import io
+
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = cli.main(["bench", "--quick", "--json"])
+    assert code == cli.EXIT_OK, err.getvalue()
+    assert "scenario 1:" in err.getvalue() and "scenario 3:" in err.getvalue()  # progress lines on stderr
+    return json.loads(out.getvalue())
+
+
+def _check_stats(r: dict) -> None:
+    assert r["n"] >= 1
+    assert 0 < r["min_ms"] <= r["p50_ms"] <= r["max_ms"]
+    assert r["p10_ms"] <= r["p90_ms"] <= r["p99_ms"] <= r["max_ms"]
+
+
+def test_quick_report_has_every_scenario_and_machine_facts(quick_report):
+    assert set(quick_report["scenarios"]) == {"1", "2", "3", "4"}
+    m = quick_report["machine"]
+    assert m["nproc"] >= 1 and m["memory_gib"] > 0 and m["cpu"]
+    assert not multiprocessing.active_children()  # the lender process was reaped
+
+
+def test_scenario_1_kvlend_moved_verified_bytes(quick_report):
+    s1 = quick_report["scenarios"]["1"]
+    assert set(s1["results"]) == {"kvlend", "raw_nixl", "memcpy"}
+    for r in s1["results"].values():
+        _check_stats(r)
+        assert r["gbps"] > 0
+    assert s1["results"]["kvlend"]["verified"] is True
+    assert s1["results"]["raw_nixl"]["verified"] is True
+    assert s1["results"]["kvlend"]["descriptors"] == 1  # one contiguous lease, one descriptor
+    assert set(s1["ratios"]) == {"kvlend/raw", "kvlend/memcpy"} and all(v > 0 for v in s1["ratios"].values())
+
+
+def test_scenario_2_descriptors_and_every_path_verified(quick_report):
+    (req,) = quick_report["scenarios"]["2"]["requests"]
+    assert req["tokens"] == 1024 and req["pages"] == 64
+    d = req["descriptors"]
+    assert d["per_page"] == req["pages"] * 2 * req["layers"]
+    assert d["minimum"] <= d["kvlend"] < d["per_page"]  # coalesced, never below the contiguous minimum
+    for name, r in req["results"].items():
+        _check_stats(r)
+        assert r["verified"] is True, name
+    assert set(req["results"]["staging"]["steps"]) == {"gather", "transfer", "scatter"}
+    assert set(req["targets"]) == {"descriptors == minimum", "kvlend/raw_same >= 0.90", "kvlend/staging >= 1.5"}
+
+
+def test_scenario_3_latencies_and_notifications(quick_report):
+    s3 = quick_report["scenarios"]["3"]
+    for r in s3["results"].values():
+        _check_stats(r)
+        assert r["verified"] is True
+    raw = s3["results"]["raw_nixl_notif"]
+    assert raw["notifications_seen_by_target"] == raw["n"] + 6  # warm-up and verify run included: every read notified
+    assert "no TCP control channel" in s3["path"]
+
+
+def test_scenario_4_cold_peer_reached_verified_bytes_both_ways(quick_report):
+    s4 = quick_report["scenarios"]["4"]
+    for name in ("kvlend", "raw_nixl_listener"):
+        assert s4["results"][name]["verified"] is True and s4["results"][name]["ms"] > 0
+    assert 0 < s4["results"]["kvlend"]["handshake_ms"] <= s4["results"]["kvlend"]["ms"]
+
+
+def test_human_table_names_every_method(quick_report):
+    text = bench.format_report(quick_report)
+    for word in ("kvlend", "raw_nixl", "memcpy", "raw_per_page", "staging", "raw_nixl_notif", "targets:"):
+        assert word in text
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["bench", "--scenario", "9"], "unknown scenario"),
+    (["bench", "--scenario", "one"], "--scenario"),
+    (["bench", "--reps", "0"], "--reps"),
+])
+def test_bad_arguments_exit_2_naming_the_option(capsys, argv, needle):
+    assert cli.main(argv) == cli.EXIT_USAGE
+    assert needle in capsys.readouterr().err
+    assert not multiprocessing.active_children()
+
+
+def test_fragmented_pool_gives_distinct_slots_in_short_runs():
+    slots = bench._fragmented(400, 300, seed=1)
+    assert len(np.unique(slots)) == 300 and slots.min() >= 0 and slots.max() < 400
+    runs = np.split(slots, np.flatnonzero(np.diff(slots) != 1) + 1)
+    assert len(runs) > 50  # scattered, not one block
+
+
+def test_min_descriptors_counts_runs_contiguous_on_both_sides():
+    src = np.array([0, 1, 2, 7, 8, 3])
+    dst = np.array([5, 6, 9, 10, 11, 12])
+    # pairs joined only where both sides step by one: (0,5)-(1,6) and (7,10)-(8,11) -> runs [0,1] [2] [7,8] [3]
+    assert bench._min_descriptors(src, dst, buffers=2) == 2 * 4
