@@ -454,7 +454,8 @@ class DecodeNode:
             if now > deadline:
                 raise TransferTimeout(f"request {offer.request}: reads not finished within {self.config.transfer_timeout:.3g} s")
             if now >= next_beat:
-                link.channel.send(Heartbeat((offer.id,)))
+                # Renew the offers queued behind this one too, so a long queue cannot outlive its TTL.
+                link.channel.send(Heartbeat((offer.id, *(o.id for o in link.offers))))
                 next_beat = now + self.config.heartbeat
             self._pump(peer)
             # Back off instead of spinning: on small hosts a spin starves NIXL.
