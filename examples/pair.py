@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import select
 import subprocess
 import sys
 import tempfile
@@ -54,9 +55,11 @@ def run_pair(args) -> dict:
         )
         decode = None
         try:
-            line = prefill.stdout.readline()
+            if not select.select([prefill.stdout], [], [], args.timeout)[0]:
+                raise TransferTimeout(f"prefill rank did not start listening within {args.timeout:g} s")
+            line = prefill.stdout.readline()  # the whole line follows at once: it is flushed
             if not line.startswith("LISTENING "):
-                raise KvlendError(f"prefill rank did not start (exit {prefill.wait()})")
+                raise KvlendError(f"prefill rank did not start (exit {prefill.poll()})")
             _, host, port = line.split()
             start = time.monotonic()
             decode = subprocess.Popen(

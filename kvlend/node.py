@@ -323,7 +323,9 @@ class DecodeNode:
                 raise ProtocolError(f"prefill {channel.peer} refused the handshake: {reply.reason}")
             remote = _peer_layout(reply, self.backend)
             key = (self.layout.layout_id, remote.layout_id)
-            plan = self._plans.get(key) or self._plans.setdefault(key, negotiate(self.layout, remote))
+            plan = self._plans.get(key)
+            if plan is None:
+                plan = self._plans[key] = negotiate(self.layout, remote)
             if channel.peer in self.links:
                 self.disconnect(channel.peer)
             agent = self.backend.add_peer(reply.metadata)
@@ -400,12 +402,13 @@ class DecodeNode:
         plan = link.plan
         start = self.clock()
         deadline = start + self.config.transfer_timeout
-        chunks = self._chunks(plan, offer)
+        # Plan every chunk first: a bad destination table fails before anything is posted or tracked.
+        chunks = [(plan_reads(plan, src, dst, offer.selection), local_pages)
+                  for src, local_pages in self._chunks(plan, offer)]
         self.tracker.begin(offer.request, offer.num_tokens, self._needed(plan, offer))
         nbytes = ndesc = 0
         try:
-            for src, local_pages in chunks:
-                batches = plan_reads(plan, src, dst, offer.selection)
+            for batches, local_pages in chunks:
                 self._seq += 1
                 tag = f"{self.name}:{self._seq}".encode()
                 self.backend.post_read(link.agent, batches, tag)
