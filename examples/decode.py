@@ -1,7 +1,10 @@
-"""Decode rank of the example pair: reads each lease into its own pages and generates from it.
+"""Decode rank(s) of the example pair: read each lease into their own pages and generate from it.
 
-Every request's tokens are checked against what one process generates alone
-from the same prompt.  Writes a JSON report (``--report``) and exits 0 only
+With ``--decode-tp N`` this one process runs the N decode tensor-parallel
+ranks: N nodes with N NIXL agents, each reading its head slice into its own
+shard, merged into one cache to generate.  Every request's tokens are
+checked against what one process generates alone from the same prompt with
+the prefill's model.  Writes a JSON report (``--report``) and exits 0 only
 if every request verified.
 """
 
@@ -23,6 +26,8 @@ from workload import add_workload_args  # noqa: E402
 
 from kvlend.backend import load_backend  # noqa: E402
 from kvlend.control import load_secret  # noqa: E402
+from kvlend.errors import ProtocolError  # noqa: E402
+from kvlend.layout import ReplicaRank  # noqa: E402
 from kvlend.node import DecodeNode, NodeConfig  # noqa: E402
 
 
@@ -43,47 +48,72 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     logging.basicConfig(level=os.environ.get("KVLEND_LOG", "WARNING"), format="decode %(levelname)s %(name)s: %(message)s")
 
-    config = model_config(args)
+    config = model_config(args, "decode")
     model = toy_engine.ToyModel(config)
-    tpp = config.tokens_per_page
-    cache = toy_engine.PagedKVCache(config, 2 * -(-(args.max_len + args.max_new_tokens) // tpp), seed=args.seed + 1)
-    node = DecodeNode(cache.layout(), load_backend("nixl", name=f"decode-{os.getpid()}"), load_secret(),
-                      config=NodeConfig(transfer_timeout=args.timeout, chunk_pages=args.chunk_pages))
+    prefill_config = model_config(args)
+    reference_model = model if prefill_config == config else toy_engine.ToyModel(prefill_config)
+    tpp, tp = config.tokens_per_page, args.decode_tp
+    num_pages = 2 * -(-(args.max_len + args.max_new_tokens + prefill_config.tokens_per_page) // tpp)
+    cache = toy_engine.PagedKVCache(config, num_pages, seed=args.seed + 1, state_slots=1)
+    shards = [cache] if tp == 1 else [
+        toy_engine.PagedKVCache(config, num_pages, state_slots=1, replica=ReplicaRank(tp, r)) for r in range(tp)
+    ]
+    secret = load_secret()
+    node_config = NodeConfig(transfer_timeout=args.timeout, chunk_pages=args.chunk_pages)
+    nodes = [DecodeNode(s.layout(), load_backend("nixl", name=f"decode-{os.getpid()}-{r}"), secret,
+                        name=f"decode-tp{r}", config=node_config) for r, s in enumerate(shards)]
     host, port = args.connect.rsplit(":", 1)
-    link = node.connect(host, int(port))
     latencies, descriptors, failures = [], [], []
-    nbytes = tokens = 0
+    nbytes = nbytes_full = tokens = 0
     start = time.monotonic()
     try:
+        links = [node.connect(host, int(port)) for node in nodes]
         for done in range(1, args.requests + 1):
-            peer, offer = node.next_offer(args.timeout)
-            table = cache.alloc(-(-offer.num_tokens // tpp))
+            offers = [node.next_offer(args.timeout) for node in nodes]
+            if len({offer.request for _, offer in offers}) != 1:
+                raise ProtocolError(f"the decode ranks were offered different requests: {[o.request for _, o in offers]}")
+            request, num_tokens, meta = offers[0][1].request, offers[0][1].num_tokens, offers[0][1].meta
+            # Whole remote pages land whole: cover the last one even past num_tokens.
+            span = max(tpp, prefill_config.tokens_per_page)
+            table = cache.alloc(-(-num_tokens // span) * (span // tpp))
+            slot = cache.alloc_state()
             try:
-                result = node.fetch(peer, offer, {"full": table})
-                out = toy_engine.decode(model, cache, table, offer.num_tokens, offer.meta["first"], args.max_new_tokens)
+                results = [node.fetch(peer, offer, shard.group_tables(table, slot))
+                           for node, shard, (peer, offer) in zip(nodes, shards, offers)]
+                if tp > 1:
+                    toy_engine.merge_shards(cache, shards, table, slot)
+                out = toy_engine.decode(model, cache, table, num_tokens, meta["first"], args.max_new_tokens, slot)
             finally:
                 cache.free(table)
-            reference = toy_engine.generate_reference(model, offer.meta["prompt"], args.max_new_tokens)
-            if out != reference:
-                failures.append(offer.request)
-            latencies.append(result.seconds)
-            descriptors.append(result.descriptors)
-            nbytes += result.bytes
-            tokens += offer.num_tokens
+                cache.free_state(slot)
+            reference = toy_engine.generate_reference(reference_model, meta["prompt"], args.max_new_tokens)
+            if out != reference or any(r.bound != num_tokens for r in results):
+                failures.append(request)
+            latencies.append(max(r.seconds for r in results))
+            descriptors.append(sum(r.descriptors for r in results))
+            nbytes += sum(r.bytes for r in results)
+            nbytes_full += toy_engine.lent_bytes(links[0].plan.remote, num_tokens, windowed=False)
+            tokens += num_tokens
             _progress(done, args.requests, len(failures), nbytes, start)
     finally:
-        node.close()
-        node.backend.close()
+        for node in nodes:
+            node.close()
+            node.backend.close()
     seconds = sum(latencies)
     report = {
         "requests": len(latencies),
         "tokens": tokens,
         "bytes": nbytes,
+        "bytes_full": nbytes_full,
         "gbps": nbytes / seconds / 1e9 if seconds else 0.0,
         "latency_ms_p50": float(np.percentile(latencies, 50) * 1e3),
         "latency_ms_p99": float(np.percentile(latencies, 99) * 1e3),
         "descriptors_per_request": float(np.mean(descriptors)),
-        "handshake_ms": link.handshake_ms,
+        "handshake_ms": max(link.handshake_ms for link in links),
+        "model": "hybrid" if config.layer_kinds else "llama",
+        "tokens_per_page": [prefill_config.tokens_per_page, tpp],
+        "decode_tp": tp,
+        "plan": links[0].plan.kind,
         "verified": not failures and len(latencies) == args.requests,
         "mismatched": failures,
     }

@@ -91,7 +91,10 @@ def format_report(r: dict) -> str:
         "kvlend demo: prefill -> decode over NIXL (UCX, loopback)",
         f"  requests              {r['requests']}",
         f"  prompt tokens         {r['tokens']}",
-        f"  bytes moved           {r['bytes']:,} ({r['bytes'] / 2**20:.1f} MiB)",
+        f"  model                 {r['model']}, tokens/page {r['tokens_per_page'][0]} -> "
+        f"{r['tokens_per_page'][1]}, decode tp {r['decode_tp']} ({r['plan']} plan)",
+        f"  bytes moved           {r['bytes']:,} ({r['bytes'] / 2**20:.1f} MiB; lending every page: "
+        f"{r['bytes_full'] / 2**20:.1f} MiB)",
         f"  transfer throughput   {r['gbps']:.2f} GB/s",
         f"  transfer latency      p50 {r['latency_ms_p50']:.2f} ms, p99 {r['latency_ms_p99']:.2f} ms",
         f"  descriptors/request   {r['descriptors_per_request']:.1f}",

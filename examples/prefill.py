@@ -2,18 +2,21 @@
 
 Run by ``examples/pair.py`` (or ``kvlend demo``); standalone:
 ``KVLEND_SECRET=<hex> python examples/prefill.py --requests 64``.  It prints
-``LISTENING <host> <port>`` once a decode rank may connect, serves every
-request, waits for the leases to end, and exits 0.
+``LISTENING <host> <port>`` once a decode rank may connect, waits for
+``--decode-tp`` decode ranks, lends every request to each of them (each
+reads its head slice), waits for the leases to end, and exits 0.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import os
 import queue
 import sys
 import time
+from collections import Counter
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
@@ -26,8 +29,24 @@ from kvlend.errors import TransferTimeout  # noqa: E402
 from kvlend.node import NodeConfig, PrefillNode  # noqa: E402
 
 
-def model_config(args) -> toy_engine.ModelConfig:
-    return toy_engine.preset(args.preset, seed=args.seed)
+def model_config(args, side: str = "prefill") -> toy_engine.ModelConfig:
+    """The toy model one rank runs; the two sides differ at most in tokens per page."""
+    config = toy_engine.preset(args.preset, seed=args.seed)
+    if args.model == "hybrid" and not config.layer_kinds:
+        config = toy_engine.hybrid(config)
+    tpp = args.tokens_per_page or config.tokens_per_page
+    if side == "decode" and args.decode_tokens_per_page:
+        tpp = args.decode_tokens_per_page
+    return dataclasses.replace(config, tokens_per_page=tpp)
+
+
+def wait_for_peers(node: PrefillNode, count: int, timeout: float) -> list[str]:
+    deadline = time.monotonic() + timeout
+    while len(node.ready_peers()) < count:
+        if time.monotonic() > deadline:
+            raise TransferTimeout(f"{len(node.ready_peers())} of {count} decode ranks connected within {timeout} s")
+        time.sleep(0.005)
+    return sorted(node.ready_peers())
 
 
 def main(argv=None) -> int:
@@ -35,7 +54,7 @@ def main(argv=None) -> int:
     add_workload_args(p)
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=0, help="port to listen on (default: any free port)")
-    p.add_argument("--max-inflight", type=int, default=16, help="leases outstanding at once (default 16)")
+    p.add_argument("--max-inflight", type=int, default=16, help="requests lent at once (default 16)")
     args = p.parse_args(argv)
     logging.basicConfig(level=os.environ.get("KVLEND_LOG", "WARNING"), format="prefill %(levelname)s %(name)s: %(message)s")
 
@@ -44,14 +63,23 @@ def main(argv=None) -> int:
     prompts = toy_engine.make_prompts(args.requests, args.seed, args.min_len, args.max_len, config.vocab)
     tpp = config.tokens_per_page
     pages_per_request = -(-args.max_len // tpp)
-    cache = toy_engine.PagedKVCache(config, pages_per_request * (args.max_inflight + 1), seed=args.seed)
+    cache = toy_engine.PagedKVCache(config, pages_per_request * (args.max_inflight + 1), seed=args.seed,
+                                    state_slots=args.max_inflight + 1,
+                                    host_layers=config.attention_layers[:args.host_layers])
     layout = cache.layout()
-    tables = {}
-    released: queue.SimpleQueue = queue.SimpleQueue()  # filled by the node's thread
+    held = {}  # request -> (page table, state slot)
+    ended: Counter = Counter()  # request -> leases ended, counted on the node's thread
+    released: queue.SimpleQueue = queue.SimpleQueue()
 
     def reclaim() -> None:
         while not released.empty():
-            cache.free(tables.pop(released.get()))
+            request = released.get()
+            ended[request] += 1
+            if ended[request] == args.decode_tp:
+                del ended[request]
+                table, slot = held.pop(request)
+                cache.free(table)
+                cache.free_state(slot)
 
     node = PrefillNode(layout, load_backend("nixl", name=f"prefill-{os.getpid()}"), load_secret(),
                        host=args.host, port=args.port, config=NodeConfig(transfer_timeout=args.timeout),
@@ -59,25 +87,27 @@ def main(argv=None) -> int:
     print(f"LISTENING {node.address[0]} {node.address[1]}", flush=True)
     node.start()
     try:
-        peer = node.wait_for_peer(args.timeout)
+        peers = wait_for_peers(node, args.decode_tp, args.timeout)
         for i, prompt in enumerate(prompts):
             deadline = time.monotonic() + args.timeout
-            while len(tables) >= args.max_inflight or cache.num_free < pages_per_request:
+            while len(held) >= args.max_inflight or cache.num_free < pages_per_request:
                 if time.monotonic() > deadline:
                     raise TransferTimeout(f"no lease ended within {args.timeout} s")
                 time.sleep(0.001)
                 reclaim()
             request = f"req-{i}"
-            table, first = toy_engine.prefill(model, cache, prompt)
-            tables[request] = table
-            node.offer(peer, request, len(prompt), {"full": table}, layout.full_selection(),
-                       meta={"first": first, "prompt": prompt})
+            slot = cache.alloc_state()
+            table, first = toy_engine.prefill(model, cache, prompt, slot)
+            held[request] = (table, slot)
+            for peer in peers:
+                node.offer(peer, request, len(prompt), cache.group_tables(table, slot), layout.full_selection(),
+                           meta={"first": first, "prompt": prompt})
         deadline = time.monotonic() + args.timeout
-        while tables and time.monotonic() < deadline:
+        while held and time.monotonic() < deadline:
             time.sleep(0.005)
             reclaim()
-        if tables:
-            print(f"prefill: {len(tables)} leases never ended", file=sys.stderr)
+        if held:
+            print(f"prefill: {len(held)} requests' leases never ended", file=sys.stderr)
             return 1
         return 0
     finally:

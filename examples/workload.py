@@ -4,13 +4,27 @@ from __future__ import annotations
 
 import argparse
 
-PRESET_NAMES = ("tiny", "llama")  # toy_engine.PRESETS; the engine rejects anything else
+PRESET_NAMES = ("tiny", "llama", "hybrid")  # toy_engine.PRESETS; the engine rejects anything else
+MODEL_NAMES = ("llama", "hybrid")
 
 
 def add_workload_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--requests", type=int, default=64, help="number of requests (default 64)")
     p.add_argument("--seed", type=int, default=0, help="prompt and model seed (default 0)")
-    p.add_argument("--preset", default="tiny", choices=PRESET_NAMES, help="toy model shape (default tiny)")
+    p.add_argument("--preset", default="tiny", choices=PRESET_NAMES,
+                   help="toy model size: tiny, llama (Llama-3-8B KV geometry, bf16) or hybrid "
+                        "(= tiny with --model hybrid) (default tiny)")
+    p.add_argument("--model", default="llama", choices=MODEL_NAMES,
+                   help="layer kinds: llama (full attention everywhere) or hybrid (sliding-window attention "
+                        "over 64 tokens plus a sink, Mamba-style recurrent state, full attention) (default llama)")
+    p.add_argument("--tokens-per-page", type=int, default=None, help="the prefill's page size (default: the preset's, 16)")
+    p.add_argument("--decode-tokens-per-page", type=int, default=None,
+                   help="the decode's page size, an integer multiple or fraction of the prefill's (default: the same)")
+    p.add_argument("--decode-tp", type=int, default=1,
+                   help="decode tensor-parallel degree: that many decode ranks each read their head slice (default 1)")
+    p.add_argument("--host-layers", type=int, default=0,
+                   help="the prefill keeps its first N attention layers' pools in the HOST tier, lent with NAMED "
+                        "rows beside the rest (pinned host memory when its cache is on a GPU) (default 0)")
     p.add_argument("--min-len", type=int, default=8, help="shortest prompt in tokens (default 8)")
     p.add_argument("--max-len", type=int, default=640, help="longest prompt in tokens (default 640)")
     p.add_argument("--max-new-tokens", type=int, default=8, help="tokens decode generates (default 8)")
@@ -19,8 +33,14 @@ def add_workload_args(p: argparse.ArgumentParser) -> None:
 
 def workload_argv(args: argparse.Namespace) -> list[str]:
     """The same options as a command line, for launching a rank."""
-    return [
+    argv = [
         "--requests", str(args.requests), "--seed", str(args.seed), "--preset", args.preset,
+        "--model", args.model, "--decode-tp", str(args.decode_tp), "--host-layers", str(args.host_layers),
         "--min-len", str(args.min_len), "--max-len", str(args.max_len),
         "--max-new-tokens", str(args.max_new_tokens), "--timeout", str(args.timeout),
     ]
+    for flag, value in (("--tokens-per-page", args.tokens_per_page),
+                        ("--decode-tokens-per-page", args.decode_tokens_per_page)):
+        if value is not None:
+            argv += [flag, str(value)]
+    return argv

@@ -1,0 +1,117 @@
+"""Mismatched layouts: page sizes and tensor-parallel degrees that map, and differences that are refused.
+
+Supported differences run in the two-process pair and must give the
+single-process reference's tokens.  Unsupported ones (dtype, head dim, NHD
+head order across TP degrees) are refused at the handshake, naming the
+field, before the prefill accepts the decode rank or lends anything.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from kvlend.control import generate_secret
+from kvlend.errors import KvlendError, LayoutMismatch, PeerLost
+from kvlend.layout import HeadOrder, PageLayout, ReplicaRank
+from kvlend.negotiate import negotiate
+from kvlend.node import DecodeNode, NodeConfig, PrefillNode
+
+ROOT = Path(__file__).resolve().parents[1]
+EXAMPLES = ROOT / "examples"
+sys.path.insert(0, str(EXAMPLES))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import toy_engine as te  # noqa: E402
+from conftest import nixl  # noqa: E402
+from test_hybrid import expected_bytes, pair  # noqa: E402
+
+TINY = te.preset("tiny")
+FAST = NodeConfig(handshake_timeout=5.0)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("prefill_tpp, decode_tpp", [(16, 32), (32, 16)])
+def test_pair_maps_tokens_per_page(prefill_tpp, decode_tpp):
+    report = pair("--model", "hybrid", "--requests", "8", "--max-len", "300",
+                  "--tokens-per-page", str(prefill_tpp), "--decode-tokens-per-page", str(decode_tpp))
+    assert report["plan"] == "mapped" and report["tokens_per_page"] == [prefill_tpp, decode_tpp]
+    config = dataclasses.replace(te.preset("hybrid"), tokens_per_page=prefill_tpp)
+    assert report["bytes"] == expected_bytes(config, 8, 300)[0]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model", ["llama", "hybrid"])
+def test_pair_prefill_tp1_decode_tp2(model):
+    report = pair("--model", model, "--decode-tp", "2", "--requests", "8", "--max-len", "300")
+    assert report["plan"] == "mapped" and report["decode_tp"] == 2
+    # The two ranks' head slices add up to one lease; the replicated state is read by both.
+    config = te.preset(model) if model == "hybrid" else TINY
+    lent = expected_bytes(config, 8, 300)[0]
+    state = 8 * 4 * sum(config.state_floats) * len(config.ssm_layers)
+    assert report["bytes"] == lent + state
+
+
+def test_tp_shards_read_their_head_slices():
+    whole = te.PagedKVCache(TINY, 4)
+    shards = [te.PagedKVCache(TINY, 4, replica=ReplicaRank(2, r)) for r in range(2)]
+    plans = [negotiate(s.layout(), whole.layout()) for s in shards]
+    assert [p.kind for p in plans] == ["mapped", "mapped"]
+    for shard, plan in zip(shards, plans):
+        (piece, *_) = plan.pairs[0].pieces
+        head_bytes = TINY.tokens_per_page * TINY.head_dim * 4
+        assert piece.src_offset == shard.replica.tp_rank * 2 * head_bytes and piece.length == 2 * head_bytes
+    table = whole.alloc(4)
+    for s in shards:
+        for t in s.tensors:
+            t.fill_(s.replica.tp_rank + 1)
+    te.merge_shards(whole, shards, table)
+    assert (whole.tensors[0][table][:, :, :2] == 1).all() and (whole.tensors[0][table][:, :, 2:] == 2).all()
+
+
+def _nhd(layout: PageLayout) -> PageLayout:
+    return dataclasses.replace(layout, buffers=tuple(
+        dataclasses.replace(b, geometry=dataclasses.replace(b.geometry, order=HeadOrder.NHD)) for b in layout.buffers))
+
+
+CASES = {
+    "dtype": (dataclasses.replace(TINY, dtype="bfloat16"), ReplicaRank(), False, ["dtype"]),
+    "head_dim": (dataclasses.replace(TINY, head_dim=64), ReplicaRank(), False, ["geometry.bytes_per_head"]),
+    "nhd_across_tp": (TINY, ReplicaRank(2, 0), True, ["geometry.order"]),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_handshake_refuses_unsupported_difference(case):
+    config, replica, nhd, fields = CASES[case]
+    prefill_cache = te.PagedKVCache(TINY, 8)
+    decode_cache = te.PagedKVCache(config, 8, replica=replica)
+    remote, local = prefill_cache.layout(), decode_cache.layout()
+    if nhd:
+        remote, local = _nhd(remote), _nhd(local)
+    with pytest.raises(LayoutMismatch) as info:
+        negotiate(local, remote)
+    named = [f for f, *_ in info.value.fields]
+    for field in fields:
+        assert any(n.endswith(field) for n in named), (field, named)
+    secret = generate_secret()
+    prefill = PrefillNode(remote, nixl("prefill"), secret, config=FAST)
+    prefill.start()
+    decode = DecodeNode(local, nixl("decode"), secret, config=FAST)
+    try:
+        with pytest.raises(KvlendError, match="|".join(fields)) as refused:
+            decode.connect(*prefill.address)
+        assert "LayoutMismatch" in type(refused.value).__name__ or "refused the handshake" in str(refused.value)
+        assert decode.links == {} and prefill.ready_peers() == []
+        slot_table = {g: np.arange(1) for g in prefill_cache.layout_groups}
+        with pytest.raises(PeerLost):
+            prefill.offer("decode", "never", 8, slot_table, remote.full_selection())
+        assert prefill.lender.active_leases == 0
+    finally:
+        decode.close()
+        decode.backend.close()
+        prefill.close()
+        prefill.backend.close()
