@@ -667,19 +667,56 @@ def pyplot():
     return plt
 
 
+_SERIES = {"kvlend": "kvlend", "raw_same_descriptors": "raw NIXL, kvlend's descriptors",
+           "raw_nixl_notif": "raw NIXL, kvlend's descriptors", "raw_per_page": "raw NIXL, one descriptor per page",
+           "staging": "host staging (gather + read + scatter)", "raw_nixl": "raw NIXL, one descriptor",
+           "memcpy": "memcpy (same process)"}
+
+
+def _throughputs(report: dict) -> tuple[list[str], dict[str, list[tuple[int, float]]]]:
+    """Request labels, smallest first, and per method its (request index, GB/s at p50).
+
+    Scenario 3 (small fragmented requests) and 2 (model-shaped, fragmented) come
+    first, by size; scenario 1 (one contiguous lease) last.
+    """
+    blocks = []
+    if "3" in report["scenarios"]:
+        s3 = report["scenarios"]["3"]
+        blocks.append((s3, f"{s3['pages']} pages x {s3['layers']} layer"))
+    for b in report["scenarios"].get("2", {}).get("requests", []):
+        blocks.append((b, f"{b['tokens'] // 1024}k tokens x {b['layers']} layers"))
+    blocks.sort(key=lambda item: item[0]["bytes"])
+    if "1" in report["scenarios"]:
+        blocks.append((report["scenarios"]["1"], "one contiguous lease"))
+    labels: list[str] = []
+    series: dict[str, list[tuple[int, float]]] = {}
+    for i, (b, label) in enumerate(blocks):
+        labels.append(f"{label}\n{b['bytes'] / 2**20:g} MiB")
+        for method, r in b["results"].items():
+            series.setdefault(_SERIES[method], []).append((i, b["bytes"] / r["p50_ms"] / 1e6))
+    return labels, series
+
+
 def plot(report: dict, path: str) -> None:
-    """Bar chart of every ratio (needs the ``bench`` extra: matplotlib)."""
+    """Throughput against request size for kvlend and the baselines (needs the ``bench`` extra: matplotlib)."""
     plt = pyplot()
-    labels, values = [], []
-    for key, s in report["scenarios"].items():
-        for b in s.get("requests") or [s]:
-            where = f"S{key}" + (f" {b['tokens']}t" if "tokens" in b else "")
-            for k, v in b["ratios"].items():
-                labels.append(f"{where} {k}")
-                values.append(v)
-    fig, ax = plt.subplots(figsize=(8, 0.35 * len(labels) + 1))
-    ax.barh(labels, values)
-    ax.axvline(1.0, color="k", lw=0.8)
-    ax.set_xlabel("ratio (same-run baseline = 1)")
+    labels, series = _throughputs(report)
+    fig, ax = plt.subplots(figsize=(9, 5))
+    lone = len(labels) - 1 if "1" in report["scenarios"] else None  # the contiguous lease: not on a line
+    for (name, points), marker in zip(series.items(), "osD^vPX"):
+        on_line = [p for p in points if p[0] != lone]
+        (line,) = ax.plot([p[0] for p in on_line], [p[1] for p in on_line], marker=marker, label=name)
+        ax.plot([p[0] for p in points if p[0] == lone], [p[1] for p in points if p[0] == lone], marker=marker,
+                linestyle="none", color=line.get_color())
+    ax.set_xticks(range(len(labels)), labels, fontsize=8)
+    ax.set_xlabel("request (fragmented pools, except the contiguous lease)")
+    ax.set_ylabel("GB/s at p50 (higher is better)")
+    m = report["machine"]
+    ax.set_title(f"kvlend bench{' --quick' if report['quick'] else ''}: throughput by request size; "
+                 f"{m['nproc']} CPUs, NIXL over UCX (cma) on loopback", fontsize=10)
+    ax.set_ylim(bottom=0)
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=8, loc="best")
     fig.tight_layout()
-    fig.savefig(path)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)

@@ -187,7 +187,7 @@ def _add_bench(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--reps", type=int, default=None, help="timed repetitions per method in scenarios 1-2")
     parser.add_argument("--quick", action="store_true", help="small sizes and few repetitions (seconds, for tests)")
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
-    parser.add_argument("--plot", metavar="FILE.png", help="also draw every ratio (needs matplotlib)")
+    parser.add_argument("--plot", metavar="FILE.png", help="also plot throughput against request size (needs matplotlib)")
 
 
 def _run_bench(args: argparse.Namespace) -> int:

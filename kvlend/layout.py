@@ -291,6 +291,8 @@ class LayerGroup:
         end = -(-position // tokens_per_page)
         start = max(0, position - self.read_window) // tokens_per_page
         window = np.arange(start, end, dtype=np.int64)
+        if not self.sinks or not start:  # full attention: one range
+            return window
         sinks = np.arange(min(self.sinks, start), dtype=np.int64)
         return np.concatenate([sinks, window])
 

@@ -40,6 +40,7 @@ from .pages import GroupPages, int_array
 
 LEASE_ID_BYTES = 16
 _EXPIRED, _RELEASED = "expired", "released"
+_SELECTION_CACHE = 64  # distinct selections whose per-group regions are kept
 
 
 @dataclass(frozen=True)
@@ -71,7 +72,7 @@ class Lease:
 @dataclass(frozen=True)
 class _Loan:
     lease: Lease
-    locked: tuple[tuple[str, np.ndarray], ...]  # (region, unique ordinals) locked once each
+    locked: tuple[tuple[str, np.ndarray], ...]  # (region, unique ordinals) locked once each, layout order
 
 
 def _time(where: str, value: Any) -> float:
@@ -115,6 +116,8 @@ class Lender:
         self._ended: OrderedDict[bytes, str] = OrderedDict()
         self._deadlines: list[tuple[float, int, bytes]] = []  # lazy heap; stale entries skipped
         self._seq = 0
+        self._by_selection: dict[RowSelection, dict[str, tuple[tuple[str, ...], int]]] = {}
+        self._region_order = {r.name: i for i, r in enumerate(layout.regions)}
 
     # ------------------------------------------------------------- lending
     def lend(
@@ -140,13 +143,13 @@ class Lender:
             raise PageRangeError(f"num_tokens: must be an int > 0, got {num_tokens!r}")
         if not isinstance(selection, RowSelection):
             raise LayoutError(f"selection: must be a RowSelection, got {selection!r}")
-        selected = self.layout.selected_buffers(selection)
+        targets = self._targets(selection)
         now = _time("now", now)
         ttl = _time("ttl", ttl)
         if ttl <= 0 or not math.isfinite(now + ttl):
             raise LeaseError(f"ttl: must be > 0 with a finite now + ttl, got now={now} ttl={ttl}")
         peer = _peer(peer)
-        lent, locked = self._plan(num_tokens, pages, selected)
+        lent, locked = self._plan(num_tokens, pages, targets)
         key = (request, peer)
         other = self._live.get(self._by_key.get(key, b""))
         if other is not None and now <= other.lease.expires_at:
@@ -159,7 +162,7 @@ class Lender:
             raise LeaseError(f"new_id: must return {LEASE_ID_BYTES} bytes, got {lease_id!r}")
         if lease_id in self._live or lease_id in self._ended:
             raise LeaseError(f"new_id: repeated lease id {lease_id.hex()}")
-        self._lock_all(locked)
+        self.locks.lock_many(locked)
         lease = Lease(
             id=lease_id, request=request, num_tokens=num_tokens, pages=MappingProxyType(lent),
             selection=selection, peer=peer, ttl=ttl, expires_at=now + ttl,
@@ -169,52 +172,75 @@ class Lender:
         self._push(lease)
         return lease
 
+    def _targets(self, selection: RowSelection) -> dict[str, tuple[tuple[str, ...], int]]:
+        """Per group, the regions ``selection`` lends from (layout order) and their fewest pages.
+
+        Validates the selection; cached per selection, since a layout is immutable.
+        """
+        targets = self._by_selection.get(selection)
+        if targets is None:
+            names = {b.name for b in self.layout.selected_buffers(selection)}
+            regions = self.layout.region_map
+            targets = {}
+            for name, group in self.layout.groups.items():
+                used = sorted({b.region for b in group.buffers if b.name in names}, key=self._region_order.__getitem__)
+                if used:
+                    targets[name] = (tuple(used), min(regions[r].num_pages for r in used))
+            if len(self._by_selection) >= _SELECTION_CACHE:
+                self._by_selection.clear()
+            self._by_selection[selection] = targets
+        return targets
+
     def _plan(
-        self, num_tokens: int, pages: Mapping[str, Any], selected: tuple,
+        self, num_tokens: int, pages: Mapping[str, Any], targets: Mapping[str, tuple[tuple[str, ...], int]],
     ) -> tuple[dict[str, GroupPages], tuple[tuple[str, np.ndarray], ...]]:
-        """Validate the page tables; return the lent rows and the ordinals to lock per region."""
+        """Validate the page tables; return the lent rows and the ordinals to lock per region (layout order)."""
         groups = self.layout.groups
         if not isinstance(pages, Mapping):
             raise PageRangeError(f"pages: must be a mapping of group name to page table, got {type(pages).__name__}")
-        missing, unknown = sorted(set(groups) - set(pages)), sorted(map(repr, set(pages) - set(groups)))
-        if missing or unknown:
+        if pages.keys() != groups.keys():
+            missing, unknown = sorted(set(groups) - set(pages)), sorted(map(repr, set(pages) - set(groups)))
             raise PageRangeError(f"pages: missing groups {missing}, unknown groups [{', '.join(unknown)}]")
         tpp = self.layout.tokens_per_page
-        regions = self.layout.region_map
-        selected_names = {b.name for b in selected}
         lent: dict[str, GroupPages] = {}
-        per_region: dict[str, list[np.ndarray]] = {}
+        uses: list[tuple[tuple[str, ...], np.ndarray]] = []  # (regions, unique slots) per lent group
         for name, group in groups.items():
             table = _table(name, pages[name], 1 if group.recurrent else -(-num_tokens // tpp))
-            group_regions = sorted({b.region for b in group.buffers if b.name in selected_names})
-            if not group_regions:
+            target = targets.get(name)
+            if target is None:
                 continue
             rows = group.pages_read(num_tokens, tpp)
             ordinals = table[rows]
-            for region_name in group_regions:
-                size = regions[region_name].num_pages
-                bad = np.flatnonzero((ordinals < 0) | (ordinals >= size))
-                if bad.size:
-                    i = int(bad[0])
-                    raise PageRangeError(
-                        f"pages[{name!r}]: token page {int(rows[i])} is in slot {int(ordinals[i])}, "
-                        f"outside region {region_name!r} of {size} pages"
-                    )
-                per_region.setdefault(region_name, []).append(ordinals)
-            lent[name] = GroupPages(rows, ordinals)
-        locked = tuple((r, np.unique(np.concatenate(parts))) for r, parts in sorted(per_region.items()))
+            used, fewest = target
+            unique = _unique(ordinals)
+            if unique.size and (unique[0] < 0 or unique[-1] >= fewest):
+                self._range_error(name, rows, ordinals, used)
+            uses.append((used, unique))
+            lent[name] = GroupPages._checked(rows, ordinals)
+        if len(uses) == 1:  # one group lent: its regions, in layout order, share its slots
+            return lent, tuple((r, uses[0][1]) for r in uses[0][0])
+        per_region: dict[str, list[np.ndarray]] = {}
+        for used, unique in uses:
+            for r in used:
+                per_region.setdefault(r, []).append(unique)
+        order = self._region_order
+        locked = tuple(
+            (r, parts[0] if len(parts) == 1 else _unique(np.concatenate(parts)))
+            for r, parts in sorted(per_region.items(), key=lambda item: order[item[0]])
+        )
         return lent, locked
 
-    def _lock_all(self, locked: tuple[tuple[str, np.ndarray], ...]) -> None:
-        done: list[tuple[str, np.ndarray]] = []
-        try:
-            for region, ordinals in locked:
-                self.locks.lock(region, ordinals)
-                done.append((region, ordinals))
-        except Exception:
-            for region, ordinals in done:
-                self.locks.unlock(region, ordinals)
-            raise
+    def _range_error(self, group: str, rows: np.ndarray, ordinals: np.ndarray, used: tuple[str, ...]) -> None:
+        """Raise for the first region (by name) and row whose slot is out of range."""
+        for region_name in sorted(used):
+            size = self.layout.region_map[region_name].num_pages
+            bad = np.flatnonzero((ordinals < 0) | (ordinals >= size))
+            if bad.size:
+                i = int(bad[0])
+                raise PageRangeError(
+                    f"pages[{group!r}]: token page {int(rows[i])} is in slot {int(ordinals[i])}, "
+                    f"outside region {region_name!r} of {size} pages"
+                )
 
     # ------------------------------------------------------------ lifetime
     def get(self, lease_id: bytes, now: float) -> Lease:
@@ -291,8 +317,7 @@ class Lender:
 
     def _end(self, lease_id: bytes, why: str) -> Lease:
         loan = self._live.pop(lease_id)
-        for region, ordinals in loan.locked:
-            self.locks.unlock(region, ordinals)
+        self.locks.unlock_many(loan.locked)
         key = (loan.lease.request, loan.lease.peer)
         if self._by_key.get(key) == lease_id:
             del self._by_key[key]
@@ -310,3 +335,14 @@ def _check_id(lease_id: Any) -> None:
 
 def _table(group: str, value: Any, length: int) -> np.ndarray:
     return int_array(f"pages[{group!r}]", value, length=length)
+
+
+def _unique(values: np.ndarray) -> np.ndarray:
+    """Sorted unique values: ``np.unique`` without its fixed cost (a lease's tables are short)."""
+    if values.size < 2:
+        return values
+    out = np.sort(values)
+    keep = np.empty(out.size, dtype=bool)
+    keep[0] = True
+    np.not_equal(out[1:], out[:-1], out=keep[1:])
+    return out if keep.all() else out[keep]

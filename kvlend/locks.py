@@ -3,12 +3,15 @@
 The lender takes one lock per lent (region, page) and drops it when the lease
 ends; the engine's cache manager asks ``can_evict`` before it evicts or reuses
 a slot, so a page is never overwritten under a peer's one-sided read.  Counts
-are int32 numpy arrays, one per region: every call is O(pages touched).
+are one int32 numpy array over all regions (each region a slice of it), so a
+lease over many regions is locked in one vectorised pass: locking, unlocking
+and point queries are O(pages touched); ``locked_pages`` (a gauge, read rarely)
+counts a region's slots.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Iterable
 
 import numpy as np
 
@@ -24,8 +27,13 @@ class PageLocks:
 
     def __init__(self, layout: PageLayout) -> None:
         self.layout = layout
-        self._counts = {r.name: np.zeros(r.num_pages, dtype=np.int32) for r in layout.regions}
-        self._locked = {r.name: 0 for r in layout.regions}  # pages with a count > 0
+        sizes = [r.num_pages for r in layout.regions]
+        self._sizes = np.array(sizes, dtype=np.int64)
+        self._size_list = sizes
+        self._bases = np.cumsum([0] + sizes[:-1]).astype(np.int64)  # region i is _flat[_bases[i]:][:sizes[i]]
+        self._flat = np.zeros(sum(sizes), dtype=np.int32)
+        self._index = {r.name: i for i, r in enumerate(layout.regions)}
+        self._counts = {r.name: self._flat[b:b + r.num_pages] for r, b in zip(layout.regions, self._bases.tolist())}
 
     def _region(self, region: Any) -> np.ndarray:
         counts = self._counts.get(region) if isinstance(region, str) else None
@@ -42,31 +50,92 @@ class PageLocks:
         if lo < 0 or hi >= counts.size:
             bad = lo if lo < 0 else hi
             raise PageRangeError(f"ordinal {int(bad)} is outside region {region!r} of {counts.size} pages")
-        return counts, arr.astype(np.int64, copy=False)
+        return counts, arr
+
+    def _flatten(self, items: Iterable[tuple[str, Any]]) -> tuple[np.ndarray, np.ndarray | None]:
+        """Validate every (region, ordinals) before any count changes.
+
+        Returns the flat slots to change (sorted, unique) and how many times
+        each is listed (None: once each).
+        """
+        regions, parts = [], []
+        for region, ordinals in items:
+            index = self._index.get(region) if isinstance(region, str) else None
+            if index is None:
+                self._region(region)  # raises, naming the region
+            if not (type(ordinals) is np.ndarray and ordinals.dtype == np.int64 and ordinals.ndim == 1):
+                ordinals = int_array(f"ordinals of region {region!r}", ordinals)
+            if ordinals.size:
+                regions.append(index)
+                parts.append(ordinals)
+        if not parts:
+            return np.zeros(0, dtype=np.int64), None
+        first = parts[0]
+        if all(p is first for p in parts) and all(a < b for a, b in zip(regions, regions[1:])):
+            # The lender's case: one sorted, unique array for regions in layout order.
+            if first.size == 1 or (first[1:] > first[:-1]).all():
+                if first[0] < 0 or first[-1] >= min(self._size_list[i] for i in regions):
+                    self._range_error(regions, parts)
+                flat = first + self._bases[regions[0]] if len(regions) == 1 else \
+                    (self._bases[regions][:, None] + first).ravel()
+                return flat, None
+        lengths = [p.size for p in parts]
+        cat = np.concatenate(parts)
+        if ((cat < 0) | (cat >= np.repeat(self._sizes[regions], lengths))).any():
+            self._range_error(regions, parts)
+        flat = np.sort(cat + np.repeat(self._bases[regions], lengths))
+        keep = np.ones(flat.size, dtype=bool)
+        keep[1:] = flat[1:] != flat[:-1]
+        starts = np.flatnonzero(keep)
+        return flat[starts], np.diff(np.append(starts, flat.size))
+
+    def _range_error(self, regions: list[int], parts: list[np.ndarray]) -> None:
+        """Raise for the first region with an ordinal out of range, as ``lock`` of it alone would."""
+        for index, arr in zip(regions, parts):
+            self._ordinals(self.layout.regions[index].name, arr)
+
+    def _region_of(self, flat_slot: int) -> tuple[str, int]:
+        i = int(np.searchsorted(self._bases, flat_slot, side="right")) - 1
+        return self.layout.regions[i].name, int(flat_slot - self._bases[i])
 
     def lock(self, region: str, ordinals: Any) -> None:
         """Add one lock per entry (a page listed twice is locked twice)."""
-        counts, arr = self._ordinals(region, ordinals)
-        pages, n = np.unique(arr, return_counts=True)
-        before = counts[pages]
-        if pages.size and int((before.astype(np.int64) + n).max()) > _INT32_MAX:
-            raise PageRangeError(f"region {region!r}: a page lock count would exceed {_INT32_MAX}")
-        self._locked[region] += int(np.count_nonzero(before == 0))
-        counts[pages] = before + n.astype(np.int32)
+        self.lock_many(((region, ordinals),))
 
     def unlock(self, region: str, ordinals: Any) -> None:
         """Drop one lock per entry; refuses (changing nothing) to go below zero."""
-        counts, arr = self._ordinals(region, ordinals)
-        pages, n = np.unique(arr, return_counts=True)
-        after = counts[pages] - n.astype(np.int32)
-        if pages.size and int(after.min()) < 0:
+        self.unlock_many(((region, ordinals),))
+
+    def lock_many(self, items: Iterable[tuple[str, Any]]) -> None:
+        """``lock`` for several (region, ordinals) at once; all or nothing."""
+        pages, n = self._flatten(items)
+        if not pages.size:
+            return
+        before = self._flat[pages]
+        if n is None:
+            n = 1
+            over = before == _INT32_MAX
+        else:
+            over = before.astype(np.int64) + n > _INT32_MAX
+        if over.any():
+            region, _ = self._region_of(int(pages[np.argmax(over)]))
+            raise PageRangeError(f"region {region!r}: a page lock count would exceed {_INT32_MAX}")
+        self._flat[pages] = before + n
+
+    def unlock_many(self, items: Iterable[tuple[str, Any]]) -> None:
+        """``unlock`` for several (region, ordinals) at once; all or nothing."""
+        pages, n = self._flatten(items)
+        if not pages.size:
+            return
+        after = self._flat[pages] - (1 if n is None else n)
+        if after.min() < 0:
             i = int(np.argmin(after))
+            region, page = self._region_of(int(pages[i]))
             raise PageRangeError(
-                f"unlock of page {int(pages[i])} in region {region!r} {int(n[i])} time(s) "
-                f"but it holds {int(counts[pages[i]])} lock(s)"
+                f"unlock of page {page} in region {region!r} {1 if n is None else int(n[i])} time(s) "
+                f"but it holds {int(self._flat[pages[i]])} lock(s)"
             )
-        self._locked[region] -= int(np.count_nonzero(after == 0))
-        counts[pages] = after
+        self._flat[pages] = after
 
     def is_locked(self, region: str, ordinal: int) -> bool:
         counts, arr = self._ordinals(region, np.asarray([ordinal]))
@@ -79,10 +148,7 @@ class PageLocks:
 
     def locked_pages(self, region: str | None = None) -> int:
         """Number of pages holding at least one lock (in ``region``, or in all)."""
-        if region is None:
-            return sum(self._locked.values())
-        self._region(region)
-        return self._locked[region]
+        return int(np.count_nonzero(self._flat if region is None else self._region(region)))
 
     def refcounts(self, region: str) -> np.ndarray:
         """A read-only copy of the lock counts of every page of ``region``."""

@@ -54,6 +54,17 @@ class GroupPages:
         object.__setattr__(self, "token_pages", tp)
         object.__setattr__(self, "ordinals", od)
 
+    @classmethod
+    def _checked(cls, token_pages: np.ndarray, ordinals: np.ndarray) -> GroupPages:
+        """Wrap arrays the caller built and checked (fresh int64, 1-D, equal length, valid):
+        the lender's hot path, which skips ``__post_init__``'s copies and checks."""
+        token_pages.flags.writeable = False
+        ordinals.flags.writeable = False
+        obj = object.__new__(cls)
+        object.__setattr__(obj, "token_pages", token_pages)
+        object.__setattr__(obj, "ordinals", ordinals)
+        return obj
+
     def __len__(self) -> int:
         return int(self.token_pages.size)
 

@@ -11,52 +11,91 @@ and pieces.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import cached_property
 from typing import Mapping
 
 import numpy as np
 
 from .backend import ReadBatch
 from .errors import LayoutError, PageRangeError
-from .layout import MemoryRegion, RowSelection, SelectionMode
+from .layout import MemoryKind, MemoryRegion, RowSelection, SelectionMode
 from .negotiate import Piece, RegionPair, TransferPlan, merge_pieces
 from .pages import GroupPages
 
 _U64 = np.uint64
 
 
-@dataclass(frozen=True, eq=False)
 class _Pages:
     """One (remote group, local group) pair's pages, validated once and shared by its region pairs."""
 
-    token_pages: np.ndarray  # remote token pages, int64 (P,)
-    ordinals: np.ndarray  # remote slots, int64 (P,)
-    local: np.ndarray  # local slots, int64 (P, local_per_remote), or (P, 1) when pages merge
+    def __init__(self, token_pages: np.ndarray, ordinals: np.ndarray, local: np.ndarray) -> None:
+        self.token_pages = token_pages  # remote token pages, int64 (P,)
+        self.ordinals = ordinals  # remote slots, int64 (P,)
+        self.local = local  # local slots, int64 (P, local_per_remote), or (P, 1) when pages merge
+        self.src_slots = ordinals.astype(_U64)
+        self.dst_slots = local.astype(_U64)
 
-    @cached_property
+    @property
     def src_bounds(self) -> tuple[int, int]:
         return int(self.ordinals.min()), int(self.ordinals.max())
 
-    @cached_property
+    @property
     def dst_bounds(self) -> tuple[int, int]:
         return int(self.local.min()), int(self.local.max())
 
-    @cached_property
-    def src_slots(self) -> np.ndarray:
-        return self.ordinals.astype(_U64)
+    def fits(self, src_pages: int, dst_pages: int) -> bool:
+        """Every slot is in ``[0, pages)`` on its side (as uint64, a negative slot is huge)."""
+        return bool(self.src_slots.max() < src_pages) and bool(self.dst_slots.max() < dst_pages)
 
-    @cached_property
-    def dst_slots(self) -> np.ndarray:
-        return self.local.astype(_U64)
 
-    @cached_property
-    def slot_runs(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """(remote slot, local slot, pages) of each run of slots consecutive on both sides."""
-        brk = np.ones(self.ordinals.size, dtype=bool)
-        brk[1:] = (np.diff(self.ordinals) != 1) | (np.diff(self.local[:, 0]) != 1)
-        starts = np.flatnonzero(brk)
-        counts = np.diff(np.append(starts, self.ordinals.size)).astype(_U64)
-        return self.src_slots[starts], self.dst_slots[starts, 0], counts
+@dataclass(frozen=True, eq=False)
+class _Work:
+    """What one region pair reads under one selection."""
+
+    order: int  # position among the selection's region pairs
+    pair: RegionPair
+    pieces: tuple[Piece, ...]
+    remote: MemoryRegion
+    local: MemoryRegion
+
+    @property
+    def key(self) -> tuple[str, str]:
+        return self.pair.remote_group, self.pair.local_group
+
+    def columns(self, group: _Pages) -> tuple[np.ndarray, np.ndarray, np.ndarray, list[tuple[int, int, int]]]:
+        src, dst, lengths = _runs(self.pair, list(self.pieces), group, self.remote, self.local)
+        return src, dst, lengths, [(src.size, self.remote.device_id, self.local.device_id)]
+
+
+@dataclass(frozen=True, eq=False)
+class _Block:
+    """Consecutive region pairs of a batch with one piece and one local page per remote page that
+    share a group's pages: computed in one vectorised step, one descriptor per page per pair
+    (``_batch`` joins whole slots consecutive on both sides into runs)."""
+
+    order: int
+    key: tuple[str, str]
+    table: np.ndarray  # uint64 (pairs, 5): src base, src stride, dst base, dst stride, length
+    devices: tuple[tuple[int, int], ...]  # (src, dst) device per pair
+
+    def columns(self, group: _Pages) -> tuple[np.ndarray, np.ndarray, np.ndarray, list[tuple[int, int, int]]]:
+        """(src, dst, length) of every descriptor, pair by pair, and (rows, src device, dst device) per pair."""
+        t, n = self.table, group.src_slots.size
+        src = (t[:, 0:1] + group.src_slots * t[:, 1:2]).ravel()
+        dst = (t[:, 2:3] + group.dst_slots[:, 0] * t[:, 3:4]).ravel()
+        return src, dst, np.repeat(t[:, 4], n), [(n, *d) for d in self.devices]
+
+
+@dataclass(frozen=True, eq=False)
+class _Spec:
+    """Everything about a (plan, selection) that does not depend on the pages: built once, cached."""
+
+    work: tuple[_Work, ...]  # the selection's region pairs, plan order
+    groups: tuple[tuple[tuple[str, str], RegionPair, int, int], ...]  # key, first pair, fewest pages (src, dst)
+    batches: tuple[tuple[tuple[MemoryKind, MemoryKind], tuple], ...]  # kinds -> _Block | _Work segments
+
+
+_CACHE_SIZE = 64
+_spec_cache: dict[tuple[int, RowSelection], tuple[TransferPlan, _Spec]] = {}
 
 
 def plan_reads(
@@ -75,19 +114,63 @@ def plan_reads(
     remote layout without HOST regions, see ``PageLayout.check_selection``).
     Returns one ``ReadBatch`` per (remote kind, local kind), in plan order.
     """
+    spec = _spec(plan, selection)
+    pages = _resolve(plan, spec, src, dst)
+    out = []
+    for kinds, segments in spec.batches:
+        parts, first = [], None
+        for seg in segments:
+            group = pages.get(seg.key)
+            if group is None or not group.ordinals.size:
+                continue
+            cols = seg.columns(group)
+            if cols[0].size:
+                parts.append(cols)
+                first = seg.order if first is None else first
+        if parts:
+            out.append((first, _batch(kinds, parts)))
+    return [batch for _, batch in sorted(out, key=lambda item: item[0])]
+
+
+def _spec(plan: TransferPlan, selection: RowSelection) -> _Spec:
+    """Validate ``selection`` and lay out the work; once per (plan, selection)."""
+    cache_key = (id(plan), selection)
+    hit = _spec_cache.get(cache_key)
+    if hit is not None and hit[0] is plan:  # the cache holds the plan, so its id is not reused meanwhile
+        return hit[1]
     _check_selection(plan, selection)
-    work = [(pair, pieces) for pair in plan.pairs if (pieces := _selected(plan, pair, selection))]
-    pages = _resolve(plan, work, src, dst)
-    batches: dict[tuple, list] = {}
-    for pair, pieces in work:
-        rr, lr = plan.remote.region(pair.remote_region), plan.local.region(pair.local_region)
-        group = pages.get((pair.remote_group, pair.local_group))
-        if group is None or not group.ordinals.size:
+    work: list[_Work] = []
+    for pair in plan.pairs:
+        pieces = _selected(plan, pair, selection)
+        if pieces:
+            rr, lr = plan.remote.region(pair.remote_region), plan.local.region(pair.local_region)
+            work.append(_Work(len(work), pair, tuple(pieces), rr, lr))
+    groups: dict[tuple[str, str], list] = {}
+    batches: dict[tuple[MemoryKind, MemoryKind], list] = {}
+    for w in work:
+        g = groups.setdefault(w.key, [w.key, w.pair, w.remote.num_pages, w.local.num_pages])
+        g[2], g[3] = min(g[2], w.remote.num_pages), min(g[3], w.local.num_pages)
+        segments = batches.setdefault((w.remote.kind, w.local.kind), [])
+        if w.pair.remote_per_local != 1 or len(w.pieces) != 1:
+            segments.append(w)
             continue
-        runs = _runs(pair, pieces, group, rr, lr)
-        if runs[0].size:
-            batches.setdefault((rr.kind, lr.kind), []).append((runs, rr.device_id, lr.device_id))
-    return [_batch(kinds, tables) for kinds, tables in batches.items()]
+        p = w.pieces[0]
+        row = (w.remote.address + p.src_offset, w.remote.page_stride, w.local.address + p.dst_offset,
+               w.local.page_stride, p.length)
+        if not (segments and isinstance(segments[-1], list) and segments[-1][1] == w.key):
+            segments.append([w.order, w.key, [], []])
+        segments[-1][2].append(row)
+        segments[-1][3].append((w.remote.device_id, w.local.device_id))
+    spec = _Spec(
+        tuple(work), tuple(tuple(g) for g in groups.values()),
+        tuple((kinds, tuple(s if isinstance(s, _Work) else _Block(s[0], s[1], np.array(s[2], dtype=_U64),
+                                                                   tuple(s[3])) for s in segs))
+              for kinds, segs in batches.items()),
+    )
+    if len(_spec_cache) >= _CACHE_SIZE:
+        _spec_cache.clear()
+    _spec_cache[cache_key] = (plan, spec)
+    return spec
 
 
 # ------------------------------------------------------------------ validation
@@ -112,22 +195,39 @@ def _selected(plan: TransferPlan, pair: RegionPair, selection: RowSelection) -> 
     return merge_pieces([p for p in pair.pieces if p.buffer in names])
 
 
-def _resolve(plan: TransferPlan, work, src: Mapping[str, GroupPages], dst: Mapping[str, np.ndarray]) -> dict:
-    """Check every input against the plan before any descriptor is computed."""
+def _resolve(plan: TransferPlan, spec: _Spec, src: Mapping[str, GroupPages],
+             dst: Mapping[str, np.ndarray]) -> dict[tuple[str, str], _Pages]:
+    """Check every input against the plan before any descriptor is computed.
+
+    Each group's slots are checked against the smallest region it reads from or
+    into; if that fails, ``_resolve_pairs`` finds the error pair by pair.
+    """
     _check_names("src", src, plan.remote.groups)
     _check_names("dst", dst, plan.local.groups)
     resolved: dict[tuple[str, str], _Pages] = {}
-    for pair, _ in work:
-        key = (pair.remote_group, pair.local_group)
+    for key, pair, src_pages, dst_pages in spec.groups:
         if pair.remote_group not in src:
             continue
-        if key not in resolved:
-            resolved[key] = _group_pages(plan, pair, src, dst)
-        group = resolved[key]
-        if group.ordinals.size:
-            _check_slots("src", pair.remote_group, group.src_bounds, plan.remote.region(pair.remote_region))
-            _check_slots("dst", pair.local_group, group.dst_bounds, plan.local.region(pair.local_region))
+        group = resolved[key] = _group_pages(plan, pair, src, dst)
+        if group.ordinals.size and not group.fits(src_pages, dst_pages):
+            _resolve_pairs(plan, spec.work, src, dst)
     return resolved
+
+
+def _resolve_pairs(plan: TransferPlan, work: tuple[_Work, ...], src: Mapping[str, GroupPages],
+                   dst: Mapping[str, np.ndarray]) -> None:
+    """Check the inputs pair by pair in plan order, raising the first error."""
+    resolved: dict[tuple[str, str], _Pages] = {}
+    for w in work:
+        pair = w.pair
+        if pair.remote_group not in src:
+            continue
+        group = resolved.get(w.key)
+        if group is None:
+            group = resolved[w.key] = _group_pages(plan, pair, src, dst)
+        if group.ordinals.size:
+            _check_slots("src", pair.remote_group, group.src_bounds, w.remote)
+            _check_slots("dst", pair.local_group, group.dst_bounds, w.local)
 
 
 def _check_names(side: str, given: Mapping, groups: Mapping) -> None:
@@ -158,7 +258,10 @@ def _group_pages(plan: TransferPlan, pair: RegionPair, src: Mapping[str, GroupPa
         raise PageRangeError(
             f"src[{rg!r}]: remote token page {int(tokens[-1])} maps to local token page "
             f"{int((tokens[-1] // m) * s + s - 1)}, beyond dst[{lg!r}] of {table.size} pages")
-    local = table.astype(np.int64)[(tokens // m)[:, None] * s + np.arange(s)]
+    if m == s == 1:
+        local = table[tokens].astype(np.int64, copy=False)[:, None]
+    else:
+        local = table.astype(np.int64)[(tokens // m)[:, None] * s + np.arange(s)]
     return _Pages(tokens, pages.ordinals, local)
 
 
@@ -173,20 +276,9 @@ def _check_slots(side: str, group: str, bounds: tuple[int, int], region: MemoryR
 # ------------------------------------------------------------------ descriptors
 def _runs(pair: RegionPair, pieces: list[Piece], group: _Pages, rr: MemoryRegion,
           lr: MemoryRegion) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(remote address, local address, length) of the maximal runs of one region pair."""
+    """(remote address, local address, length) of the maximal runs of one region pair with several
+    pieces, or several remote pages per local page (one piece per page is a ``_Block``)."""
     m = pair.remote_per_local
-    if m == 1 and len(pieces) == 1:
-        # One piece per page: pages join only if the piece is the whole slot on both sides and the
-        # slots are consecutive on both sides, which every region pair of the group shares.
-        p = pieces[0]
-        if p.length == rr.page_stride == lr.page_stride:
-            src_slots, dst_slots, counts = group.slot_runs
-            lengths = counts * _U64(p.length)
-        else:
-            src_slots, dst_slots = group.src_slots, group.dst_slots[:, 0]
-            lengths = np.full(src_slots.size, p.length, dtype=_U64)
-        return (_U64(rr.address + p.src_offset) + src_slots * _U64(rr.page_stride),
-                _U64(lr.address + p.dst_offset) + dst_slots * _U64(lr.page_stride), lengths)
     src_base = _U64(rr.address) + group.src_slots * _U64(rr.page_stride)
     if m == 1:
         ordered = sorted(pieces, key=lambda p: p.src_offset)
@@ -225,23 +317,32 @@ def _coalesce(src: np.ndarray, dst: np.ndarray, lengths: np.ndarray):
     return src[starts], dst[starts], np.add.reduceat(lengths, starts)
 
 
-def _batch(kinds, tables) -> ReadBatch:
-    """Concatenate region pairs, merging a pair's first run into the previous pair's last."""
-    parts: list[tuple[np.ndarray, np.ndarray, np.ndarray, int, int]] = []
-    for (src, dst, lengths), src_dev, dst_dev in tables:
-        if parts and parts[-1][3:] == (src_dev, dst_dev):
-            ps, pd, pl = parts[-1][:3]
-            if ps[-1] + pl[-1] == src[0] and pd[-1] + pl[-1] == dst[0]:
-                pl[-1] += lengths[0]
-                src, dst, lengths = src[1:], dst[1:], lengths[1:]
-        if src.size:
-            parts.append((src, dst, lengths, src_dev, dst_dev))
-    n = sum(p[0].size for p in parts)
-    remote, local = np.empty((n, 3), dtype=_U64), np.empty((n, 3), dtype=_U64)
-    at = 0
-    for src, dst, lengths, src_dev, dst_dev in parts:
-        rows = slice(at, at + src.size)
-        remote[rows, 0], remote[rows, 1], remote[rows, 2] = src, lengths, src_dev
-        local[rows, 0], local[rows, 1], local[rows, 2] = dst, lengths, dst_dev
-        at += src.size
+def _batch(kinds, parts) -> ReadBatch:
+    """Concatenate the region pairs' descriptors in plan order and merge neighbours contiguous on
+    both sides (and on the same devices) into maximal runs."""
+    if len(parts) == 1:
+        src, dst, lengths, devices = parts[0]
+    else:
+        src, dst, lengths = (np.concatenate(col) for col in list(zip(*parts))[:3])
+        devices = [d for p in parts for d in p[3]]
+    brk = np.empty(src.size, dtype=bool)
+    brk[0] = True
+    np.not_equal(src[:-1] + lengths[:-1], src[1:], out=brk[1:])
+    brk[1:] |= dst[:-1] + lengths[:-1] != dst[1:]
+    if any(d[1:] != devices[0][1:] for d in devices):
+        counts = [d[0] for d in devices]
+        src_dev = np.repeat(np.array([d[1] for d in devices], dtype=_U64), counts)
+        dst_dev = np.repeat(np.array([d[2] for d in devices], dtype=_U64), counts)
+        brk[1:] |= (src_dev[1:] != src_dev[:-1]) | (dst_dev[1:] != dst_dev[:-1])
+    else:
+        src_dev, dst_dev = devices[0][1], devices[0][2]
+    starts = np.flatnonzero(brk)
+    if starts.size < src.size:
+        lengths = np.add.reduceat(lengths, starts)
+        src, dst = src[starts], dst[starts]
+        if not isinstance(src_dev, int):
+            src_dev, dst_dev = src_dev[starts], dst_dev[starts]
+    remote, local = np.empty((src.size, 3), dtype=_U64), np.empty((src.size, 3), dtype=_U64)
+    remote[:, 0], remote[:, 1], remote[:, 2] = src, lengths, src_dev
+    local[:, 0], local[:, 1], local[:, 2] = dst, lengths, dst_dev
     return ReadBatch(kinds[0], kinds[1], remote, local)

@@ -48,6 +48,7 @@ class _Request:
     errors: dict[Hashable, BaseException | None] = field(default_factory=dict)  # failed chunks
     aborted: bool = False
     bound: int | None = None  # cached until the next delivery
+    missing: int = 0  # needed pages not yet delivered, over all groups
 
 
 class DeliveryTracker:
@@ -76,7 +77,8 @@ class DeliveryTracker:
             raise PageRangeError(f"num_tokens: must be an int > 0, got {num_tokens!r}")
         groups = self.layout.groups
         tpp = self.layout.tokens_per_page
-        if needed is None:
+        checked = needed is None  # what a decoder reads is in range, sorted and unique
+        if checked:
             needed = {name: g.pages_read(num_tokens, tpp) for name, g in groups.items()}
         elif not isinstance(needed, Mapping) or set(needed) != set(groups):
             have = set(needed) if isinstance(needed, Mapping) else set()
@@ -84,15 +86,17 @@ class DeliveryTracker:
                 f"needed: must map every group; missing {sorted(set(groups) - have)}, "
                 f"unknown [{', '.join(sorted(map(repr, have - set(groups))))}]"
             )
-        masks = {}
+        masks, missing = {}, 0
         for name, g in groups.items():
             size = 1 if g.recurrent else -(-num_tokens // tpp)
+            pages = needed[name] if checked else _pages(f"needed[{name!r}]", needed[name], size)
             mask = np.zeros(size, dtype=bool)
-            mask[_pages(f"needed[{name!r}]", needed[name], size)] = True
+            mask[pages] = True
             masks[name] = mask
+            missing += pages.size
         self._aborted.pop(request, None)
         self._requests[request] = _Request(
-            num_tokens, masks, {name: np.zeros(m.size, dtype=bool) for name, m in masks.items()},
+            num_tokens, masks, {name: np.zeros(m.size, dtype=bool) for name, m in masks.items()}, missing=missing,
         )
 
     def abort(self, request: str) -> None:
@@ -128,8 +132,8 @@ class DeliveryTracker:
         for name, value in pages.items():
             need = r.needed[name]
             idx = _pages(f"pages[{name!r}]", value, need.size)
-            extra = idx[~need[idx]]
-            if extra.size:
+            if not need[idx].all():
+                extra = idx[~need[idx]]
                 raise PageRangeError(f"pages[{name!r}]: token page {int(extra[0])} is not needed by request {request!r}")
             if idx.size:
                 chunk[name] = idx
@@ -143,7 +147,9 @@ class DeliveryTracker:
         if chunk is None:
             return False
         for name, idx in chunk.items():
-            r.delivered[name][idx] = True
+            have = r.delivered[name]
+            r.missing -= idx.size - int(np.count_nonzero(have[idx]))
+            have[idx] = True
         r.bound = None
         self._done += 1
         return True
@@ -200,8 +206,7 @@ class DeliveryTracker:
 
     def complete(self, request: str) -> bool:
         """Every needed page of every group is delivered."""
-        r = self._get(request)
-        return all(bool(np.all(r.delivered[n][m])) for n, m in r.needed.items())
+        return self._get(request).missing == 0
 
     def failed(self, request: str) -> bool:
         """Some chunk of ``request`` failed (what was delivered still counts for the bound)."""
@@ -243,7 +248,8 @@ def _pages(where: str, value: Any, size: int) -> np.ndarray:
     arr = int_array(where, value)
     if arr.size == 0:
         return arr
-    lo, hi = arr.min(), arr.max()
+    ascending = arr.size == 1 or bool((arr[1:] > arr[:-1]).all())  # the usual case: already sorted, unique
+    lo, hi = (arr[0], arr[-1]) if ascending else (arr.min(), arr.max())
     if lo < 0 or hi >= size:
         raise PageRangeError(f"{where}: token page {int(lo if lo < 0 else hi)} is outside [0, {size})")
-    return np.unique(arr.astype(np.int64))
+    return arr if ascending else np.unique(arr)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import multiprocessing
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -12,17 +13,36 @@ from kvlend import bench, cli
 
 
 @pytest.fixture(scope="module")
-def quick_report() -> dict:
-    """One real quick run (two NIXL agents, two processes), shared by the checks below."""
+def quick_run(tmp_path_factory) -> tuple[dict, Path]:
+    """One real quick run (two NIXL agents, two processes) with ``--plot``, shared by the checks below."""
     import contextlib
     import io
 
+    png = tmp_path_factory.mktemp("bench") / "tmp.png"
     out, err = io.StringIO(), io.StringIO()
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        code = cli.main(["bench", "--quick", "--json"])
+        code = cli.main(["bench", "--quick", "--json", "--plot", str(png)])
     assert code == cli.EXIT_OK, err.getvalue()
     assert "scenario 1:" in err.getvalue() and "scenario 3:" in err.getvalue()  # progress lines on stderr
-    return json.loads(out.getvalue())
+    return json.loads(out.getvalue()), png
+
+
+@pytest.fixture(scope="module")
+def quick_report(quick_run) -> dict:
+    return quick_run[0]
+
+
+def test_plot_is_a_png_of_throughput_per_method(quick_run):
+    report, png = quick_run
+    data = png.read_bytes()
+    assert data.startswith(b"\x89PNG\r\n\x1a\n") and len(data) > 1000
+    labels, series = bench._throughputs(report)
+    assert len(labels) == 3  # scenario 3 (16 pages), scenario 2 (1k tokens), scenario 1 (one lease)
+    assert labels[0].startswith("16 pages") and labels[-1].startswith("one contiguous lease")
+    assert [i for i, _ in series["kvlend"]] == [0, 1, 2]  # kvlend is measured at every size
+    assert set(series) == {"kvlend", "raw NIXL, kvlend's descriptors", "raw NIXL, one descriptor per page",
+                           "host staging (gather + read + scatter)", "raw NIXL, one descriptor", "memcpy (same process)"}
+    assert all(gbps > 0 for points in series.values() for _, gbps in points)
 
 
 def _check_stats(r: dict) -> None:

@@ -335,22 +335,21 @@ class NixlBackend:
         """Every local row must lie inside one registered region of its kind and device."""
         rows = batch.local
         addr, length, dev = rows[:, 0], rows[:, 1], rows[:, 2]
-        if (length == 0).any():
-            raise BackendError(f"batches[{index}]: zero-length descriptor at row {int(np.argmax(length == 0))}")
         end = addr + length
-        bad = end < addr  # wrapped around
-        for device in np.unique(dev):
-            spans = self._spans.get((batch.local_kind, int(device)))
-            mine = dev == device
-            if spans is None:
-                bad |= mine
-                continue
-            starts, ends = spans
-            slot = np.searchsorted(starts, addr, side="right").astype(np.int64) - 1
-            inside = (slot >= 0) & (end <= ends[np.clip(slot, 0, None)])
-            bad |= mine & ~inside
-        if bad.any():
-            row = int(np.argmax(bad))
+        first = int(dev[0])
+        devices = (first,) if (dev == first).all() else np.unique(dev).tolist()
+        ok = end > addr  # neither empty nor wrapped around
+        for device in devices:
+            spans = self._spans.get((batch.local_kind, device))
+            inside = spans is not None
+            if inside:  # the span starting at or below addr must reach end
+                starts, ends_before = spans
+                inside = end <= ends_before[np.searchsorted(starts, addr, side="right")]
+            ok &= inside if len(devices) == 1 else inside | (dev != device)
+        if not ok.all():
+            if not length.all():
+                raise BackendError(f"batches[{index}]: zero-length descriptor at row {int(np.argmin(length != 0))}")
+            row = int(np.argmin(ok))
             raise BackendError(
                 f"batches[{index}]: local row {row} (0x{int(addr[row]):x}+{int(length[row])}, "
                 f"{batch.local_kind.value} device {int(dev[row])}) is outside every registered region"
@@ -460,7 +459,12 @@ def _check_gpus(regions) -> None:
 
 
 def _spans(keys) -> dict[tuple[MemoryKind, int], tuple[np.ndarray, np.ndarray]]:
-    """Registered regions per (kind, device) as sorted, merged [start, end) spans."""
+    """Registered regions per (kind, device) as sorted, merged [start, end) spans.
+
+    Stored as (starts, ends_before) with ``ends_before[i]`` the end of span
+    ``i - 1`` (0 for i = 0), so ``ends_before[searchsorted(starts, a, "right")]``
+    is the end of the span that starts at or below address ``a``.
+    """
     grouped: dict[tuple[MemoryKind, int], list[tuple[int, int]]] = {}
     for kind, device, address, size in keys:
         grouped.setdefault((kind, device), []).append((address, address + size))
@@ -473,5 +477,5 @@ def _spans(keys) -> dict[tuple[MemoryKind, int], tuple[np.ndarray, np.ndarray]]:
             else:
                 merged.append([start, end])
         arr = np.array(merged, dtype=np.uint64)
-        out[key] = (arr[:, 0].copy(), arr[:, 1].copy())
+        out[key] = (arr[:, 0].copy(), np.concatenate([np.zeros(1, dtype=np.uint64), arr[:, 1]]))
     return out
