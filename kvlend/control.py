@@ -30,6 +30,7 @@ SECRET_ENV = "KVLEND_SECRET"
 SECRET_FILE_ENV = "KVLEND_SECRET_FILE"
 DEFAULT_HOST = "127.0.0.1"
 HELLO_TIMEOUT = 5.0
+MAX_PENDING_HELLOS = 256  # half-open connections kept; the oldest is dropped beyond this
 
 
 def generate_secret() -> bytes:
@@ -200,11 +201,24 @@ def connect(host: str, port: int, secret: bytes, name: str, timeout: float = HEL
     return channel
 
 
+class _PendingHello:
+    """A half-open connection working through the hello; advanced without blocking."""
+
+    def __init__(self, channel: Channel, where: str, deadline: float) -> None:
+        self.channel = channel
+        self.where = where
+        self.deadline = deadline
+        self.name: str | None = None  # set once a valid Hello arrived; a HelloConfirm is next
+
+
 class Listener:
     """Accepts decode ranks; a peer that fails the hello is dropped.
 
     One without the secret learns nothing: a forged ``Hello`` gets no answer,
     and a replayed one gets a ``HelloAck`` it cannot use, then the drop.
+    Hellos never block the caller: half-open connections wait in a list, are
+    advanced by every ``accept`` as their bytes arrive, and are dropped once
+    ``HELLO_TIMEOUT`` passes, so a silent client cannot stall the server.
     """
 
     def __init__(self, secret: bytes, name: str, host: str = DEFAULT_HOST, port: int = 0) -> None:
@@ -213,47 +227,110 @@ class Listener:
         self.sock = socket.create_server((host, port), reuse_port=False)
         self.sock.setblocking(False)
         self.host, self.port = self.sock.getsockname()[:2]
+        self._pending: list[_PendingHello] = []
+        self._ready: list[Channel] = []
 
     def fileno(self) -> int:
         return self.sock.fileno()
 
+    def waitables(self) -> list:
+        """Everything whose readability means ``accept`` has work: the socket and half-open hellos."""
+        return [self] + [p.channel for p in self._pending]
+
+    @property
+    def pending(self) -> int:
+        """Half-open connections still in the hello."""
+        return len(self._pending)
+
     def accept(self, timeout: float = 0.0) -> Channel | None:
-        """An authenticated channel, or None if nobody (honest) arrived within ``timeout``."""
-        if not _readable(self.sock, timeout):
-            return None
-        try:
-            sock, addr = self.sock.accept()
-        except (BlockingIOError, ConnectionAbortedError):
-            return None
-        deadline = time.monotonic() + HELLO_TIMEOUT
-        where = f"{addr[0]}:{addr[1]}"
-        try:
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            channel = Channel(sock, where, send_key=b"", recv_key=self.secret)
-        except OSError as exc:
-            log.warning("control: dropped %s before the handshake: %s", where, exc)
-            sock.close()
-            return None
-        try:
-            hello = channel.recv(max(0.0, deadline - time.monotonic()))
-            if not isinstance(hello, Hello):
-                raise ProtocolError(f"expected hello, got {hello.TYPE}")
-            nonce = secrets.token_bytes(NONCE_BYTES)
-            channel.rekey(_ack_key(self.secret, hello.nonce), self.secret)
-            channel.send(HelloAck(self.name, nonce), timeout=max(0.0, deadline - time.monotonic()))
-            # Only a peer holding the secret can send this, so a replayed Hello gets no channel.
-            channel.rekey(session_key(self.secret, hello.nonce, nonce, "server"),
-                          session_key(self.secret, hello.nonce, nonce, "client"))
-            confirm = channel.recv(max(0.0, deadline - time.monotonic()))
-            if not isinstance(confirm, HelloConfirm):
-                raise ProtocolError(f"expected hello_confirm, got {confirm.TYPE}")
-        except KvlendError as exc:
-            log.warning("control: dropped %s before the handshake: %s", where, exc)
-            channel.close()
-            return None
-        channel.peer = hello.peer
-        log.info("control: %s authenticated as %r", where, hello.peer)
-        return channel
+        """An authenticated channel, or None.
+
+        Waits up to ``timeout`` seconds, advancing every half-open hello; it
+        returns early with None once every connection it was waiting on was
+        dropped (nobody honest is left to wait for).  ``accept(0.0)`` never blocks.
+        """
+        deadline = time.monotonic() + timeout
+        while True:
+            dropped = self._advance()
+            if self._ready:
+                return self._ready.pop(0)
+            remaining = deadline - time.monotonic()
+            if remaining <= 0 or (dropped and not self._pending):
+                return None
+            if self._pending:
+                remaining = min(remaining, max(0.0, min(p.deadline for p in self._pending) - time.monotonic()))
+            wait_readable(self.waitables(), remaining)
+
+    def _advance(self) -> bool:
+        """Take new connections and progress pending hellos; True if any was dropped."""
+        while True:
+            try:
+                sock, addr = self.sock.accept()
+            except (BlockingIOError, ConnectionAbortedError):
+                break
+            except OSError as exc:
+                log.warning("control: accept failed: %s", exc)
+                break
+            where = f"{addr[0]}:{addr[1]}"
+            try:
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                channel = Channel(sock, where, send_key=b"", recv_key=self.secret)
+            except OSError as exc:
+                log.warning("control: dropped %s before the handshake: %s", where, exc)
+                sock.close()
+                continue
+            self._pending.append(_PendingHello(channel, where, time.monotonic() + HELLO_TIMEOUT))
+        dropped = False
+        while len(self._pending) > MAX_PENDING_HELLOS:
+            oldest = self._pending.pop(0)
+            log.warning("control: dropped %s before the handshake: too many pending hellos", oldest.where)
+            oldest.channel.close()
+            dropped = True
+        for p in list(self._pending):
+            try:
+                done = self._progress(p)
+            except KvlendError as exc:
+                log.warning("control: dropped %s before the handshake: %s", p.where, exc)
+                done = True
+                p.channel.close()
+                dropped = True
+            if done:
+                self._pending.remove(p)
+                if not p.channel.closed:
+                    self._ready.append(p.channel)
+        return dropped
+
+    def _progress(self, p: _PendingHello) -> bool:
+        """Handle what ``p`` sent so far; True once it is authenticated (or raises to drop it)."""
+        while True:
+            remaining = p.deadline - time.monotonic()
+            if remaining <= 0:
+                raise TransferTimeout(f"no complete hello within {HELLO_TIMEOUT:.3g} s")
+            message = p.channel.poll(0.0)
+            if message is None:
+                return False
+            if p.name is None:
+                if not isinstance(message, Hello):
+                    raise ProtocolError(f"expected hello, got {message.TYPE}")
+                nonce = secrets.token_bytes(NONCE_BYTES)
+                p.channel.rekey(_ack_key(self.secret, message.nonce), self.secret)
+                p.channel.send(HelloAck(self.name, nonce), timeout=remaining)
+                # Only a peer holding the secret can send the confirm, so a replayed Hello gets no channel.
+                p.channel.rekey(session_key(self.secret, message.nonce, nonce, "server"),
+                                session_key(self.secret, message.nonce, nonce, "client"))
+                p.name = message.peer
+                continue
+            if not isinstance(message, HelloConfirm):
+                raise ProtocolError(f"expected hello_confirm, got {message.TYPE}")
+            p.channel.peer = p.name
+            log.info("control: %s authenticated as %r", p.where, p.name)
+            return True
 
     def close(self) -> None:
+        for p in self._pending:
+            p.channel.close()
+        for channel in self._ready:
+            channel.close()
+        self._pending.clear()
+        self._ready.clear()
         self.sock.close()

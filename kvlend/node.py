@@ -11,6 +11,7 @@ Every wait has a deadline; nothing here is clever.
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
 from collections import deque
@@ -22,7 +23,8 @@ import numpy as np
 from .backend import TransferBackend
 from .control import DEFAULT_HOST, Channel, Listener, connect, wait_readable
 from .errors import (
-    KvlendError, LayoutMismatch, LeaseExpired, LeaseUnknown, PeerLost, ProtocolError, TransferTimeout,
+    KvlendError, LayoutMismatch, LeaseExpired, LeaseUnknown, PageRangeError, PeerLost, ProtocolError,
+    TransferTimeout, TrackerError,
 )
 from .layout import PageLayout, RowSelection
 from .lender import Lease, Lender
@@ -175,13 +177,12 @@ class PrefillNode:
 
         Waits up to ``timeout`` for something to arrive (without holding the lock).
         """
-        wait_readable([self.listener] + [p.channel for p in list(self.peers.values())], timeout)
+        wait_readable(self.listener.waitables() + [p.channel for p in list(self.peers.values())], timeout)
         with self._lock:
             self._step()
 
     def _step(self) -> None:
-        channel = self.listener.accept(0.0)
-        if channel is not None:
+        while (channel := self.listener.accept(0.0)) is not None:  # never blocks on a half-open hello
             if channel.peer in self.peers:
                 self._drop(channel.peer, "replaced by a new connection")
             self.peers[channel.peer] = _DecodePeer(channel)
@@ -271,6 +272,7 @@ class FetchResult:
     bytes: int
     descriptors: int
     seconds: float
+    resumed_from: int = 0  # tokens below this were read by an earlier lease, not this one
 
 
 @dataclass(eq=False)
@@ -282,6 +284,9 @@ class PrefillLink:
     plan: TransferPlan
     handshake_ms: float
     offers: deque = field(default_factory=deque)
+    # Start of the last read that drained the channel: whatever arrives later was lent after it.
+    drained_at: float = 0.0
+    lent_after: dict = field(default_factory=dict)  # lease id -> drained_at when its offer was read
 
 
 class DecodeNode:
@@ -307,7 +312,7 @@ class DecodeNode:
         self.sleep = sleep
         self.tracker = DeliveryTracker(layout)
         self.links: dict[str, PrefillLink] = {}
-        self._plans: dict[tuple[str, str], TransferPlan] = {}
+        self._plans: dict[tuple, TransferPlan] = {}
         self._tags: dict[bytes, tuple[str, int]] = {}  # backend tag -> (request, chunk), until it completes
         self._seq = 0
         backend.register(layout.regions)
@@ -322,9 +327,13 @@ class DecodeNode:
             if isinstance(reply, Bye):
                 raise ProtocolError(f"prefill {channel.peer} refused the handshake: {reply.reason}")
             remote = _peer_layout(reply, self.backend)
-            key = (self.layout.layout_id, remote.layout_id)
+            # Addresses are not part of a layout id, but the plan holds them: a restarted
+            # prefill with the same layout elsewhere in memory needs its own plan.
+            key = (self.layout.layout_id, remote.layout_id, tuple((r.name, r.address) for r in remote.regions))
             plan = self._plans.get(key)
             if plan is None:
+                if len(self._plans) >= 64:  # prefills that restarted many times: start over
+                    self._plans.clear()
                 plan = self._plans[key] = negotiate(self.layout, remote)
             if channel.peer in self.links:
                 self.disconnect(channel.peer)
@@ -332,7 +341,7 @@ class DecodeNode:
         except KvlendError:
             channel.close()
             raise
-        link = PrefillLink(channel, agent, plan, (self.clock() - start) * 1e3)
+        link = PrefillLink(channel, agent, plan, (self.clock() - start) * 1e3, drained_at=start)
         self.links[channel.peer] = link
         log.info("handshake with %s: %s", channel.peer, plan.summary().splitlines()[0])
         return link
@@ -358,7 +367,11 @@ class DecodeNode:
             if remaining <= 0:
                 raise TransferTimeout(f"no lease offered within {timeout:.3g} s")
             for peer in list(self.links):
-                self._pump(peer, min(remaining, 0.05) if len(self.links) == 1 else 0.0)
+                try:
+                    self._pump(peer, min(remaining, 0.05) if len(self.links) == 1 else 0.0)
+                except PeerLost:
+                    self.disconnect(peer)  # the next connect to it re-handshakes
+                    raise
 
     def _pump(self, peer: str, timeout: float = 0.0) -> list[DoneAck]:
         """Read what ``peer`` sent: queue offers, return done acks.
@@ -369,6 +382,7 @@ class DecodeNode:
         """
         link = self.links[peer]
         acks = []
+        started = self.clock()
         while True:
             try:
                 message = link.channel.poll(timeout)
@@ -377,10 +391,12 @@ class DecodeNode:
                     return acks
                 raise
             if message is None:
+                link.drained_at = started
                 return acks
             timeout = 0.0
             if isinstance(message, Offer):
                 link.offers.append(message.lease)
+                link.lent_after[message.lease.id] = link.drained_at
             elif isinstance(message, DoneAck):
                 acks.append(message)
             elif isinstance(message, Bye):
@@ -390,23 +406,43 @@ class DecodeNode:
             else:
                 raise ProtocolError(f"unexpected {message.TYPE} from prefill {peer}")
 
-    def fetch(self, peer: str, offer: LeaseOffer, dst: Mapping[str, np.ndarray]) -> FetchResult:
+    def fetch(self, peer: str, offer: LeaseOffer, dst: Mapping[str, np.ndarray], *,
+              resume_from: int = 0) -> FetchResult:
         """Read ``offer`` into the local slots ``dst`` (local group -> slot per local token page).
 
         Returns once every chunk landed and the prefill confirmed the lease
-        was valid throughout; otherwise raises (``PeerLost``,
-        ``TransferTimeout``, ``LeaseExpired``, ...) and what was read must
-        not be used beyond ``tracker.bound`` -- and not at all if the lease expired.
+        was valid throughout.  Otherwise raises (``PeerLost``,
+        ``TransferTimeout``, ``LeaseExpired``, ...) with ``.request`` and
+        ``.bound`` set on the error: the safe-resume bound in tokens, up to
+        which ``dst`` holds verified KV (just ``resume_from`` if the prefill
+        refused the done: nothing read under that lease may be used).  A lost
+        prefill's link is dropped, so the next ``connect`` to it re-handshakes.
+
+        ``resume_from`` (a bound from an earlier, failed fetch of the same
+        request into the same ``dst``) skips every token page wholly below
+        it: those pages count as delivered and are not read again.
         """
         link = self.links[peer]
         plan = link.plan
         start = self.clock()
         deadline = start + self.config.transfer_timeout
+        resume_from = _resume_point(resume_from, offer.num_tokens)
+        # Without the done ack, reads count only if they landed while the lease was surely
+        # valid: lent no earlier than ``lent_after``, renewals unconfirmed, one heartbeat of slack.
+        sure_until = link.lent_after.pop(offer.id, -math.inf) + offer.ttl - self.config.heartbeat
+        safe = [resume_from]
+        offer_pages, kept = _skip_below(offer, plan, resume_from)
         # Plan every chunk first: a bad destination table fails before anything is posted or tracked.
         chunks = [(plan_reads(plan, src, dst, offer.selection), local_pages)
-                  for src, local_pages in self._chunks(plan, offer)]
+                  for src, local_pages in self._chunks(plan, offer, offer_pages)]
+        if self._abandoned(offer.request):
+            self.tracker.finish(offer.request)  # an earlier attempt's late completions are ignored
         self.tracker.begin(offer.request, offer.num_tokens, self._needed(plan, offer))
+        if kept:
+            self.tracker.post(offer.request, "resumed", kept)  # read by an earlier lease, verified then
+            self.tracker.done(offer.request, "resumed")
         nbytes = ndesc = 0
+        next_beat = self.clock() + self.config.heartbeat
         try:
             for batches, local_pages in chunks:
                 self._seq += 1
@@ -416,18 +452,32 @@ class DecodeNode:
                 self._tags[tag] = (offer.request, self._seq)
                 nbytes += sum(b.nbytes for b in batches)
                 ndesc += sum(b.count for b in batches)
-            self._await_chunks(peer, offer, deadline)
+                if self.clock() >= next_beat:  # posting can be slow (synchronous copies): keep the lease
+                    next_beat = self._beat(link, offer)
+            self._await_chunks(peer, offer, deadline, next_beat, sure_until, safe)
             link.channel.send(Done(offer.id, self.tracker.bound(offer.request)))
             ack = self._await_ack(peer, offer, deadline)
         except KvlendError as exc:
-            self._give_up(peer, offer, exc)
-            raise
+            raise self._give_up(peer, offer, exc, sure_until, safe) from None
         bound = self.tracker.bound(offer.request)
         self.tracker.finish(offer.request)
         if not ack.ok:
             kind = LeaseExpired if ack.error.startswith("LeaseExpired") else LeaseUnknown
-            raise kind(f"request {offer.request}: prefill refused done ({ack.error}); discard what was read")
-        return FetchResult(offer.request, bound, nbytes, ndesc, self.clock() - start)
+            error = kind(f"request {offer.request}: prefill refused done ({ack.error}); discard what was read")
+            error.request, error.bound = offer.request, resume_from  # nothing read under this lease counts
+            raise error
+        return FetchResult(offer.request, bound, nbytes, ndesc, self.clock() - start, resume_from)
+
+    def decline(self, peer: str, offer: LeaseOffer, reason: str) -> None:
+        """Tell ``peer`` this rank will not read ``offer``: the prefill releases it at once."""
+        link = self.links[peer]
+        link.lent_after.pop(offer.id, None)
+        link.channel.send(Abort(offer.id, reason[:4000]))
+
+    def _beat(self, link: PrefillLink, offer: LeaseOffer) -> float:
+        # Renew the offers queued behind this one too, so a long queue cannot outlive its TTL.
+        link.channel.send(Heartbeat((offer.id, *(o.id for o in link.offers))))
+        return self.clock() + self.config.heartbeat
 
     def _settle(self) -> bool:
         """Feed backend completions to the tracker; True if any arrived."""
@@ -436,6 +486,12 @@ class DecodeNode:
             if c.tag not in self._tags:
                 continue
             request, chunk = self._tags.pop(c.tag)
+            try:
+                live = chunk in self.tracker.pending(request)
+            except TrackerError:
+                live = False
+            if not live:  # a read of an attempt given up on and forgotten (its request may be fetched again)
+                continue
             if c.error is None:
                 self.tracker.done(request, chunk)
             else:
@@ -444,12 +500,14 @@ class DecodeNode:
                 self.tracker.finish(request)  # a late completion of a request we gave up on
         return bool(completions)
 
-    def _await_chunks(self, peer: str, offer: LeaseOffer, deadline: float) -> None:
+    def _await_chunks(self, peer: str, offer: LeaseOffer, deadline: float, next_beat: float,
+                      sure_until: float, safe: list[int]) -> None:
         link = self.links[peer]
-        next_beat = self.clock() + self.config.heartbeat
         idle = 0.0
         while self.tracker.pending(offer.request):
             progressed = self._settle()
+            if self.clock() < sure_until:
+                safe[0] = self.tracker.bound(offer.request)
             if self.tracker.failed(offer.request):
                 error = next(e for e in self.tracker.errors(offer.request).values() if e is not None)
                 raise error
@@ -457,9 +515,7 @@ class DecodeNode:
             if now > deadline:
                 raise TransferTimeout(f"request {offer.request}: reads not finished within {self.config.transfer_timeout:.3g} s")
             if now >= next_beat:
-                # Renew the offers queued behind this one too, so a long queue cannot outlive its TTL.
-                link.channel.send(Heartbeat((offer.id, *(o.id for o in link.offers))))
-                next_beat = now + self.config.heartbeat
+                next_beat = self._beat(link, offer)
             self._pump(peer)
             # Back off instead of spinning: on small hosts a spin starves NIXL.
             idle = 0.0 if progressed else min(max(idle * 2, 20e-6), 1e-3)
@@ -475,28 +531,68 @@ class DecodeNode:
                 if ack.lease == offer.id:
                     return ack
 
-    def _give_up(self, peer: str, offer: LeaseOffer, exc: Exception) -> None:
+    def _give_up(self, peer: str, offer: LeaseOffer, exc: KvlendError, sure_until: float,
+                 safe: list[int]) -> KvlendError:
+        """Stop reading ``offer``; return the error to raise, carrying the safe-resume bound.
+
+        Reads that landed while the lease was surely valid still count for the
+        bound.  A failure whose control channel is gone too is the prefill's
+        loss: ``PeerLost``, and the link (with its NIXL peer) is dropped so a
+        later ``connect`` starts fresh.
+        """
+        self._settle_quietly(offer)
+        if self.clock() < sure_until:
+            safe[0] = self.tracker.bound(offer.request)
+        bound = safe[0]
         self.tracker.abort(offer.request)
         link = self.links.get(peer)
-        if link is not None and not isinstance(exc, PeerLost):
+        if link is not None and not isinstance(exc, PeerLost) and not self._alive(peer):
+            exc = PeerLost(f"prefill {peer} is gone ({type(exc).__name__}: {exc})")
+        if link is not None and isinstance(exc, PeerLost):
+            self.disconnect(peer)  # fails its reads still in flight
+            self._settle_quietly(offer)
+        elif link is not None:
             try:
                 link.channel.send(Abort(offer.id, f"{type(exc).__name__}: {exc}"[:4000]), timeout=1.0)
             except KvlendError:
                 pass
-        log.warning("request %s (lease %s) failed at bound %d: %s",
-                    offer.request, offer.id.hex(), self.tracker.bound(offer.request), exc)
+        log.warning("request %s (lease %s) failed at bound %d: %s", offer.request, offer.id.hex(), bound, exc)
         if not self.tracker.pending(offer.request):
             self.tracker.finish(offer.request)
+        exc.request, exc.bound = offer.request, bound
+        return exc
+
+    def _settle_quietly(self, offer: LeaseOffer) -> None:
+        try:
+            self._settle()
+        except KvlendError as late:
+            log.info("request %s: settling after failure: %s", offer.request, late)
+
+    def _abandoned(self, request: str) -> bool:
+        try:
+            return self.tracker.aborted(request)
+        except TrackerError:
+            return False
+
+    def _alive(self, peer: str) -> bool:
+        """Whether ``peer``'s control channel still works (queued offers and acks are kept)."""
+        try:
+            self._pump(peer)
+        except PeerLost:
+            return False
+        except KvlendError:
+            return True
+        return True
 
     # ------------------------------------------------------------ chunking
-    def _chunks(self, plan: TransferPlan, offer: LeaseOffer) -> list[tuple[dict, dict]]:
+    def _chunks(self, plan: TransferPlan, offer: LeaseOffer, offer_pages: Mapping) -> list[tuple[dict, dict]]:
         """Split the lease into chunks of whole pages on both sides; state rows go last."""
         rtpp, ltpp = plan.remote.tokens_per_page, plan.local.tokens_per_page
         span = self.config.chunk_pages * max(rtpp, ltpp)  # tokens per chunk, page-aligned both sides
         groups = plan.remote.groups
         n_chunks = max(1, -(-offer.num_tokens // span))
         chunks: list[tuple[dict, dict]] = [({}, {}) for _ in range(n_chunks)]
-        for rg, pages in offer.pages.items():
+        for rg, pages in offer_pages.items():
             lg = plan.group_map.get(rg)
             if lg is None or not len(pages):
                 continue
@@ -531,6 +627,36 @@ class DecodeNode:
             except KvlendError:
                 pass
             self.disconnect(peer)
+
+
+def _resume_point(resume_from: int, num_tokens: int) -> int:
+    if isinstance(resume_from, bool) or not isinstance(resume_from, (int, np.integer)) \
+            or not 0 <= resume_from <= num_tokens:
+        raise PageRangeError(f"resume_from: must be an int in [0, {num_tokens}], got {resume_from!r}")
+    return int(resume_from)
+
+
+def _skip_below(offer: LeaseOffer, plan: TransferPlan, bound: int) -> tuple[dict, dict]:
+    """The offer's pages minus token pages wholly below ``bound``, and the local pages those cover.
+
+    Recurrent state is valid only whole, at the end, so it is always read.
+    """
+    if not bound:
+        return dict(offer.pages), {}
+    rtpp, ltpp = plan.remote.tokens_per_page, plan.local.tokens_per_page
+    pages, kept = {}, {}
+    for rg, gp in offer.pages.items():
+        lg = plan.group_map.get(rg)
+        if lg is None or plan.remote.groups[rg].recurrent:
+            pages[rg] = gp
+            continue
+        below = (gp.token_pages + 1) * rtpp <= bound
+        pages[rg] = gp.select(~below)
+        local = _local_pages(gp.token_pages[below], rtpp, ltpp, offer.num_tokens)
+        local = local[(local + 1) * ltpp <= bound]  # only local pages whose every token was read
+        if local.size:
+            kept[lg] = np.union1d(kept.get(lg, local), local)
+    return pages, kept
 
 
 def _local_pages(remote_pages: np.ndarray, rtpp: int, ltpp: int, num_tokens: int) -> np.ndarray:

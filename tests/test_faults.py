@@ -1,0 +1,442 @@
+"""Faults with real processes and real NIXL: SIGKILLed ranks, resume from the safe bound, refusals.
+
+The killed rank is always a child process (``tests/fault_ranks.py``); the
+test process holds the other side and watches what the survivor does: a
+prefill whose decode died drops the page locks once the lease TTL passes and
+serves a new decode; a decode whose prefill died gets ``PeerLost`` with the
+safe-resume bound and finishes the request from a replacement prefill,
+reading only the pages at or above the bound, and the toy model then
+generates exactly the single-process reference.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import select
+import socket
+import subprocess
+import sys
+import time
+from collections import deque
+
+import numpy as np
+import pytest
+from conftest import nixl, prefill_request
+from fault_ranks import MARK
+from test_node import (
+    DEADLINE, DECODE_CONFIG, DST_PAGES, MAX_TOKENS, SRC_PAGES, Intercept, assert_locked, fetch_and_verify, free_lists, rig,
+)
+
+from kvlend.control import SECRET_ENV, connect, generate_secret
+from kvlend.errors import KvlendError, PeerLost, TransferTimeout
+from kvlend.node import DecodeNode, NodeConfig
+from kvlend.wire import Done, DoneAck, Heartbeat, encode_frame
+
+TESTS = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(os.path.dirname(TESTS), "examples"))
+import toy_engine  # noqa: E402
+
+TTL, BEAT = 1.5, 0.3
+FAULT_CONFIG = NodeConfig(ttl=TTL, heartbeat=BEAT, chunk_pages=1, handshake_timeout=DEADLINE,
+                          transfer_timeout=DEADLINE)
+
+
+class Rank:
+    """A ``fault_ranks.py`` child: JSON events on stdout, commands on stdin, SIGKILL on demand.
+
+    Its stderr is discarded unless ``$KVLEND_RANK_STDERR`` is set (for debugging a child).
+    """
+
+    def __init__(self, secret: bytes, mode: str, *args: str) -> None:
+        self.proc = subprocess.Popen(
+            [sys.executable, os.path.join(TESTS, "fault_ranks.py"), mode, *args],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=None if os.environ.get("KVLEND_RANK_STDERR") else subprocess.DEVNULL, bufsize=0,
+            env={**os.environ, SECRET_ENV: secret.hex()},
+        )
+        self.address: tuple[str, int] | None = None
+        self._buf = b""
+
+    def line(self, timeout: float) -> str:
+        """The next line of output (unbuffered reads, so ``select`` never misses a line already read)."""
+        end = time.monotonic() + timeout
+        while b"\n" not in self._buf:
+            remaining = end - time.monotonic()
+            if remaining <= 0 or not select.select([self.proc.stdout], [], [], remaining)[0]:
+                raise AssertionError(f"child said nothing within {timeout} s")
+            data = os.read(self.proc.stdout.fileno(), 65536)
+            if not data:
+                raise AssertionError(f"child exited (rc {self.proc.wait(DEADLINE)})")
+            self._buf += data
+        line, self._buf = self._buf.split(b"\n", 1)
+        return line.decode(errors="replace")
+
+    def ready(self) -> bool:
+        return b"\n" in self._buf or bool(select.select([self.proc.stdout], [], [], 0)[0])
+
+    def listening(self, timeout: float = 30.0) -> tuple[str, int]:
+        end = time.monotonic() + timeout
+        while not (line := self.line(max(0.0, end - time.monotonic()))).startswith("LISTENING "):
+            pass
+        _, host, port = line.split()
+        self.address = (host, int(port))
+        return self.address
+
+    def next_event(self, timeout: float) -> dict | None:
+        """The next event line, or None for a line of something else (UCX writes to stdout too)."""
+        line = self.line(timeout)
+        if not line.startswith(MARK):
+            return None
+        return json.JSONDecoder().raw_decode(line[len(MARK):])[0]
+
+    def event(self, want: str, timeout: float = DEADLINE) -> dict:
+        end = time.monotonic() + timeout
+        while True:
+            event = self.next_event(max(0.0, end - time.monotonic()))
+            if event is not None and event["ev"] == want:
+                return event
+
+    def send(self, text: str) -> None:
+        self.proc.stdin.write(text.encode() + b"\n")
+        self.proc.stdin.flush()
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait(DEADLINE)
+
+    def finish(self, timeout: float = 30.0) -> None:
+        if self.proc.poll() is None:
+            try:
+                self.send("stop")
+            except BrokenPipeError:
+                pass
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(DEADLINE)
+
+
+# ---------------------------------------------------------- pending hellos
+def test_a_silent_client_does_not_stall_the_prefill():
+    """A connection that never says hello stays half-open while an honest decode is served."""
+    with rig() as r:
+        silent = socket.create_connection(r.prefill.address, timeout=DEADLINE)
+        try:
+            end = time.monotonic() + DEADLINE
+            while r.prefill.listener.pending == 0:  # the prefill took it in, and waits on it
+                assert time.monotonic() < end, "the silent connection was never accepted"
+                time.sleep(0.005)
+            other = DecodeNode(r.decode.layout, nixl("second"), r.decode.secret, name="second", config=DECODE_CONFIG)
+            try:
+                link = other.connect(*r.prefill.address)  # completes while the silent one is still pending
+                peer = "second"
+                end = time.monotonic() + DEADLINE
+                while peer not in r.prefill.ready_peers():
+                    assert time.monotonic() < end
+                    time.sleep(0.005)
+                assert r.prefill.listener.pending == 1
+                tables = prefill_request(r.layout, r.src, free_lists(r.layout, SRC_PAGES, 21), 60, seed=21)
+                r.prefill.offer(peer, "while-silent", 60, tables, r.layout.full_selection(), meta={"seed": 21})
+                got, offer = other.next_offer(DEADLINE)
+                assert got == link.channel.peer
+                dst = free_lists(other.layout, DST_PAGES, 22)
+                assert fetch_and_verify(other, got, offer, r.dst, dst).bound == 60
+                assert r.prefill.listener.pending == 1
+            finally:
+                other.close()
+                other.backend.close()
+        finally:
+            silent.close()
+
+
+# -------------------------------------------------------- decode dies
+@pytest.mark.slow
+def test_sigkill_decode_mid_transfer_frees_locks_within_ttl_and_a_new_decode_serves_100():
+    released: deque = deque()
+    with rig(FAULT_CONFIG, on_release=lambda lease, reason: released.append((lease.request, reason))) as r:
+        secret = r.decode.secret
+        child = Rank(secret, "decode", "--connect", "%s:%d" % r.prefill.address, "--gen", "7",
+                     "--ttl", str(TTL), "--heartbeat", str(BEAT), "--chunk-pages", "1", "--slow", "0.1")
+        try:
+            child.event("connected", 30.0)
+            end = time.monotonic() + DEADLINE
+            while "decode7" not in r.prefill.ready_peers():
+                assert time.monotonic() < end
+                time.sleep(0.005)
+            src_free = free_lists(r.layout, SRC_PAGES, 31)
+            tables = prefill_request(r.layout, r.src, src_free, MAX_TOKENS, seed=31)
+            lease = r.prefill.offer("decode7", "doomed", MAX_TOKENS, tables, r.layout.full_selection(),
+                                    meta={"seed": 31})
+            child.event("mid_transfer")  # 40 chunks paced 0.1 s apart: the kill lands mid-transfer
+            time.sleep(2 * BEAT)  # long enough that only heartbeats can have kept the lease
+            assert_locked(r.prefill, tables, True)
+            assert r.prefill.lender.get(lease.id, time.monotonic()).id == lease.id
+            child.kill()
+            killed = time.monotonic()
+            while True:
+                with r.prefill._lock:
+                    locked = r.prefill.lender.locks.locked_pages()
+                if locked == 0:
+                    break
+                assert time.monotonic() - killed <= TTL + BEAT, f"{locked} pages still locked after TTL + heartbeat"
+                time.sleep(0.005)
+            freed_after = time.monotonic() - killed
+            assert list(released) == [("doomed", "expired")]
+            assert "decode7" not in r.prefill.peers
+            print(f"\nlocks of the killed decode dropped {freed_after:.2f} s after SIGKILL (ttl {TTL}, heartbeat {BEAT})")
+            for name, table in tables.items():
+                src_free[name].release(table)
+
+            # A new decode, connected after the kill: the next 100 requests verify byte for byte.
+            fresh = DecodeNode(r.decode.layout, nixl("fresh"), secret, name="fresh", config=DECODE_CONFIG)
+            try:
+                fresh.connect(*r.prefill.address)
+                end = time.monotonic() + DEADLINE
+                while "fresh" not in r.prefill.ready_peers():
+                    assert time.monotonic() < end
+                    time.sleep(0.005)
+                dst_free = free_lists(fresh.layout, DST_PAGES, 32)
+                rng = np.random.default_rng(33)
+                for i in range(100):
+                    n = int(rng.integers(1, MAX_TOKENS + 1))
+                    tables = prefill_request(r.layout, r.src, src_free, n, seed=100 + i)
+                    r.prefill.offer("fresh", f"after-{i}", n, tables, r.layout.full_selection(),
+                                    meta={"seed": 100 + i})
+                    link, offer = fresh.next_offer(DEADLINE)
+                    assert offer.request == f"after-{i}"
+                    assert fetch_and_verify(fresh, link, offer, r.dst, dst_free).bound == n
+                    for name, table in tables.items():
+                        src_free[name].release(table)
+            finally:
+                fresh.close()
+                fresh.backend.close()
+            with r.prefill._lock:
+                assert r.prefill.lender.locks.locked_pages() == 0
+            assert sum(reason == "done" for _, reason in released) == 100
+        finally:
+            child.kill()
+
+
+# -------------------------------------------------------- prefill dies
+class KillAfterFirstChunk:
+    """Wraps the decode's real NIXL backend: once the first read has landed, SIGKILL the prefill.
+
+    The first chunk's completion is kept for the node's next ``poll``, so the
+    tracker counts it; every later read then goes to a dead process.  Records
+    every posted local descriptor.
+    """
+
+    def __init__(self, backend, victim: Rank | None) -> None:
+        self.backend = backend
+        self.victim = victim
+        self.local_rows: list[np.ndarray] = []
+        self._stash: list = []
+
+    def post_read(self, peer, batches, tag):
+        self.backend.post_read(peer, batches, tag)
+        self.local_rows.extend(b.local for b in batches)
+        if self.victim is not None and self.victim.proc.poll() is None:
+            end = time.monotonic() + DEADLINE
+            while not any(c.tag == tag for c in self._stash):
+                assert time.monotonic() < end, "the first chunk never landed"
+                self._stash.extend(self.backend.poll())
+            assert all(c.error is None for c in self._stash)
+            self.victim.kill()
+
+    def poll(self):
+        out, self._stash = self._stash + self.backend.poll(), []
+        return out
+
+    def __getattr__(self, name):
+        return getattr(self.backend, name)
+
+
+@pytest.mark.slow
+def test_sigkill_prefill_mid_transfer_resumes_from_the_bound_and_matches_the_reference():
+    secret = generate_secret()
+    cfg = toy_engine.preset("tiny", seed=0)
+    model = toy_engine.ToyModel(cfg)
+    tpp, prompt_len, new_tokens = cfg.tokens_per_page, 200, 8
+    prompt = toy_engine.make_prompts(1, 0, prompt_len, prompt_len, cfg.vocab)[0]
+    cache = toy_engine.PagedKVCache(cfg, 2 * -(-(prompt_len + new_tokens) // tpp), seed=9)
+    args = ("--ttl", str(TTL), "--heartbeat", str(BEAT), "--prompt-len", str(prompt_len))
+    first = Rank(secret, "toy-prefill", "--gen", "1", *args)
+    second = None
+    node = DecodeNode(cache.layout(), nixl("decode"), secret, config=FAULT_CONFIG)
+    try:
+        old_agent = node.connect(*first.listening()).agent
+        peer, offer = node.next_offer(DEADLINE)
+        table = cache.alloc(-(-prompt_len // tpp))
+        hook = KillAfterFirstChunk(node.backend, first)
+        node.backend = hook
+        start = time.monotonic()
+        with pytest.raises((PeerLost, TransferTimeout)) as info:
+            node.fetch(peer, offer, {"full": table})
+        assert time.monotonic() - start <= FAULT_CONFIG.transfer_timeout
+        bound = info.value.bound
+        assert info.value.request == "toy-0"
+        assert 0 < bound < prompt_len and bound % tpp == 0, bound  # the first chunk, maybe more
+        assert node.links == {}  # the dead link and its NIXL peer are gone
+        assert node.tracker.stats.requests == 0
+
+        # A replacement prefill (its pages elsewhere in its pool) lends the request again.
+        second = Rank(secret, "toy-prefill", "--gen", "2", *args)
+        link = node.connect(*second.listening())
+        assert link.agent != old_agent  # a new NIXL remote agent, same decode process
+        peer, offer = node.next_offer(DEADLINE)
+        hook.victim, hook.local_rows = None, []
+        result = node.fetch(peer, offer, {"full": table}, resume_from=bound)
+        pages_left = -(-prompt_len // tpp) - bound // tpp
+        slot = 2 * cfg.kv_heads * tpp * cfg.head_dim * 4  # K and V, float32
+        assert result.resumed_from == bound and result.bound == prompt_len
+        assert result.bytes == pages_left * cfg.layers * slot
+        below = set()
+        for layer in range(cfg.layers):
+            view = cache.page_view(layer)
+            below |= {view[p].ctypes.data for p in table[: bound // tpp]}
+        read = np.concatenate(hook.local_rows)
+        assert int(read[:, 1].sum()) == result.bytes
+        starts = read[:, 0]
+        for addr in below:  # no descriptor touches a page below the bound
+            assert not ((starts <= addr) & (addr < starts + read[:, 1])).any()
+        print(f"\nprefill killed at bound {bound}/{prompt_len} tokens; resume read {pages_left} of "
+              f"{-(-prompt_len // tpp)} pages ({result.bytes} bytes)")
+
+        out = toy_engine.decode(model, cache, table, prompt_len, offer.meta["first"], new_tokens)
+        assert out == toy_engine.generate_reference(model, prompt, new_tokens)
+    finally:
+        node.close()
+        node.backend.close()
+        first.kill()
+        if second is not None:
+            second.finish(DEADLINE)
+
+
+# ------------------------------------------------------------- refusals
+def test_wrong_secret_replayed_frame_and_another_decodes_lease_are_refused(caplog):
+    caplog.set_level(logging.INFO)
+    with rig(NodeConfig(ttl=30.0)) as r:
+        # Wrong secret: no channel, no metadata, no peer.
+        intruder = DecodeNode(r.decode.layout, nixl("intruder"), generate_secret(), name="intruder",
+                              config=NodeConfig(handshake_timeout=2.0))
+        try:
+            with pytest.raises(KvlendError):
+                intruder.connect(*r.prefill.address)
+            assert intruder.links == {} and "intruder" not in r.prefill.peers
+        finally:
+            intruder.backend.close()
+
+        tables = prefill_request(r.layout, r.src, free_lists(r.layout, SRC_PAGES, 41), 50, seed=41)
+        lease = r.prefill.offer(r.peer, "a-only", 50, tables, r.layout.full_selection(), meta={"seed": 41})
+        link_a, offer = r.decode.next_offer(DEADLINE)
+        channel_a = r.decode.links[link_a].channel
+
+        # A frame of session A, replayed into a new session of someone holding the secret.
+        replayed = encode_frame(channel_a._key, channel_a._send_seq, Done(lease.id, 50))
+        caplog.clear()
+        thief = connect(*r.prefill.address, r.decode.secret, "thief", timeout=DEADLINE)
+        try:
+            thief.sock.sendall(replayed)
+            with pytest.raises(PeerLost):  # the prefill hangs up on it
+                while True:
+                    thief.recv(DEADLINE)
+        finally:
+            thief.close()
+        assert "thief" not in r.prefill.peers and "failed authentication" in caplog.text
+
+        # Decode B, properly connected, sends Heartbeat and Done for A's lease.
+        b = DecodeNode(r.decode.layout, nixl("decode-b"), r.decode.secret, name="decode-b", config=DECODE_CONFIG)
+        try:
+            link_b = b.connect(*r.prefill.address)
+            before = r.prefill.lender.get(lease.id, time.monotonic()).expires_at
+            time.sleep(0.05)  # so a renewal would move the expiry
+            link_b.channel.send(Heartbeat((lease.id,)))
+            link_b.channel.send(Done(lease.id, 50))
+            ack = link_b.channel.recv(DEADLINE)
+            assert isinstance(ack, DoneAck) and ack.lease == lease.id
+            assert not ack.ok and ack.error.startswith("LeaseDenied")
+            with r.prefill._lock:
+                assert r.prefill.lender.get(lease.id, time.monotonic()).expires_at == before  # not renewed
+            assert_locked(r.prefill, tables, True)
+            assert "decode-b" in r.prefill.ready_peers()  # refused, not dropped
+        finally:
+            b.close()
+            b.backend.close()
+
+        # A's lease survived all three and reads fine.
+        result = fetch_and_verify(r.decode, link_a, offer, r.dst, free_lists(r.decode.layout, DST_PAGES, 42))
+        assert result.bound == 50
+        assert_locked(r.prefill, tables, False)
+        assert r.released == [("a-only", "done")]
+
+
+def test_a_lease_expired_under_a_reader_reports_bound_zero_for_what_it_read():
+    """Nothing read under an expired lease may be used: the error's bound says so."""
+    offset = [0.0]
+    with rig(NodeConfig(ttl=5.0), clock=lambda: time.monotonic() + offset[0]) as r:
+        tables = prefill_request(r.layout, r.src, free_lists(r.layout, SRC_PAGES, 51), 40, seed=51)
+        r.prefill.offer(r.peer, "late", 40, tables, r.layout.full_selection(), meta={"seed": 51})
+        link, offer = r.decode.next_offer(DEADLINE)
+        offset[0] += 60.0
+        end = time.monotonic() + DEADLINE
+        while r.prefill.lender.active_leases:
+            assert time.monotonic() < end
+            time.sleep(0.005)
+        with pytest.raises(KvlendError) as info:
+            r.decode.fetch(link, offer, {name: np.arange(10) for name in r.decode.layout.groups})
+        assert type(info.value).__name__ == "LeaseExpired" and info.value.bound == 0
+        assert r.decode.links  # the prefill is fine: the link stays
+
+
+def test_resume_from_is_validated_before_anything_moves():
+    with rig() as r:
+        tables = prefill_request(r.layout, r.src, free_lists(r.layout, SRC_PAGES, 61), 20, seed=61)
+        r.prefill.offer(r.peer, "bad-resume", 20, tables, r.layout.full_selection(), meta={"seed": 61})
+        link, offer = r.decode.next_offer(DEADLINE)
+        for bad in (-1, 21, 1.5, True):
+            with pytest.raises(KvlendError, match="resume_from"):
+                r.decode.fetch(link, offer, {name: np.arange(5) for name in r.decode.layout.groups}, resume_from=bad)
+        assert r.decode.tracker.stats.requests == 0
+        result = fetch_and_verify(r.decode, link, offer, r.dst, free_lists(r.decode.layout, DST_PAGES, 62))
+        assert result.bound == 20 and result.resumed_from == 0
+
+
+@pytest.mark.parametrize("late", [False, True])
+def test_without_a_done_ack_only_reads_made_while_the_lease_was_surely_valid_count(late):
+    """The prefill vanishes between the last read and the done ack: nobody confirms the lease.
+
+    Read promptly, every page counts.  Read after sitting on the offer past
+    its TTL (the prefill may have expired it and reused the pages), none do.
+    """
+    offset = [0.0]
+    with rig() as r:
+        decode = DecodeNode(r.decode.layout, nixl("slow"), r.decode.secret, name="slow",
+                            config=NodeConfig(ttl=5.0, heartbeat=1.0, transfer_timeout=DEADLINE),
+                            clock=lambda: time.monotonic() + offset[0])
+        try:
+            decode.connect(*r.prefill.address)
+            end = time.monotonic() + DEADLINE
+            while "slow" not in r.prefill.ready_peers():
+                assert time.monotonic() < end
+                time.sleep(0.005)
+            tables = prefill_request(r.layout, r.src, free_lists(r.layout, SRC_PAGES, 71), 48, seed=71)
+            r.prefill.offer("slow", "unconfirmed", 48, tables, r.layout.full_selection(), meta={"seed": 71})
+            link, offer = decode.next_offer(DEADLINE)
+            if late:
+                offset[0] += 2 * offer.ttl  # on the decode's own clock: the TTL ran out since the offer came
+
+            def vanish(message):
+                if isinstance(message, Done):
+                    r.prefill.close()
+
+            decode.links[link].channel = Intercept(decode.links[link].channel, before_send=vanish)
+            with pytest.raises(PeerLost) as info:
+                decode.fetch(link, offer, {name: np.arange(12) for name in decode.layout.groups})
+            assert info.value.bound == (0 if late else 48)
+            assert decode.links == {}
+        finally:
+            decode.close()
+            decode.backend.close()
