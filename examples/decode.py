@@ -25,6 +25,7 @@ from prefill import model_config  # noqa: E402
 from workload import add_workload_args  # noqa: E402
 
 from kvlend.backend import load_backend  # noqa: E402
+from kvlend.metrics import METRICS  # noqa: E402
 from kvlend.control import load_secret  # noqa: E402
 from kvlend.errors import ProtocolError  # noqa: E402
 from kvlend.layout import ReplicaRank  # noqa: E402
@@ -59,6 +60,8 @@ def main(argv=None) -> int:
         toy_engine.PagedKVCache(config, num_pages, state_slots=1, replica=ReplicaRank(tp, r)) for r in range(tp)
     ]
     secret = load_secret()
+    if args.metrics_port is not None:
+        METRICS.serve(args.metrics_port)
     node_config = NodeConfig(transfer_timeout=args.timeout, chunk_pages=args.chunk_pages)
     nodes = [DecodeNode(s.layout(), load_backend("nixl", name=f"decode-{os.getpid()}-{r}"), secret,
                         name=f"decode-tp{r}", config=node_config) for r, s in enumerate(shards)]

@@ -24,6 +24,7 @@ import toy_engine  # noqa: E402
 from workload import add_workload_args  # noqa: E402
 
 from kvlend.backend import load_backend  # noqa: E402
+from kvlend.metrics import METRICS  # noqa: E402
 from kvlend.control import load_secret  # noqa: E402
 from kvlend.errors import TransferTimeout  # noqa: E402
 from kvlend.node import NodeConfig, PrefillNode  # noqa: E402
@@ -81,6 +82,8 @@ def main(argv=None) -> int:
                 cache.free(table)
                 cache.free_state(slot)
 
+    if args.metrics_port is not None:
+        METRICS.serve(args.metrics_port + 1)
     node = PrefillNode(layout, load_backend("nixl", name=f"prefill-{os.getpid()}"), load_secret(),
                        host=args.host, port=args.port, config=NodeConfig(transfer_timeout=args.timeout),
                        on_release=lambda lease, reason: released.put(lease.request))

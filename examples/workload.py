@@ -29,6 +29,9 @@ def add_workload_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-len", type=int, default=640, help="longest prompt in tokens (default 640)")
     p.add_argument("--max-new-tokens", type=int, default=8, help="tokens decode generates (default 8)")
     p.add_argument("--timeout", type=float, default=60.0, help="seconds any one wait may take (default 60)")
+    p.add_argument("--metrics-port", type=int, default=None,
+                   help="serve Prometheus metrics while the pair runs: the decode rank on this port, "
+                        "the prefill rank on the next one (needs prometheus_client)")
 
 
 def workload_argv(args: argparse.Namespace) -> list[str]:
@@ -39,6 +42,8 @@ def workload_argv(args: argparse.Namespace) -> list[str]:
         "--min-len", str(args.min_len), "--max-len", str(args.max_len),
         "--max-new-tokens", str(args.max_new_tokens), "--timeout", str(args.timeout),
     ]
+    if args.metrics_port is not None:
+        argv += ["--metrics-port", str(args.metrics_port)]
     for flag, value in (("--tokens-per-page", args.tokens_per_page),
                         ("--decode-tokens-per-page", args.decode_tokens_per_page)):
         if value is not None:

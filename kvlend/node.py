@@ -28,6 +28,7 @@ from .errors import (
 )
 from .layout import PageLayout, RowSelection
 from .lender import Lease, Lender
+from .metrics import METRICS
 from .negotiate import TransferPlan, negotiate
 from .plan import plan_reads
 from .tracker import DeliveryTracker
@@ -109,6 +110,8 @@ class PrefillNode:
         backend.register(layout.regions)
         self.listener = Listener(secret, name, host, port)
         self.peers: dict[str, _DecodePeer] = {}
+        METRICS.gauge("kvlend_active_leases", lambda: self.lender.active_leases, name)
+        METRICS.gauge("kvlend_locked_pages", lambda: self.lender.locks.locked_pages(), name)
         self._lock = threading.RLock()
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
@@ -169,6 +172,7 @@ class PrefillNode:
             self._end(lease.id, "aborted")
             self._drop(peer, "send failed")
             raise
+        METRICS.inc("kvlend_leases_total")
         log.debug("lease %s: offered request %s (%d pages) to %s", lease.hex, request, lease.num_pages, peer)
         return lease
 
@@ -190,6 +194,7 @@ class PrefillNode:
             self._serve(name)
         for lease in self.lender.expire(self.clock()):
             log.warning("lease %s of request %s expired (peer %s)", lease.hex, lease.request, lease.peer)
+            METRICS.inc("kvlend_expired_leases_total")
             self.on_release(lease, "expired")
         self.backend.poll()
 
@@ -262,6 +267,8 @@ class PrefillNode:
             for name in list(self.peers):
                 self._drop(name, "prefill shutting down", logging.INFO)
             self.listener.close()
+        METRICS.remove_gauge("kvlend_active_leases", self.name)
+        METRICS.remove_gauge("kvlend_locked_pages", self.name)
 
 
 # ------------------------------------------------------------------- decode
@@ -342,6 +349,7 @@ class DecodeNode:
             channel.close()
             raise
         link = PrefillLink(channel, agent, plan, (self.clock() - start) * 1e3, drained_at=start)
+        METRICS.observe("kvlend_handshake_seconds", link.handshake_ms / 1e3)
         self.links[channel.peer] = link
         log.info("handshake with %s: %s", channel.peer, plan.summary().splitlines()[0])
         return link
@@ -454,10 +462,12 @@ class DecodeNode:
                 ndesc += sum(b.count for b in batches)
                 if self.clock() >= next_beat:  # posting can be slow (synchronous copies): keep the lease
                     next_beat = self._beat(link, offer)
+            posted = self.clock()
             self._await_chunks(peer, offer, deadline, next_beat, sure_until, safe)
             link.channel.send(Done(offer.id, self.tracker.bound(offer.request)))
             ack = self._await_ack(peer, offer, deadline)
         except KvlendError as exc:
+            METRICS.inc("kvlend_failed_transfers_total", type(exc).__name__)
             raise self._give_up(peer, offer, exc, sure_until, safe) from None
         bound = self.tracker.bound(offer.request)
         self.tracker.finish(offer.request)
@@ -465,8 +475,16 @@ class DecodeNode:
             kind = LeaseExpired if ack.error.startswith("LeaseExpired") else LeaseUnknown
             error = kind(f"request {offer.request}: prefill refused done ({ack.error}); discard what was read")
             error.request, error.bound = offer.request, resume_from  # nothing read under this lease counts
+            METRICS.inc("kvlend_failed_transfers_total", kind.__name__)
             raise error
-        return FetchResult(offer.request, bound, nbytes, ndesc, self.clock() - start, resume_from)
+        result = FetchResult(offer.request, bound, nbytes, ndesc, self.clock() - start, resume_from)
+        METRICS.observe("kvlend_transfer_seconds", result.seconds)
+        METRICS.observe("kvlend_post_seconds", posted - start)
+        METRICS.observe("kvlend_transfer_bytes", nbytes)
+        METRICS.observe("kvlend_transfer_descriptors", ndesc)
+        if resume_from:
+            METRICS.inc("kvlend_resumes_total")
+        return result
 
     def decline(self, peer: str, offer: LeaseOffer, reason: str) -> None:
         """Tell ``peer`` this rank will not read ``offer``: the prefill releases it at once."""
