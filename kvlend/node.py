@@ -212,10 +212,15 @@ class PrefillNode:
         now = self.clock()
         if peer.layout is None:
             layout = _peer_layout(message, self.backend)
-            negotiate(layout, self.layout)  # refuse a decode we cannot serve before it sees anything
+            try:
+                plan = negotiate(layout, self.layout)  # refuse a decode we cannot serve before it sees a lease
+            except LayoutMismatch:
+                # Our layout without backend metadata: the decode negotiates too and names every field.
+                peer.channel.send(Handshake(self.layout.encode(), self.backend.kind, b""))
+                raise
             peer.channel.send(_handshake(self.layout, self.backend))
             peer.layout = layout
-            log.info("handshake with %s: its layout %s, ours %s", name, layout.layout_id[:12], self.layout.layout_id[:12])
+            log.info("handshake with %s: %s", name, plan.summary().splitlines()[0])
         elif isinstance(message, Heartbeat):
             for lease_id in message.leases:
                 try:
@@ -231,6 +236,7 @@ class PrefillNode:
                 return
             self._end(message.lease, "done")
             peer.channel.send(DoneAck(message.lease, True, ""))
+            log.debug("lease %s: done by %s at bound %d", message.lease.hex(), name, message.bound)
         elif isinstance(message, Abort):
             try:
                 self.lender.check_read(message.lease, name, now)
@@ -342,6 +348,8 @@ class DecodeNode:
                 if len(self._plans) >= 64:  # prefills that restarted many times: start over
                     self._plans.clear()
                 plan = self._plans[key] = negotiate(self.layout, remote)
+            if not reply.metadata:
+                raise ProtocolError(f"prefill {channel.peer} sent no backend metadata")
             if channel.peer in self.links:
                 self.disconnect(channel.peer)
             agent = self.backend.add_peer(reply.metadata)
@@ -478,6 +486,8 @@ class DecodeNode:
             METRICS.inc("kvlend_failed_transfers_total", kind.__name__)
             raise error
         result = FetchResult(offer.request, bound, nbytes, ndesc, self.clock() - start, resume_from)
+        log.debug("request %s (lease %s): %d bytes in %d descriptors, bound %d, %.2f ms",
+                  offer.request, offer.id.hex(), nbytes, ndesc, bound, result.seconds * 1e3)
         METRICS.observe("kvlend_transfer_seconds", result.seconds)
         METRICS.observe("kvlend_post_seconds", posted - start)
         METRICS.observe("kvlend_transfer_bytes", nbytes)
@@ -584,7 +594,7 @@ class DecodeNode:
         try:
             self._settle()
         except KvlendError as late:
-            log.info("request %s: settling after failure: %s", offer.request, late)
+            log.info("request %s (lease %s): settling after failure: %s", offer.request, offer.id.hex(), late)
 
     def _abandoned(self, request: str) -> bool:
         try:

@@ -28,7 +28,7 @@ from conftest import (
 )
 
 from kvlend.control import SECRET_ENV, generate_secret
-from kvlend.errors import AuthError, KvlendError, LeaseExpired, PeerLost, TransferTimeout
+from kvlend.errors import AuthError, KvlendError, LayoutMismatch, LeaseExpired, PeerLost, TransferTimeout
 from kvlend.layout import PageLayout
 from kvlend.node import DecodeNode, FetchResult, NodeConfig, PrefillNode
 from kvlend.wire import Done, LeaseOffer
@@ -206,7 +206,7 @@ def test_handshake_refuses_a_mismatched_layout(field_name, mismatch):
         other = DecodeNode(make_layout(make_pools(DST_PAGES, **mismatch)), nixl("odd-decode"),
                            r.decode.secret, name="odd-decode", config=DECODE_CONFIG)
         try:
-            with pytest.raises(KvlendError, match=field_name):
+            with pytest.raises(LayoutMismatch, match=field_name):
                 other.connect(*r.prefill.address)
             assert other.links == {}
         finally:
