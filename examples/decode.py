@@ -22,7 +22,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import numpy as np  # noqa: E402
 import toy_engine  # noqa: E402
 from prefill import model_config  # noqa: E402
-from workload import add_workload_args  # noqa: E402
+from workload import add_workload_args, run_rank  # noqa: E402
 
 from kvlend.backend import load_backend  # noqa: E402
 from kvlend.metrics import METRICS  # noqa: E402
@@ -130,4 +130,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_rank(main, "decode"))

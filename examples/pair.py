@@ -10,6 +10,7 @@ against a single-process reference.  ``run_pair`` returns the decode's report;
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import select
@@ -21,7 +22,7 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
-from workload import add_workload_args, workload_argv  # noqa: E402
+from workload import add_workload_args, workload_argv, run_rank  # noqa: E402
 
 from kvlend.control import SECRET_ENV, SECRET_FILE_ENV, generate_secret  # noqa: E402
 from kvlend.errors import KvlendError, TransferTimeout  # noqa: E402
@@ -35,6 +36,40 @@ def _stop(proc: subprocess.Popen) -> None:
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
+
+
+def check_args(args: argparse.Namespace) -> None:
+    """Refuse options the ranks would fail on, before starting either of them."""
+    for name, low in (("requests", 1), ("seed", 0), ("min_len", 1), ("max_new_tokens", 1), ("decode_tp", 1),
+                      ("host_layers", 0), ("tokens_per_page", 1), ("decode_tokens_per_page", 1)):
+        value = getattr(args, name)
+        if value is not None and value < low:
+            raise KvlendError(f"--{name.replace('_', '-')}: must be >= {low}, got {value}")
+    if args.max_len < args.min_len:
+        raise KvlendError(f"--max-len: {args.max_len} is shorter than --min-len {args.min_len}")
+    if not args.timeout > 0:
+        raise KvlendError(f"--timeout: must be > 0 seconds, got {args.timeout:g}")
+    if args.metrics_port is not None:
+        if not 1 <= args.metrics_port <= 65534:
+            raise KvlendError(f"--metrics-port: must be in [1, 65534] (the prefill takes the next port), "
+                              f"got {args.metrics_port}")
+        if importlib.util.find_spec("prometheus_client") is None:
+            raise KvlendError("--metrics-port needs prometheus_client: pip install 'kvlend[metrics]'")
+    from prefill import model_config  # imports torch: only once the cheap checks passed
+
+    prefill, decode = model_config(args), model_config(args, "decode")
+    small, large = sorted((prefill.tokens_per_page, decode.tokens_per_page))
+    if large % small:
+        raise KvlendError(f"--decode-tokens-per-page: {decode.tokens_per_page} is neither a multiple nor a "
+                          f"fraction of the prefill's {prefill.tokens_per_page}")
+    if prefill.kv_heads % args.decode_tp:
+        raise KvlendError(f"--decode-tp: {args.decode_tp} does not divide the model's {prefill.kv_heads} KV heads")
+    if args.host_layers > len(prefill.attention_layers):
+        raise KvlendError(f"--host-layers: the model has only {len(prefill.attention_layers)} attention layers, "
+                          f"got {args.host_layers}")
+    if args.max_len + args.max_new_tokens > prefill.max_context:
+        raise KvlendError(f"--max-len {args.max_len} + --max-new-tokens {args.max_new_tokens} exceed the model's "
+                          f"context of {prefill.max_context} tokens")
 
 
 def run_pair(args) -> dict:
@@ -114,10 +149,11 @@ def build_parser(p: argparse.ArgumentParser | None = None) -> argparse.ArgumentP
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
+    check_args(args)
     report = run_pair(args)
     print(json.dumps(report) if args.json else format_report(report))
     return 0 if report["verified"] else 1
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_rank(main, "pair"))

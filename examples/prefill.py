@@ -21,12 +21,12 @@ from collections import Counter
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import toy_engine  # noqa: E402
-from workload import add_workload_args  # noqa: E402
+from workload import add_workload_args, run_rank  # noqa: E402
 
 from kvlend.backend import load_backend  # noqa: E402
-from kvlend.metrics import METRICS  # noqa: E402
 from kvlend.control import load_secret  # noqa: E402
 from kvlend.errors import TransferTimeout  # noqa: E402
+from kvlend.metrics import METRICS  # noqa: E402
 from kvlend.node import NodeConfig, PrefillNode  # noqa: E402
 
 
@@ -119,4 +119,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_rank(main, "prefill"))

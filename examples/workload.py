@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import argparse
+import sys
+from typing import Callable
+
+from kvlend.errors import KvlendError
 
 PRESET_NAMES = ("tiny", "llama", "hybrid")  # toy_engine.PRESETS; the engine rejects anything else
 MODEL_NAMES = ("llama", "hybrid")
@@ -49,3 +53,12 @@ def workload_argv(args: argparse.Namespace) -> list[str]:
         if value is not None:
             argv += [flag, str(value)]
     return argv
+
+
+def run_rank(main: Callable[[], int], role: str) -> int:
+    """Run a rank's ``main``; a kvlend failure is one line on stderr and exit status 1."""
+    try:
+        return main()
+    except KvlendError as exc:
+        print(f"{role}: error: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 1

@@ -3,8 +3,9 @@
 Each subcommand is one row of ``COMMANDS``: its path (``("layout", "show")``),
 a help line, a function that adds its arguments and a function that runs it
 and returns the exit code.  A new subcommand (``demo``, ``bench``) is one
-function and one row.  Expected failures (a bad file, an invalid layout) are
-one line on stderr and exit 2; ``--debug`` adds the traceback.
+function and one row.  Every failure is one line on stderr and exit 2 (see
+``EPILOG``); ``--debug`` adds the traceback.  Every option's help shows its
+default (``DefaultsFormatter``).
 
 Layout files are JSON holding exactly ``PageLayout.to_dict()`` (enums as
 strings), or, named ``*.msgpack``, the bytes of ``PageLayout.encode()``.
@@ -17,6 +18,7 @@ import importlib.util
 import json
 import os
 import sys
+import textwrap
 import traceback
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,8 +28,37 @@ from .errors import KvlendError, LayoutError, LayoutMismatch
 from .layout import LayerGroup, PageLayout
 
 EXIT_OK = 0
-EXIT_MISMATCH = 1
-EXIT_USAGE = 2
+EXIT_MISMATCH = 1  # layouts cannot exchange pages; the demo's tokens did not verify
+EXIT_USAGE = 2  # bad arguments or input, or a failure (one line on stderr)
+EXIT_INTERRUPTED = 130  # Ctrl-C
+
+EPILOG = """\
+exit status:
+  0    success (layout check: the layouts negotiate; demo: every request verified)
+  1    layout check: the layouts cannot exchange pages (every differing field is
+       printed); demo: a request's tokens did not verify
+  2    bad arguments or input, or a failure such as a timeout or a lost peer
+       (one line on stderr; --debug adds the traceback)
+  130  interrupted
+
+environment:
+  KVLEND_SECRET, KVLEND_SECRET_FILE  the pair's shared secret (the demo makes its own)
+  KVLEND_LOG                         log level of the example ranks (default WARNING)
+  KVLEND_EXAMPLES                    where demo finds examples/pair.py (default: the checkout's)
+  NIXL_LOG_LEVEL                     NIXL's log level (default: NIXL's INFO lowered to WARNING)
+  UCX_NET_DEVICES, UCX_TLS           which devices and transports UCX may use
+"""
+
+
+class DefaultsFormatter(argparse.RawDescriptionHelpFormatter):
+    """Append "(default ...)" to an option's help unless it already names its default."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if "default" in text or not action.option_strings or action.nargs == 0 \
+                or action.default is argparse.SUPPRESS:
+            return text
+        return f"{text} (default {'none' if action.default is None else action.default})"
 
 
 class CliError(Exception):
@@ -40,6 +71,7 @@ class Command:
     help: str
     add_arguments: Callable[[argparse.ArgumentParser], None]
     run: Callable[[argparse.Namespace], int]
+    exits: str = "exit status: 0 success, 2 error (one line on stderr)"
 
 
 # ------------------------------------------------------------------ files
@@ -177,17 +209,22 @@ def _add_demo(parser: argparse.ArgumentParser) -> None:
 
 def _run_demo(args: argparse.Namespace) -> int:
     pair = _example("pair")
+    pair.check_args(args)
     report = pair.run_pair(args)
     print(json.dumps(report) if args.json else pair.format_report(report))
     return EXIT_OK if report["verified"] else EXIT_MISMATCH
 
 
 def _add_bench(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--scenario", default="1,2,3,4", help="comma-separated scenarios to run (default 1,2,3,4)")
-    parser.add_argument("--reps", type=int, default=None, help="timed repetitions per method in scenarios 1-2")
+    parser.add_argument("--scenario", default="1,2,3,4",
+                        help="comma-separated scenarios to run: 1 large contiguous read, 2 model-shaped "
+                             "fragmented pools, 3 small requests back to back, 4 cold peer (default 1,2,3,4)")
+    parser.add_argument("--reps", type=int, default=None,
+                        help="timed repetitions per method in scenarios 1-2 (default 10, or 3 with --quick)")
     parser.add_argument("--quick", action="store_true", help="small sizes and few repetitions (seconds, for tests)")
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
-    parser.add_argument("--plot", metavar="FILE.png", help="also plot throughput against request size (needs matplotlib)")
+    parser.add_argument("--plot", metavar="FILE.png",
+                        help="also plot throughput against request size (needs matplotlib) (default: no plot)")
 
 
 def _run_bench(args: argparse.Namespace) -> int:
@@ -197,26 +234,39 @@ def _run_bench(args: argparse.Namespace) -> int:
         scenarios = [int(s) for s in args.scenario.split(",") if s.strip()]
     except ValueError:
         raise CliError(f"--scenario: expected numbers like 1,2,3, got {args.scenario!r}") from None
+    if not scenarios:
+        raise CliError("--scenario: name at least one scenario, like 1,2,3,4")
     if args.reps is not None and args.reps < 1:
         raise CliError(f"--reps: must be >= 1, got {args.reps}")
     if args.plot:
         bench.pyplot()
+        folder = Path(args.plot).resolve().parent
+        if not folder.is_dir() or not os.access(folder, os.W_OK):
+            raise CliError(f"--plot: cannot write into {folder}")
     try:
         report = bench.run(scenarios, args.quick, args.reps)
     except ImportError as exc:
         raise CliError(f"bench needs the NIXL plugin (pip install plugins/nixl): {exc}") from None
     print(json.dumps(report, indent=1) if args.json else bench.format_report(report))
     if args.plot:
-        bench.plot(report, args.plot)
+        try:
+            bench.plot(report, args.plot)
+        except OSError as exc:
+            raise CliError(f"--plot: cannot write {args.plot}: {exc.strerror or exc}") from None
     return EXIT_OK
 
 
 COMMANDS: tuple[Command, ...] = (
     Command(("layout", "show"), "print a human summary of a layout file", _add_layout_show, _run_layout_show),
     Command(("layout", "check"), "negotiate two layouts: exit 0 with the plan, or 1 naming every mismatch",
-            _add_layout_check, _run_layout_check),
+            _add_layout_check, _run_layout_check,
+            "exit status: 0 the layouts negotiate (the plan is printed), 1 they cannot exchange pages "
+            "(every differing field is printed), 2 bad input"),
     Command(("demo",), "run a prefill/decode pair moving a real KV cache over NIXL on loopback, with a report",
-            _add_demo, _run_demo),
+            _add_demo, _run_demo,
+            "exit status: 0 every request verified, 1 a request did not verify, 2 bad options or a rank "
+            "failed (one line on stderr). Environment: KVLEND_LOG sets the ranks' log level, "
+            "KVLEND_EXAMPLES where examples/pair.py is."),
     Command(("bench",), "measure kvlend's reads against raw NIXL, memcpy, per-page and staging baselines",
             _add_bench, _run_bench),
 )
@@ -224,7 +274,8 @@ GROUP_HELP = {("layout",): "inspect and compare PageLayout files"}
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="kvlend", description="KV-cache lending for disaggregated LLM serving.")
+    parser = argparse.ArgumentParser(prog="kvlend", description="KV-cache lending for disaggregated LLM serving.",
+                                     epilog=EPILOG, formatter_class=DefaultsFormatter)
     parser.add_argument("--debug", action="store_true", help="show tracebacks of errors")
     parser.set_defaults(run=None, parser=parser)
     subparsers = {(): parser.add_subparsers(title="commands", metavar="COMMAND")}
@@ -232,10 +283,12 @@ def build_parser() -> argparse.ArgumentParser:
         for depth in range(1, len(cmd.path)):
             prefix = cmd.path[:depth]
             if prefix not in subparsers:
-                group = subparsers[prefix[:-1]].add_parser(prefix[-1], help=GROUP_HELP.get(prefix))
+                group = subparsers[prefix[:-1]].add_parser(prefix[-1], help=GROUP_HELP.get(prefix),
+                                                           description=GROUP_HELP.get(prefix))
                 group.set_defaults(run=None, parser=group)
                 subparsers[prefix] = group.add_subparsers(title="commands", metavar="COMMAND")
-        leaf = subparsers[cmd.path[:-1]].add_parser(cmd.path[-1], help=cmd.help, description=cmd.help)
+        leaf = subparsers[cmd.path[:-1]].add_parser(cmd.path[-1], help=cmd.help, description=cmd.help,
+                                                    epilog=textwrap.fill(cmd.exits, 78), formatter_class=DefaultsFormatter)
         leaf.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="show tracebacks of errors")
         cmd.add_arguments(leaf)
         leaf.set_defaults(run=cmd.run, parser=leaf)
@@ -256,9 +309,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     except BrokenPipeError:  # stdout closed early (``| head``): quiet exit, as Python's docs advise
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 1
-    except (CliError, KvlendError) as exc:
+    except KeyboardInterrupt:
+        print("kvlend: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    except Exception as exc:  # expected failures are CliError/KvlendError; anything else still gets one line
         if args.debug:
             traceback.print_exc()
         message = " ".join(str(exc).split())
+        if not isinstance(exc, (CliError, KvlendError)):
+            message = f"unexpected {type(exc).__name__}: {message} (--debug shows the traceback)"
         print(f"kvlend: error: {message}", file=sys.stderr)
         return EXIT_USAGE
