@@ -1,7 +1,7 @@
 """kvlend: in-place KV-cache lending for disaggregated LLM serving over NIXL."""
 
 from .errors import (
-    AuthError, BackendError, KvlendError, LayoutError, LayoutMismatch, LeaseDenied, LeaseError,
+    AuthError, BackendError, ConfigError, KvlendError, LayoutError, LayoutMismatch, LeaseDenied, LeaseError,
     LeaseExpired, LeaseUnknown, PageRangeError, PeerLost, ProtocolError, TrackerError, TransferTimeout,
 )
 from .pages import GroupPages
@@ -12,3 +12,12 @@ from .layout import (
 )
 
 __version__ = "0.1.0"
+
+__all__ = [
+    "AuthError", "BackendError", "ConfigError", "KvlendError", "LayoutError", "LayoutMismatch", "LeaseDenied", "LeaseError",
+    "LeaseExpired", "LeaseUnknown", "PageRangeError", "PeerLost", "ProtocolError", "TrackerError", "TransferTimeout",
+    "GroupPages",
+    "BufferDesc", "HeadGeometry", "HeadOrder", "LayerGroup", "LayerIdentity", "LayerKind", "MemoryKind",
+    "MemoryRegion", "PageLayout", "ReplicaRank", "Role", "RowSelection", "SelectionMode", "Sharding",
+    "layout_from_pools",
+]

@@ -108,4 +108,10 @@ def load_backend(name: str, /, **options) -> TransferBackend:
         factory = matches[0].load()
     except Exception as exc:
         raise BackendError(f"transfer backend {name!r} failed to load: {type(exc).__name__}: {exc}") from exc
-    return factory(**options)
+    try:
+        return factory(**options)
+    except KvlendError:
+        raise
+    except Exception as exc:  # e.g. TypeError for an option the backend does not take
+        raise BackendError(f"transfer backend {name!r} refused options {options!r}: "
+                           f"{type(exc).__name__}: {exc}") from exc

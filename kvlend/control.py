@@ -21,7 +21,7 @@ import select
 import socket
 import time
 
-from .errors import AuthError, KvlendError, PeerLost, ProtocolError, TransferTimeout
+from .errors import AuthError, ConfigError, KvlendError, PeerLost, ProtocolError, TransferTimeout
 from .wire import NONCE_BYTES, FrameDecoder, Hello, HelloAck, HelloConfirm, Message, encode_frame, session_key
 
 log = logging.getLogger(__name__)
@@ -178,9 +178,9 @@ def connect(host: str, port: int, secret: bytes, name: str, timeout: float = HEL
     deadline = time.monotonic() + timeout
     try:
         sock = socket.create_connection((host, port), timeout=timeout)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     except OSError as exc:
         raise PeerLost(f"cannot connect to {host}:{port}: {exc}") from None
-    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     nonce = secrets.token_bytes(NONCE_BYTES)
     channel = Channel(sock, f"{host}:{port}", send_key=secret, recv_key=_ack_key(secret, nonce))
     try:
@@ -224,7 +224,10 @@ class Listener:
     def __init__(self, secret: bytes, name: str, host: str = DEFAULT_HOST, port: int = 0) -> None:
         self.secret = secret
         self.name = name
-        self.sock = socket.create_server((host, port), reuse_port=False)
+        try:
+            self.sock = socket.create_server((host, port), reuse_port=False)
+        except OSError as exc:
+            raise ConfigError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
         self.sock.setblocking(False)
         self.host, self.port = self.sock.getsockname()[:2]
         self._pending: list[_PendingHello] = []

@@ -25,6 +25,10 @@ class LayoutMismatch(KvlendError):
         super().__init__("layouts cannot be mapped: " + "; ".join(lines))
 
 
+class ConfigError(KvlendError, ValueError):
+    """A setting is invalid or cannot be applied (a bad option, a port in use)."""
+
+
 class PageRangeError(KvlendError, ValueError):
     """A page ordinal, token count or page table is out of range."""
 

@@ -2,7 +2,8 @@
 
 Metrics are always readable from Python (``METRICS.snapshot()``).  When
 ``prometheus_client`` is installed (the ``metrics`` extra) they are mirrored
-into its registry as well, and ``serve(port)`` exposes them over HTTP.
+into its registry as well, from the moment ``enable_prometheus`` (or
+``serve(port)``, which exposes them over HTTP) is called.
 """
 
 from __future__ import annotations
@@ -134,7 +135,13 @@ class Metrics:
         return out
 
     def enable_prometheus(self, registry=None) -> None:
-        """Mirror into ``prometheus_client`` (the ``metrics`` extra); idempotent."""
+        """Mirror into ``prometheus_client`` (the ``metrics`` extra); idempotent.
+
+        Counters and histograms are mirrored from this call on: what was counted
+        before it stays in ``snapshot()`` only (histogram observations cannot be
+        replayed into Prometheus), so enable it, or ``serve``, before creating
+        nodes.  Gauges read live values and are complete either way.
+        """
         if self._prom is not None:
             return
         try:

@@ -2,7 +2,7 @@
 
 ``PrefillNode`` registers its pools once, authenticates decode ranks on the
 control channel, checks their layouts, lends pages and offers the leases.
-``DecodeNode`` connects, negotiates a plan (cached per pair of layout ids),
+``DecodeNode`` connects, negotiates a plan (cached per pair of layouts),
 reads each lease in chunks, tracks delivery and only reports success once
 the prefill confirms the lease was still valid when the reads ended.
 Every wait has a deadline; nothing here is clever.
@@ -23,7 +23,7 @@ import numpy as np
 from .backend import TransferBackend
 from .control import DEFAULT_HOST, Channel, Listener, connect, wait_readable
 from .errors import (
-    KvlendError, LayoutMismatch, LeaseExpired, LeaseUnknown, PageRangeError, PeerLost, ProtocolError,
+    ConfigError, KvlendError, LayoutMismatch, LeaseExpired, LeaseUnknown, PageRangeError, PeerLost, ProtocolError,
     TransferTimeout, TrackerError,
 )
 from .layout import PageLayout, RowSelection
@@ -32,9 +32,13 @@ from .metrics import METRICS
 from .negotiate import TransferPlan, negotiate
 from .plan import plan_reads
 from .tracker import DeliveryTracker
-from .wire import Abort, Bye, Done, DoneAck, Handshake, Heartbeat, LeaseOffer, Message, Offer
+from .wire import Abort, Bye, Done, DoneAck, Handshake, Heartbeat, LeaseOffer, Message, Offer, check_offer
 
 log = logging.getLogger(__name__)
+
+# The prefill sends while holding its lock: a decode that stops reading is dropped
+# after this long rather than stalling every other peer.
+SEND_TIMEOUT = 2.0
 
 
 @dataclass(frozen=True)
@@ -49,12 +53,13 @@ class NodeConfig:
 
     def __post_init__(self) -> None:
         for name in ("ttl", "heartbeat", "handshake_timeout", "transfer_timeout"):
-            if not getattr(self, name) > 0:
-                raise KvlendError(f"NodeConfig.{name} must be > 0, got {getattr(self, name)!r}")
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
+                raise ConfigError(f"NodeConfig.{name} must be a positive number of seconds, got {value!r}")
         if self.heartbeat >= self.ttl:
-            raise KvlendError(f"NodeConfig.heartbeat {self.heartbeat} must be shorter than ttl {self.ttl}")
-        if self.chunk_pages < 1:
-            raise KvlendError(f"NodeConfig.chunk_pages must be >= 1, got {self.chunk_pages}")
+            raise ConfigError(f"NodeConfig.heartbeat {self.heartbeat} must be shorter than ttl {self.ttl}")
+        if isinstance(self.chunk_pages, bool) or not isinstance(self.chunk_pages, int) or self.chunk_pages < 1:
+            raise ConfigError(f"NodeConfig.chunk_pages must be an int >= 1, got {self.chunk_pages!r}")
 
 
 def _handshake(layout: PageLayout, backend: TransferBackend) -> Handshake:
@@ -107,8 +112,12 @@ class PrefillNode:
         self.lender = Lender(layout)
         self.on_release = on_release or (lambda lease, reason: None)
         self.clock = clock
-        backend.register(layout.regions)
-        self.listener = Listener(secret, name, host, port)
+        self.listener = Listener(secret, name, host, port)  # a port in use fails before anything is registered
+        try:
+            backend.register(layout.regions)
+        except BaseException:
+            self.listener.close()
+            raise
         self.peers: dict[str, _DecodePeer] = {}
         METRICS.gauge("kvlend_active_leases", lambda: self.lender.active_leases, name)
         METRICS.gauge("kvlend_locked_pages", lambda: self.lender.locks.locked_pages(), name)
@@ -141,16 +150,21 @@ class PrefillNode:
         with self._lock:
             return [n for n, p in self.peers.items() if p.layout is not None]
 
-    def wait_for_peer(self, timeout: float) -> str:
+    def wait_for_peers(self, count: int, timeout: float) -> list[str]:
+        """Wait until ``count`` decode ranks completed the handshake; their names, sorted."""
         deadline = self.clock() + timeout
-        while not self.ready_peers():
+        while len(self.ready_peers()) < count:
             if self.clock() > deadline:
-                raise TransferTimeout(f"no decode rank completed the handshake within {timeout:.3g} s")
+                raise TransferTimeout(f"{len(self.ready_peers())} of {count} decode ranks completed the "
+                                      f"handshake within {timeout:.3g} s")
             if self._thread is None:
                 self.step(0.01)
             else:
                 time.sleep(0.005)
-        return self.ready_peers()[0]
+        return sorted(self.ready_peers())
+
+    def wait_for_peer(self, timeout: float) -> str:
+        return self.wait_for_peers(1, timeout)[0]
 
     def offer(
         self, peer: str, request: str, num_tokens: int, pages: Mapping[str, Any],
@@ -164,10 +178,14 @@ class PrefillNode:
         target = self.peers.get(peer)
         if target is None or target.layout is None:
             raise PeerLost(f"decode rank {peer!r} is not connected")
+        meta = check_offer(request, meta or {})
         lease = self.lender.lend(request, num_tokens, pages, selection, self.clock(), self.config.ttl, peer=peer)
-        offer = LeaseOffer(lease.id, request, num_tokens, lease.pages, selection, lease.ttl, dict(meta or {}))
+        offer = LeaseOffer(lease.id, request, num_tokens, lease.pages, selection, lease.ttl, meta)
         try:
-            target.channel.send(Offer(offer))
+            target.channel.send(Offer(offer), timeout=SEND_TIMEOUT)
+        except ProtocolError:  # too large to frame: nothing was sent, the channel is intact
+            self._end(lease.id, "aborted")
+            raise
         except KvlendError:
             self._end(lease.id, "aborted")
             self._drop(peer, "send failed")
@@ -216,9 +234,9 @@ class PrefillNode:
                 plan = negotiate(layout, self.layout)  # refuse a decode we cannot serve before it sees a lease
             except LayoutMismatch:
                 # Our layout without backend metadata: the decode negotiates too and names every field.
-                peer.channel.send(Handshake(self.layout.encode(), self.backend.kind, b""))
+                peer.channel.send(Handshake(self.layout.encode(), self.backend.kind, b""), timeout=SEND_TIMEOUT)
                 raise
-            peer.channel.send(_handshake(self.layout, self.backend))
+            peer.channel.send(_handshake(self.layout, self.backend), timeout=SEND_TIMEOUT)
             peer.layout = layout
             log.info("handshake with %s: %s", name, plan.summary().splitlines()[0])
         elif isinstance(message, Heartbeat):
@@ -232,10 +250,10 @@ class PrefillNode:
             try:
                 self.lender.check_read(message.lease, name, now)
             except KvlendError as exc:
-                peer.channel.send(DoneAck(message.lease, False, f"{type(exc).__name__}: {exc}"))
+                peer.channel.send(DoneAck(message.lease, False, f"{type(exc).__name__}: {exc}"), timeout=SEND_TIMEOUT)
                 return
             self._end(message.lease, "done")
-            peer.channel.send(DoneAck(message.lease, True, ""))
+            peer.channel.send(DoneAck(message.lease, True, ""), timeout=SEND_TIMEOUT)
             log.debug("lease %s: done by %s at bound %d", message.lease.hex(), name, message.bound)
         elif isinstance(message, Abort):
             try:
@@ -362,7 +380,14 @@ class DecodeNode:
         log.info("handshake with %s: %s", channel.peer, plan.summary().splitlines()[0])
         return link
 
+    def _link(self, peer: str) -> PrefillLink:
+        link = self.links.get(peer)
+        if link is None:
+            raise PeerLost(f"no prefill rank {peer!r} is connected (have {sorted(self.links)})")
+        return link
+
     def disconnect(self, peer: str) -> None:
+        self._link(peer)
         link = self.links.pop(peer)
         link.channel.close()
         try:
@@ -382,10 +407,11 @@ class DecodeNode:
             remaining = deadline - self.clock()
             if remaining <= 0:
                 raise TransferTimeout(f"no lease offered within {timeout:.3g} s")
+            wait_readable([link.channel for link in self.links.values()], min(remaining, 0.05))
             for peer in list(self.links):
                 try:
-                    self._pump(peer, min(remaining, 0.05) if len(self.links) == 1 else 0.0)
-                except PeerLost:
+                    self._pump(peer)
+                except (PeerLost, ProtocolError):  # gone, or a channel that can no longer be trusted
                     self.disconnect(peer)  # the next connect to it re-handshakes
                     raise
 
@@ -429,7 +455,9 @@ class DecodeNode:
         Returns once every chunk landed and the prefill confirmed the lease
         was valid throughout.  Otherwise raises (``PeerLost``,
         ``TransferTimeout``, ``LeaseExpired``, ...) with ``.request`` and
-        ``.bound`` set on the error: the safe-resume bound in tokens, up to
+        ``.bound`` set on the error (bad arguments -- an unknown peer, a bad
+        ``resume_from`` or destination table -- raise first, before anything is
+        read, and carry neither): the safe-resume bound in tokens, up to
         which ``dst`` holds verified KV (just ``resume_from`` if the prefill
         refused the done: nothing read under that lease may be used).  A lost
         prefill's link is dropped, so the next ``connect`` to it re-handshakes.
@@ -438,7 +466,7 @@ class DecodeNode:
         request into the same ``dst``) skips every token page wholly below
         it: those pages count as delivered and are not read again.
         """
-        link = self.links[peer]
+        link = self._link(peer)
         plan = link.plan
         start = self.clock()
         deadline = start + self.config.transfer_timeout
@@ -498,7 +526,7 @@ class DecodeNode:
 
     def decline(self, peer: str, offer: LeaseOffer, reason: str) -> None:
         """Tell ``peer`` this rank will not read ``offer``: the prefill releases it at once."""
-        link = self.links[peer]
+        link = self._link(peer)
         link.lent_after.pop(offer.id, None)
         link.channel.send(Abort(offer.id, reason[:4000]))
 
@@ -606,10 +634,8 @@ class DecodeNode:
         """Whether ``peer``'s control channel still works (queued offers and acks are kept)."""
         try:
             self._pump(peer)
-        except PeerLost:
+        except (PeerLost, ProtocolError):  # a channel that failed authentication is as good as gone
             return False
-        except KvlendError:
-            return True
         return True
 
     # ------------------------------------------------------------ chunking

@@ -19,7 +19,7 @@ from .backend import ReadBatch
 from .errors import LayoutError, PageRangeError
 from .layout import MemoryKind, MemoryRegion, RowSelection, SelectionMode
 from .negotiate import Piece, RegionPair, TransferPlan, merge_pieces
-from .pages import GroupPages
+from .pages import GroupPages, int_array
 
 _U64 = np.uint64
 
@@ -244,9 +244,7 @@ def _group_pages(plan: TransferPlan, pair: RegionPair, src: Mapping[str, GroupPa
     pages = src[rg]
     if not isinstance(pages, GroupPages):
         raise LayoutError(f"src[{rg!r}]: expected GroupPages, got {type(pages).__name__}")
-    table = np.asarray(dst[lg])
-    if table.ndim != 1 or table.dtype.kind not in "iu":
-        raise PageRangeError(f"dst[{lg!r}]: expected a 1-D integer array, got {table.dtype} {table.shape}")
+    table = int_array(f"dst[{lg!r}]", dst[lg])
     tokens = pages.token_pages
     if plan.local.groups[lg].recurrent:
         if table.size != 1:
@@ -259,9 +257,9 @@ def _group_pages(plan: TransferPlan, pair: RegionPair, src: Mapping[str, GroupPa
             f"src[{rg!r}]: remote token page {int(tokens[-1])} maps to local token page "
             f"{int((tokens[-1] // m) * s + s - 1)}, beyond dst[{lg!r}] of {table.size} pages")
     if m == s == 1:
-        local = table[tokens].astype(np.int64, copy=False)[:, None]
+        local = table[tokens][:, None]
     else:
-        local = table.astype(np.int64)[(tokens // m)[:, None] * s + np.arange(s)]
+        local = table[(tokens // m)[:, None] * s + np.arange(s)]
     return _Pages(tokens, pages.ordinals, local)
 
 
@@ -276,8 +274,9 @@ def _check_slots(side: str, group: str, bounds: tuple[int, int], region: MemoryR
 # ------------------------------------------------------------------ descriptors
 def _runs(pair: RegionPair, pieces: list[Piece], group: _Pages, rr: MemoryRegion,
           lr: MemoryRegion) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(remote address, local address, length) of the maximal runs of one region pair with several
-    pieces, or several remote pages per local page (one piece per page is a ``_Block``)."""
+    """(remote address, local address, length) of every piece of every page of one region pair with
+    several pieces, or several remote pages per local page (one piece per page is a ``_Block``);
+    ``_batch`` joins them into maximal runs."""
     m = pair.remote_per_local
     src_base = _U64(rr.address) + group.src_slots * _U64(rr.page_stride)
     if m == 1:
@@ -304,17 +303,7 @@ def _runs(pair: RegionPair, pieces: list[Piece], group: _Pages, rr: MemoryRegion
         src = (src_base[:, None] + table[0][phase]).ravel()[keep]
         dst = (dst_base[:, None] + table[1][phase]).ravel()[keep]
         lengths = table[2][phase].ravel()[keep]
-    return _coalesce(src, dst, lengths)
-
-
-def _coalesce(src: np.ndarray, dst: np.ndarray, lengths: np.ndarray):
-    """Merge neighbours contiguous on both sides into maximal runs."""
-    if not src.size:
-        return src, dst, lengths
-    brk = np.ones(src.size, dtype=bool)
-    brk[1:] = (src[:-1] + lengths[:-1] != src[1:]) | (dst[:-1] + lengths[:-1] != dst[1:])
-    starts = np.flatnonzero(brk)
-    return src[starts], dst[starts], np.add.reduceat(lengths, starts)
+    return src, dst, lengths
 
 
 def _batch(kinds, parts) -> ReadBatch:

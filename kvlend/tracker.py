@@ -48,7 +48,6 @@ class _Request:
     errors: dict[Hashable, BaseException | None] = field(default_factory=dict)  # failed chunks
     aborted: bool = False
     bound: int | None = None  # cached until the next delivery
-    missing: int = 0  # needed pages not yet delivered, over all groups
 
 
 class DeliveryTracker:
@@ -86,17 +85,16 @@ class DeliveryTracker:
                 f"needed: must map every group; missing {sorted(set(groups) - have)}, "
                 f"unknown [{', '.join(sorted(map(repr, have - set(groups))))}]"
             )
-        masks, missing = {}, 0
+        masks = {}
         for name, g in groups.items():
             size = 1 if g.recurrent else -(-num_tokens // tpp)
             pages = needed[name] if checked else _pages(f"needed[{name!r}]", needed[name], size)
             mask = np.zeros(size, dtype=bool)
             mask[pages] = True
             masks[name] = mask
-            missing += pages.size
         self._aborted.pop(request, None)
         self._requests[request] = _Request(
-            num_tokens, masks, {name: np.zeros(m.size, dtype=bool) for name, m in masks.items()}, missing=missing,
+            num_tokens, masks, {name: np.zeros(m.size, dtype=bool) for name, m in masks.items()},
         )
 
     def abort(self, request: str) -> None:
@@ -147,9 +145,7 @@ class DeliveryTracker:
         if chunk is None:
             return False
         for name, idx in chunk.items():
-            have = r.delivered[name]
-            r.missing -= idx.size - int(np.count_nonzero(have[idx]))
-            have[idx] = True
+            r.delivered[name][idx] = True
         r.bound = None
         self._done += 1
         return True
@@ -206,7 +202,8 @@ class DeliveryTracker:
 
     def complete(self, request: str) -> bool:
         """Every needed page of every group is delivered."""
-        return self._get(request).missing == 0
+        r = self._get(request)
+        return not any(np.any(need & ~r.delivered[name]) for name, need in r.needed.items())
 
     def failed(self, request: str) -> bool:
         """Some chunk of ``request`` failed (what was delivered still counts for the bound)."""

@@ -18,7 +18,6 @@ from __future__ import annotations
 import hashlib
 import hmac
 import math
-import reprlib
 import struct
 from dataclasses import dataclass, field, fields
 from typing import Any, ClassVar, Mapping
@@ -27,28 +26,17 @@ import msgpack
 import numpy as np
 
 from .errors import AuthError, ProtocolError
-from .layout import RowSelection, SelectionMode
+from .layout import RowSelection, SelectionMode, _show  # _show: a short, non-recursive repr of a peer's value
+from .lender import LEASE_ID_BYTES
 from .pages import GroupPages
 
 PROTOCOL_VERSION = 1
 MAX_FRAME_BYTES = 16 << 20
 MAC_BYTES = 32
 NONCE_BYTES = 16
-LEASE_ID_BYTES = 16
 MAX_GROUP_PAGES = 1 << 22
 _LEN = struct.Struct(">I")
 _INT64 = (-(1 << 63), 1 << 63)
-
-# Error messages quote a peer's values: keep the quote short and never recurse
-# (repr of a 1000-deep list, which msgpack happily decodes, raises RecursionError).
-_REPR = reprlib.Repr()
-_REPR.maxstring = _REPR.maxother = 80
-_REPR.maxlevel = 3
-
-
-def _show(value: Any) -> str:
-    return _REPR.repr(value)
-
 
 # ------------------------------------------------------------------ messages
 @dataclass(frozen=True)
@@ -185,6 +173,13 @@ def _int64_array(v: Any, where: str) -> np.ndarray:
     if not isinstance(v, bytes) or len(v) % 8 or len(v) > 8 * MAX_GROUP_PAGES:
         raise ProtocolError(f"{where}: expected little-endian int64 bytes")
     return np.frombuffer(v, dtype="<i8").astype(np.int64)
+
+
+def check_offer(request: Any, meta: Any) -> dict:
+    """The checks the decode side applies to an offer's request id and meta, for the lender
+    to apply before it lends: an offer the peer would refuse must not take page locks."""
+    _str(request, "offer.request")
+    return _map(dict(meta) if isinstance(meta, Mapping) else meta, "offer.meta")
 
 
 def _offer(v: Any, where: str) -> LeaseOffer:

@@ -93,6 +93,15 @@ def test_unknown_backend_names_the_installed_ones():
         load_backend("no-such")
 
 
+def test_options_the_backend_does_not_take_are_a_backend_error():
+    with pytest.raises(BackendError, match=r"backend 'nixl' refused options \{'bogus': 1\}: TypeError") as info:
+        load_backend("nixl", bogus=1)
+    assert isinstance(info.value.__cause__, TypeError)
+    with pytest.raises(BackendError, match="error_mode") as info:  # the backend's own errors pass through
+        load_backend("nixl", error_mode="bogus")
+    assert info.value.__cause__ is None
+
+
 @pytest.mark.parametrize("options, field", [
     ({"error_mode": "bogus"}, "error_mode"),
     ({"timeout": 0}, "timeout"),

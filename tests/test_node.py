@@ -28,7 +28,7 @@ from conftest import (
 )
 
 from kvlend.control import SECRET_ENV, generate_secret
-from kvlend.errors import AuthError, KvlendError, LayoutMismatch, LeaseExpired, PeerLost, TransferTimeout
+from kvlend.errors import AuthError, ConfigError, LayoutMismatch, LeaseExpired, PeerLost, ProtocolError, TransferTimeout
 from kvlend.layout import PageLayout
 from kvlend.node import DecodeNode, FetchResult, NodeConfig, PrefillNode
 from kvlend.wire import Done, LeaseOffer
@@ -428,3 +428,40 @@ def test_two_processes_byte_exact(tmp_path):
             proc.kill()
             proc.wait()
         errors.close()
+
+
+@pytest.mark.parametrize("request_id, meta, why", [
+    ("r" * 5000, {}, "offer.request"),
+    ("numpy-meta", {"seed": np.int64(3)}, "offer.meta"),
+    ("nested-meta", {"seed": {"deep": 1}}, "offer.meta"),
+])
+def test_an_offer_the_decode_would_refuse_takes_no_locks(request_id, meta, why):
+    """Checked before lending: no lease, no lock, and the channel to the decode stays usable."""
+    with rig() as r:
+        tables = prefill_request(r.layout, r.src, free_lists(r.layout, SRC_PAGES, 9), 8, seed=1)
+        with pytest.raises(ProtocolError, match=why):
+            r.prefill.offer(r.peer, request_id, 8, tables, r.layout.full_selection(), meta=meta)
+        with r.prefill._lock:
+            assert r.prefill.lender.active_leases == 0
+            assert r.prefill.lender.locks.locked_pages() == 0
+        r.prefill.offer(r.peer, "fine", 8, tables, r.layout.full_selection(), meta={"seed": 1})
+        link, offer = r.decode.next_offer(DEADLINE)
+        assert fetch_and_verify(r.decode, link, offer, r.dst, free_lists(r.decode.layout, DST_PAGES, 10)).bound == 8
+
+
+def test_bad_arguments_are_kvlend_errors_before_anything_happens():
+    with pytest.raises(ConfigError, match="chunk_pages"):
+        NodeConfig(chunk_pages=1.5)
+    with pytest.raises(ConfigError, match="ttl"):
+        NodeConfig(ttl="30")
+    with rig() as r:
+        busy_port = r.prefill.address[1]
+        backend = nixl("second-prefill")
+        try:
+            with pytest.raises(ConfigError, match="cannot listen"):
+                PrefillNode(r.layout, backend, generate_secret(), port=busy_port)
+        finally:
+            backend.close()
+        for call in (lambda: r.decode.fetch("nobody", None, {}), lambda: r.decode.disconnect("nobody")):
+            with pytest.raises(PeerLost, match="nobody"):
+                call()

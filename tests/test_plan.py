@@ -442,8 +442,8 @@ def identity_plan():
     ({"full": GroupPages([0], [0])}, {"full": np.array([16])}, PageRangeError, "slot 16 is outside"),
     ({"full": GroupPages([0], [0])}, {"full": np.array([-1])}, PageRangeError, "slot -1"),
     ({"full": GroupPages([0, 3], [0, 1])}, {"full": np.array([0, 1])}, PageRangeError, "beyond dst\\['full'\\] of 2"),
-    ({"full": GroupPages([0], [0])}, {"full": np.array([[0]])}, PageRangeError, "1-D integer"),
-    ({"full": GroupPages([0], [0])}, {"full": np.array([0.0])}, PageRangeError, "1-D integer"),
+    ({"full": GroupPages([0], [0])}, {"full": np.array([[0]])}, PageRangeError, "dst\\['full'\\]: must be 1-D"),
+    ({"full": GroupPages([0], [0])}, {"full": np.array([0.0])}, PageRangeError, "dst\\['full'\\]: must be integers"),
 ])
 def test_bad_inputs_are_refused_with_a_clear_message(identity_plan, src, dst, error, message):
     with pytest.raises(error, match=message):

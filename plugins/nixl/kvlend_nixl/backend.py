@@ -10,7 +10,9 @@ Shaped by NIXL 1.5.1's measured behaviour (see README):
   variable-length coalesced runs, which a list prepped once per peer cannot
   index.
 * Over cma (one host) ``transfer()`` copies synchronously; it runs outside
-  this object's lock so other threads can still poll.
+  this object's lock, but the agent itself is unlocked by default
+  (``NIXL_THREAD_SYNC_NONE``): using one backend from several threads at
+  once (say, polling during a post) needs ``thread_safe=True``.
 * Every NIXL exception becomes a ``BackendError``/``PeerLost``; runtime
   failures come back as ``Completion(tag, error)``, bad arguments raise.
 """
@@ -308,7 +310,8 @@ class NixlBackend:
                 return
             read = _Read(peer, handles, time.monotonic() + self.timeout, done=[False] * len(handles))
             self._reads[tag] = read
-        # Outside the lock: over cma the copy happens inside transfer().
+        # Outside this object's lock (over cma the copy happens inside transfer()); concurrent
+        # calls into the agent are safe only with thread_safe=True (NIXL's RW sync mode).
         done, error = [], None
         for h in handles:
             try:
