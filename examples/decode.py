@@ -47,6 +47,9 @@ def main(argv=None) -> int:
     p.add_argument("--report", help="write the JSON report to this file")
     p.add_argument("--chunk-pages", type=int, default=256, help="token pages per posted chunk (default 256)")
     args = p.parse_args(argv)
+    host, _, port = args.connect.rpartition(":")
+    if not host or not port.isdigit() or not 0 < int(port) < 65536:
+        p.error(f"--connect: expected HOST:PORT with a port in [1, 65535], got {args.connect!r}")
     logging.basicConfig(level=os.environ.get("KVLEND_LOG", "WARNING"), format="decode %(levelname)s %(name)s: %(message)s")
 
     config = model_config(args, "decode")
@@ -63,9 +66,8 @@ def main(argv=None) -> int:
     if args.metrics_port is not None:
         METRICS.serve(args.metrics_port)
     node_config = NodeConfig(transfer_timeout=args.timeout, chunk_pages=args.chunk_pages)
-    nodes = [DecodeNode(s.layout(), load_backend("nixl", name=f"decode-{os.getpid()}-{r}"), secret,
-                        name=f"decode-tp{r}", config=node_config) for r, s in enumerate(shards)]
-    host, port = args.connect.rsplit(":", 1)
+    nodes = [DecodeNode(s.layout(), load_backend("nixl", name=f"decode-{os.getpid()}-{r}", timeout=args.timeout),
+                        secret, name=f"decode-tp{r}", config=node_config) for r, s in enumerate(shards)]
     latencies, descriptors, failures = [], [], []
     nbytes = nbytes_full = tokens = 0
     start = time.monotonic()

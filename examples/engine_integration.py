@@ -19,13 +19,15 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import toy_engine  # noqa: E402
+from workload import run_rank  # noqa: E402
 
 from kvlend.backend import load_backend  # noqa: E402
 from kvlend.control import generate_secret  # noqa: E402
+from kvlend.errors import KvlendError  # noqa: E402
 from kvlend.node import DecodeNode, NodeConfig, PrefillNode  # noqa: E402
 
 MAX_NEW_TOKENS = 8
-TIMEOUT = 10.0  # seconds any one wait may take
+TIMEOUT = 10.0  # seconds any one wait (and each posted chunk, the backend's timeout) may take
 
 
 def evictable(node: PrefillNode, region: str, table) -> str:
@@ -43,14 +45,14 @@ def main() -> int:
     p_cache = toy_engine.PagedKVCache(config, num_pages=128, state_slots=4)
     p_layout = p_cache.layout()  # layout_from_pools for attention, plus hand-built recurrent state rows
     released = []  # (request, reason), appended on the node's thread
-    prefill = PrefillNode(p_layout, load_backend("nixl", name=f"prefill-{os.getpid()}"), secret,
+    prefill = PrefillNode(p_layout, load_backend("nixl", name=f"prefill-{os.getpid()}", timeout=TIMEOUT), secret,
                           config=NodeConfig(transfer_timeout=TIMEOUT),
                           on_release=lambda lease, reason: released.append((lease.request, reason)))
     prefill.start()  # serve handshakes, heartbeats and done from a background thread
 
     # ---- decode engine: its own cache (other slots, other addresses), its own agent.
     d_cache = toy_engine.PagedKVCache(config, num_pages=128, seed=1, state_slots=1)
-    decode = DecodeNode(d_cache.layout(), load_backend("nixl", name=f"decode-{os.getpid()}"), secret,
+    decode = DecodeNode(d_cache.layout(), load_backend("nixl", name=f"decode-{os.getpid()}", timeout=TIMEOUT), secret,
                         config=NodeConfig(transfer_timeout=TIMEOUT))
     verified = 0
     try:
@@ -81,7 +83,9 @@ def main() -> int:
             verified += ok
 
             # The done ack came after the prefill released the lease: its pages are free to reuse.
-            assert (request, "done") in released, released
+            if (request, "done") not in released:
+                raise KvlendError(f"{request}: the prefill did not release its lease before the done ack "
+                                  f"(released so far: {released})")
             after = evictable(prefill, "L3.kv", table)
             p_cache.free(table)
             p_cache.free_state(slot)
@@ -99,4 +103,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_rank(main, "engine_integration"))

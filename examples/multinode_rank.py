@@ -19,10 +19,11 @@ import sys
 import time
 
 import numpy as np
+from workload import run_rank  # examples/, this script's folder
 
 from kvlend.backend import load_backend
 from kvlend.control import load_secret
-from kvlend.errors import KvlendError, TransferTimeout
+from kvlend.errors import KvlendError
 from kvlend.layout import ReplicaRank, layout_from_pools
 from kvlend.node import DecodeNode, NodeConfig, PrefillNode
 
@@ -81,12 +82,7 @@ def run_prefill(args) -> int:
     offered = 0
     error = None
     try:
-        deadline = time.monotonic() + args.timeout
-        while len(node.ready_peers()) < args.peers:
-            if time.monotonic() > deadline:
-                raise TransferTimeout(f"only {len(node.ready_peers())} of {args.peers} decode ranks connected")
-            time.sleep(0.01)
-        peers = sorted(node.ready_peers())
+        peers = node.wait_for_peers(args.peers, args.timeout)
         for i in range(args.requests):
             table = source_table(args.seed, i, args.pool_pages, request_pages)
             for peer in peers:
@@ -163,8 +159,6 @@ def run_decode(args) -> int:
             if not good:
                 mismatched.append(offer.request)
             print(f"FETCHED {fetched}", flush=True)
-            if args.pace:
-                time.sleep(args.pace)
     except KvlendError as exc:
         error = f"{type(exc).__name__}: {exc}"
     verified = error is None and not failures and not mismatched and fetched == args.requests
@@ -198,7 +192,6 @@ def main(argv=None) -> int:
     p.add_argument("--timeout", type=float, default=60.0, help="connect / offer / drain deadline (s)")
     p.add_argument("--transfer-timeout", type=float, default=30.0, help="one lease's deadline (s)")
     p.add_argument("--ttl", type=float, default=30.0, help="lease lifetime without a heartbeat (s)")
-    p.add_argument("--pace", type=float, default=0.0, help="decode: pause after each request (s)")
     p.add_argument("--report", help="write the JSON result to this file too")
     args = p.parse_args(argv)
     logging.basicConfig(level=os.environ.get("KVLEND_LOG", "WARNING"),
@@ -209,4 +202,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_rank(main, "multinode_rank"))

@@ -13,10 +13,11 @@ import argparse
 import importlib.util
 import json
 import os
-import select
+import queue
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -36,6 +37,23 @@ def _stop(proc: subprocess.Popen) -> None:
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
+
+
+def _forward(stdout, listening: queue.SimpleQueue) -> None:
+    """Hand the prefill's ``LISTENING`` line over and copy every other line (NIXL's logs) to stderr.
+
+    Reading until EOF keeps the pipe from filling up and blocking the prefill;
+    ``None`` says the prefill closed its stdout without listening.
+    """
+    found = False
+    for line in stdout:
+        if not found and line.startswith("LISTENING "):
+            found = True
+            listening.put(line)
+        else:
+            sys.stderr.write(line)
+    if not found:
+        listening.put(None)
 
 
 def check_args(args: argparse.Namespace) -> None:
@@ -83,18 +101,25 @@ def run_pair(args) -> dict:
         env[SECRET_FILE_ENV] = secret_file
         env.setdefault("PYTHONUNBUFFERED", "1")
         report_file = os.path.join(tmp, "report.json")
-        budget = args.timeout * 4 + 30 * args.requests
+        budget = args.timeout * (args.requests + 4)  # a backstop: every wait inside the ranks has its own deadline
         prefill = subprocess.Popen(
             [sys.executable, os.path.join(HERE, "prefill.py"), *workload_argv(args)],
             env=env, stdout=subprocess.PIPE, text=True,
         )
+        listening: queue.SimpleQueue = queue.SimpleQueue()
+        threading.Thread(target=_forward, args=(prefill.stdout, listening), daemon=True).start()
         decode = None
         try:
-            if not select.select([prefill.stdout], [], [], args.timeout)[0]:
-                raise TransferTimeout(f"prefill rank did not start listening within {args.timeout:g} s")
-            line = prefill.stdout.readline()  # the whole line follows at once: it is flushed
-            if not line.startswith("LISTENING "):
-                raise KvlendError(f"prefill rank did not start (exit {prefill.poll()})")
+            try:
+                line = listening.get(timeout=args.timeout)
+            except queue.Empty:
+                raise TransferTimeout(f"prefill rank did not start listening within {args.timeout:g} s") from None
+            if line is None:
+                try:
+                    code = prefill.wait(5)
+                except subprocess.TimeoutExpired:
+                    code = None
+                raise KvlendError(f"prefill rank did not start (exit {code})")
             _, host, port = line.split()
             start = time.monotonic()
             decode = subprocess.Popen(

@@ -41,15 +41,6 @@ def model_config(args, side: str = "prefill") -> toy_engine.ModelConfig:
     return dataclasses.replace(config, tokens_per_page=tpp)
 
 
-def wait_for_peers(node: PrefillNode, count: int, timeout: float) -> list[str]:
-    deadline = time.monotonic() + timeout
-    while len(node.ready_peers()) < count:
-        if time.monotonic() > deadline:
-            raise TransferTimeout(f"{len(node.ready_peers())} of {count} decode ranks connected within {timeout} s")
-        time.sleep(0.005)
-    return sorted(node.ready_peers())
-
-
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_workload_args(p)
@@ -84,13 +75,13 @@ def main(argv=None) -> int:
 
     if args.metrics_port is not None:
         METRICS.serve(args.metrics_port + 1)
-    node = PrefillNode(layout, load_backend("nixl", name=f"prefill-{os.getpid()}"), load_secret(),
-                       host=args.host, port=args.port, config=NodeConfig(transfer_timeout=args.timeout),
-                       on_release=lambda lease, reason: released.put(lease.request))
+    backend = load_backend("nixl", name=f"prefill-{os.getpid()}", timeout=args.timeout)
+    node = PrefillNode(layout, backend, load_secret(), host=args.host, port=args.port,
+                       config=NodeConfig(transfer_timeout=args.timeout), on_release=lambda lease, reason: released.put(lease.request))
     print(f"LISTENING {node.address[0]} {node.address[1]}", flush=True)
     node.start()
     try:
-        peers = wait_for_peers(node, args.decode_tp, args.timeout)
+        peers = node.wait_for_peers(args.decode_tp, args.timeout)
         for i, prompt in enumerate(prompts):
             deadline = time.monotonic() + args.timeout
             while len(held) >= args.max_inflight or cache.num_free < pages_per_request:

@@ -56,9 +56,11 @@ def workload_argv(args: argparse.Namespace) -> list[str]:
 
 
 def run_rank(main: Callable[[], int], role: str) -> int:
-    """Run a rank's ``main``; a kvlend failure is one line on stderr and exit status 1."""
+    """Run a rank's ``main``; a kvlend failure is one line on stderr and exit status 1, Ctrl-C exits 130."""
     try:
         return main()
     except KvlendError as exc:
         print(f"{role}: error: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:
+        return 130

@@ -264,8 +264,8 @@ COMMANDS: tuple[Command, ...] = (
             "(every differing field is printed), 2 bad input"),
     Command(("demo",), "run a prefill/decode pair moving a real KV cache over NIXL on loopback, with a report",
             _add_demo, _run_demo,
-            "exit status: 0 every request verified, 1 a request did not verify, 2 bad options or a rank "
-            "failed (one line on stderr). Environment: KVLEND_LOG sets the ranks' log level, "
+            "exit status: 0 every request verified, 1 a request did not verify or a rank exited non-zero "
+            "after the report, 2 bad options or a rank failed before reporting (one line on stderr). Environment: KVLEND_LOG sets the ranks' log level, "
             "KVLEND_EXAMPLES where examples/pair.py is."),
     Command(("bench",), "measure kvlend's reads against raw NIXL, memcpy, per-page and staging baselines",
             _add_bench, _run_bench),
