@@ -1,11 +1,16 @@
-"""Decode rank(s) of the example pair: read each lease into their own pages and generate from it.
+"""Decode rank(s) of the example pair: read many leases at once into their own pages and generate from them.
 
-With ``--decode-tp N`` this one process runs the N decode tensor-parallel
-ranks: N nodes with N NIXL agents, each reading its head slice into its own
-shard, merged into one cache to generate.  Every request's tokens are
-checked against what one process generates alone from the same prompt with
-the prefill's model.  Writes a JSON report (``--report``) and exits 0 only
-if every request verified.
+One process connects to every prefill rank (``--connect HOST:PORT``, once
+per prefill), collects the leases they push, and keeps up to ``--inflight``
+requests' fetches in flight with ``DecodeNode.start_fetch``, each into
+freshly allocated pages; it collects the finished ones with ``finished()``,
+generates from each, checks the tokens against what one process generates
+alone from the same prompt with the prefill's model, frees the pages and
+starts more.  With ``--decode-tp N`` the process runs the N decode
+tensor-parallel ranks: N nodes with N NIXL agents, each reading its head
+slice into its own shard; a request is done when every rank's fetch is,
+and the shards are merged into one cache to generate.  Writes a JSON
+report (``--report``) and exits 0 only if every request verified.
 """
 
 from __future__ import annotations
@@ -16,6 +21,8 @@ import logging
 import os
 import sys
 import time
+from collections import deque
+from dataclasses import dataclass, field
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
@@ -24,43 +31,96 @@ import toy_engine  # noqa: E402
 from prefill import model_config  # noqa: E402
 from workload import add_workload_args, run_rank  # noqa: E402
 
-from kvlend.backend import load_backend  # noqa: E402
+from kvlend.core.layout import ReplicaRank  # noqa: E402
+from kvlend.errors import KvlendError, PeerLost, ProtocolError, TransferTimeout  # noqa: E402
 from kvlend.metrics import METRICS  # noqa: E402
-from kvlend.control import load_secret  # noqa: E402
-from kvlend.errors import ProtocolError  # noqa: E402
-from kvlend.layout import ReplicaRank  # noqa: E402
-from kvlend.node import DecodeNode, NodeConfig  # noqa: E402
+from kvlend.runtime import DecodeNode, NodeConfig  # noqa: E402
+from kvlend.runtime.secret import load_secret  # noqa: E402
+from kvlend.transport import load_backend  # noqa: E402
+
+try:
+    from kvlend.core.fetchplan import destination_pages  # noqa: E402
+except ImportError:  # an older kvlend: whole remote pages, counted below
+    destination_pages = None
+
+POLL = 0.002  # seconds one idle wait lasts before the loop looks at offers and finished fetches again
 
 
-def _progress(done: int, total: int, failed: int, nbytes: int, start: float) -> None:
+@dataclass(eq=False)
+class Request:
+    """One request being fetched (on every decode TP rank) or waiting to be decoded."""
+
+    name: str
+    num_tokens: int
+    meta: dict
+    prefill: int  # index into --connect
+    table: np.ndarray
+    slot: int | None
+    started: float  # time.monotonic() just before the first start_fetch
+    handles: list = field(default_factory=list)  # one per decode TP rank
+    finished: int = 0  # handles reported by finished()
+
+    @property
+    def in_flight(self) -> bool:
+        return not all(h.done for h in self.handles)
+
+
+def _progress(done: int, total: int, failed: int, nbytes: int, start: float, inflight: int) -> None:
     if not sys.stderr.isatty() and done not in (total, 1) and done % max(1, total // 8):
         return
     end = "\n" if done == total or not sys.stderr.isatty() else ""
-    print(f"\r  decode: {done}/{total} requests ({done - failed} verified), {nbytes / 2**20:.1f} MiB read, "
-          f"{time.monotonic() - start:.1f} s", end=end, file=sys.stderr, flush=True)
+    print(f"\r  decode: {done}/{total} requests ({done - failed} verified, {inflight} in flight), "
+          f"{nbytes / 2**20:.1f} MiB read, {time.monotonic() - start:.1f} s",
+          end=end, file=sys.stderr, flush=True)
+
+
+def _address(text: str, p: argparse.ArgumentParser) -> tuple[str, int]:
+    host, _, port = text.rpartition(":")
+    if not host or not port.isdigit() or not 0 < int(port) < 65536:
+        p.error(f"--connect: expected HOST:PORT with a port in [1, 65535], got {text!r}")
+    return host, int(port)
+
+
+def _busy_seconds(spans: list[tuple[float, float]]) -> float:
+    """How long at least one of the ``(start, end)`` spans was open."""
+    total, reach = 0.0, -np.inf
+    for start, end in sorted(spans):
+        if end > reach:
+            total += end - max(start, reach)
+            reach = end
+    return total
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_workload_args(p)
-    p.add_argument("--connect", required=True, metavar="HOST:PORT", help="the prefill rank's control address")
+    p.add_argument("--connect", required=True, action="append", metavar="HOST:PORT",
+                   help="a prefill rank's control address; once per prefill rank (required)")
+    p.add_argument("--inflight", type=int, default=16, help="requests fetched at once, at most (default 16)")
     p.add_argument("--report", help="write the JSON report to this file")
     p.add_argument("--chunk-pages", type=int, default=256, help="token pages per posted chunk (default 256)")
     args = p.parse_args(argv)
-    host, _, port = args.connect.rpartition(":")
-    if not host or not port.isdigit() or not 0 < int(port) < 65536:
-        p.error(f"--connect: expected HOST:PORT with a port in [1, 65535], got {args.connect!r}")
+    addresses = [_address(a, p) for a in args.connect]
+    if len(set(addresses)) != len(addresses):
+        p.error(f"--connect: an address is named twice in {args.connect}")
+    if args.inflight < 1:
+        p.error(f"--inflight: must be >= 1, got {args.inflight}")
     logging.basicConfig(level=os.environ.get("KVLEND_LOG", "WARNING"), format="decode %(levelname)s %(name)s: %(message)s")
 
     config = model_config(args, "decode")
     model = toy_engine.ToyModel(config)
     prefill_config = model_config(args)
     reference_model = model if prefill_config == config else toy_engine.ToyModel(prefill_config)
-    tpp, tp = config.tokens_per_page, args.decode_tp
-    num_pages = 2 * -(-(args.max_len + args.max_new_tokens + prefill_config.tokens_per_page) // tpp)
-    cache = toy_engine.PagedKVCache(config, num_pages, seed=args.seed + 1, state_slots=1)
+    tpp, tp, limit = config.tokens_per_page, args.decode_tp, args.inflight
+    # Whole remote pages land whole: a request may need its last one past num_tokens.
+    span = max(tpp, prefill_config.tokens_per_page)
+    per_request = -(-args.max_len // span) * (span // tpp)
+    # Each request in flight holds its pages (a step decodes every fetched one before starting more);
+    # the one being decoded also takes pages for its new tokens.
+    num_pages = limit * per_request + -(-(args.max_len + args.max_new_tokens) // tpp) + 1
+    cache = toy_engine.PagedKVCache(config, num_pages, seed=args.seed + 1, state_slots=limit)
     shards = [cache] if tp == 1 else [
-        toy_engine.PagedKVCache(config, num_pages, state_slots=1, replica=ReplicaRank(tp, r)) for r in range(tp)
+        toy_engine.PagedKVCache(config, num_pages, state_slots=limit, replica=ReplicaRank(tp, r)) for r in range(tp)
     ]
     secret = load_secret()
     if args.metrics_port is not None:
@@ -68,57 +128,201 @@ def main(argv=None) -> int:
     node_config = NodeConfig(transfer_timeout=args.timeout, chunk_pages=args.chunk_pages)
     nodes = [DecodeNode(s.layout(), load_backend("nixl", name=f"decode-{os.getpid()}-{r}", timeout=args.timeout),
                         secret, name=f"decode-tp{r}", config=node_config) for r, s in enumerate(shards)]
-    latencies, descriptors, failures = [], [], []
-    nbytes = nbytes_full = tokens = 0
+    expected = {f"req-{i}" for i in range(args.requests)}
+    offered: dict[str, dict[int, tuple]] = {}  # request -> decode TP rank -> (link, offer), until every rank has one
+    ready: deque[str] = deque()  # requests offered to every rank, not yet started, in arrival order
+    seen: set[str] = set()  # requests offered to every rank
+    active: dict[str, Request] = {}  # started and not yet decoded (holding pages)
+    fetching: dict[Request, None] = {}  # started, some rank's fetch not yet reported by finished() (in order)
+    owner: dict[tuple[int, int], Request] = {}  # (decode TP rank, fetch id) -> request
+    completed: deque[Request] = deque()  # every rank's fetch finished, not yet decoded
+    latencies, spans, descriptors, failures = [], [], [], []
+    from_prefill = [0] * len(addresses)
+    nbytes = nbytes_full = tokens = max_inflight = 0
     start = time.monotonic()
+    links: list[list] = []
     try:
-        links = [node.connect(host, int(port)) for node in nodes]
-        for done in range(1, args.requests + 1):
-            offers = [node.next_offer(args.timeout) for node in nodes]
-            if len({offer.request for _, offer in offers}) != 1:
-                raise ProtocolError(f"the decode ranks were offered different requests: {[o.request for _, o in offers]}")
-            request, num_tokens, meta = offers[0][1].request, offers[0][1].num_tokens, offers[0][1].meta
-            # Whole remote pages land whole: cover the last one even past num_tokens.
-            span = max(tpp, prefill_config.tokens_per_page)
-            table = cache.alloc(-(-num_tokens // span) * (span // tpp))
+        for node in nodes:
+            node.start()  # the node's thread does all I/O; this thread plans, decodes and verifies
+        by_link = [{} for _ in nodes]  # decode TP rank -> link id -> index of its prefill in --connect
+        for i, (host, port) in enumerate(addresses):
+            row = [node.connect(host, port, args.timeout) for node in nodes]
+            for rank, link in enumerate(row):
+                by_link[rank][link.id] = i
+            links.append(row)
+
+        def file_offer(rank: int, link, offer) -> None:
+            """An offer pushed to decode TP rank ``rank``: a request is ready once every rank has one."""
+            name = offer.request
+            if name not in expected or name in seen or rank in offered.get(name, {}):
+                raise ProtocolError(f"decode rank {rank} was offered request {name!r} "
+                                    f"{'again' if name in expected else 'that is not in the workload'}")
+            got = offered.setdefault(name, {})
+            if got:
+                other = min(got)
+                other_link, other_offer = got[other]
+                if (by_link[rank][link.id], offer.num_tokens) != (by_link[other][other_link.id], other_offer.num_tokens):
+                    raise ProtocolError(f"the decode ranks were offered request {name!r} by different prefill "
+                                        "ranks or with different lengths")
+            got[rank] = (link, offer)
+            if len(got) == tp:
+                seen.add(name)
+                ready.append(name)
+
+        def take_offers() -> bool:
+            """File every offer already pushed to any rank (never waits)."""
+            got = False
+            for rank, node in enumerate(nodes):
+                while True:
+                    try:
+                        link, offer = node.next_offer(0)
+                    except TransferTimeout:  # none waiting
+                        break
+                    file_offer(rank, link, offer)
+                    got = True
+            return got
+
+        def pages_for(link, offer) -> int:
+            """Page-table entries a request's destination needs (one table serves every attention group)."""
+            if destination_pages is None:
+                return -(-offer.num_tokens // span) * (span // tpp)
+            need = destination_pages(link.plan, offer.num_tokens, offer.pages)
+            return max(n for g, n in need.items() if not link.plan.local.groups[g].recurrent)
+
+        def start_request(name: str) -> None:
+            got = offered.pop(name)
+            per_rank = [got[r] for r in range(tp)]
+            offer = per_rank[0][1]
+            table = cache.alloc(max(pages_for(link, o) for link, o in per_rank))
             slot = cache.alloc_state()
+            req = Request(name, offer.num_tokens, dict(offer.meta), by_link[0][per_rank[0][0].id], table, slot,
+                          time.monotonic())
+            active[name] = req
+            fetching[req] = None
+            for rank, (node, shard, (link, o)) in enumerate(zip(nodes, shards, per_rank)):
+                try:
+                    handle = node.start_fetch(o, shard.group_tables(table, slot), link=link)  # returns at once
+                except PeerLost as exc:
+                    raise PeerLost(f"request {name}: prefill rank {req.prefill} at {args.connect[req.prefill]} "
+                                   f"is gone: {exc}") from None
+                req.handles.append(handle)
+                owner[rank, handle.id] = req
+
+        def collect() -> bool:
+            """Move requests whose every rank's fetch finished to ``completed``."""
+            got = False
+            for rank, node in enumerate(nodes):
+                for handle in node.finished():
+                    req = owner.pop((rank, handle.id), None)
+                    if req is None:
+                        continue
+                    req.finished += 1
+                    if req.finished == tp:
+                        del fetching[req]
+                        completed.append(req)
+                        got = True
+            return got
+
+        def finish(req: Request) -> None:
+            """Decode one fetched request, check its tokens, free its pages."""
+            nonlocal nbytes, nbytes_full, tokens
+            del active[req.name]
+            results = [h.result() for h in req.handles]  # a failed fetch raises its error here
             try:
-                results = [node.fetch(peer, offer, shard.group_tables(table, slot))
-                           for node, shard, (peer, offer) in zip(nodes, shards, offers)]
                 if tp > 1:
-                    toy_engine.merge_shards(cache, shards, table, slot)
-                out = toy_engine.decode(model, cache, table, num_tokens, meta["first"], args.max_new_tokens, slot)
+                    toy_engine.merge_shards(cache, shards, req.table, req.slot)
+                out = toy_engine.decode(model, cache, req.table, req.num_tokens, req.meta["first"],
+                                        args.max_new_tokens, req.slot)
             finally:
-                cache.free(table)
-                cache.free_state(slot)
-            reference = toy_engine.generate_reference(reference_model, meta["prompt"], args.max_new_tokens)
-            if out != reference or any(r.bound != num_tokens for r in results):
-                failures.append(request)
-            latencies.append(max(r.seconds for r in results))
+                cache.free(req.table)  # every rank's fetch is done: nothing can still land in these pages
+                cache.free_state(req.slot)
+            reference = toy_engine.generate_reference(reference_model, req.meta["prompt"], args.max_new_tokens)
+            if out != reference or any(r.bound != req.num_tokens for r in results):
+                failures.append(req.name)
+            seconds = max(r.seconds for r in results)  # start_fetch -> finished, the slowest rank
+            latencies.append(seconds)
+            spans.append((req.started, req.started + seconds))
             descriptors.append(sum(r.descriptors for r in results))
             nbytes += sum(r.bytes for r in results)
-            nbytes_full += toy_engine.lent_bytes(links[0].plan.remote, num_tokens, windowed=False)
-            tokens += num_tokens
-            _progress(done, args.requests, len(failures), nbytes, start)
+            nbytes_full += toy_engine.lent_bytes(links[req.prefill][0].plan.remote, req.num_tokens, windowed=False)
+            tokens += req.num_tokens
+            from_prefill[req.prefill] += 1
+
+        def idle(remaining: float) -> None:
+            """Nothing to do now: wait a moment for an offer (if one could start) or for a fetch to finish."""
+            wait = min(POLL, remaining)
+            try:
+                if len(active) < limit and len(seen) < args.requests:
+                    missing = [r for r in range(tp) if any(r not in got for got in offered.values())]
+                    rank = missing[0] if missing else 0
+                    file_offer(rank, *nodes[rank].next_offer(wait))
+                elif fetching:
+                    pending = [(r, h) for req in fetching for r, h in enumerate(req.handles) if not h.done]
+                    if pending:  # the oldest; when all are done, finished() reports them on the next step
+                        rank, handle = pending[0]
+                        nodes[rank].wait([handle], wait)
+                else:
+                    time.sleep(wait)
+            except TransferTimeout:
+                pass
+
+        # One engine step: start fetches for the offers that came in (the transfers run on the nodes'
+        # threads while this one decodes), collect the finished fetches, decode and verify each.
+        deadline = time.monotonic() + args.timeout
+        while len(latencies) < args.requests:
+            moved = len(seen) < args.requests and take_offers()  # once all are in, prefills may hang up
+            while ready and len(active) < limit:  # every fetched request was decoded: active ones are fetching
+                start_request(ready.popleft())
+                max_inflight = max(max_inflight, sum(req.in_flight for req in fetching))
+                moved = True
+            moved = collect() or moved
+            while completed:
+                finish(completed.popleft())
+                _progress(len(latencies), args.requests, len(failures), nbytes, start, len(fetching))
+                moved = True
+            now = time.monotonic()
+            if moved:
+                deadline = now + args.timeout
+            elif now >= deadline:
+                raise TransferTimeout(
+                    f"decode: no lease offered and no fetch finished within {args.timeout:g} s "
+                    f"({len(latencies)} of {args.requests} requests done, {len(fetching)} in flight, "
+                    f"{len(seen)} offered to every rank)")
+            else:
+                idle(deadline - now)
     finally:
+        # On a failure, cancel what is still in flight and let it go quiet on the nodes' own threads
+        # before closing them (close() steps the loop itself while fetches are in flight).
+        left = [(rank, h) for req in active.values() for rank, h in enumerate(req.handles) if not h.done]
+        for rank, handle in left:
+            handle.cancel()
+        for rank, node in enumerate(nodes):
+            try:
+                node.wait([h for r, h in left if r == rank], node_config.cancel_grace + 1.0)
+            except KvlendError:
+                pass  # close() tears the links down
         for node in nodes:
             node.close()
             node.backend.close()
-    seconds = sum(latencies)
+    busy = _busy_seconds(spans)
     report = {
         "requests": len(latencies),
         "tokens": tokens,
         "bytes": nbytes,
         "bytes_full": nbytes_full,
-        "gbps": nbytes / seconds / 1e9 if seconds else 0.0,
+        "gbps": nbytes / busy / 1e9 if busy else 0.0,
         "latency_ms_p50": float(np.percentile(latencies, 50) * 1e3),
         "latency_ms_p99": float(np.percentile(latencies, 99) * 1e3),
         "descriptors_per_request": float(np.mean(descriptors)),
-        "handshake_ms": max(link.handshake_ms for link in links),
+        "handshake_ms": max(link.handshake_ms for row in links for link in row),
         "model": "hybrid" if config.layer_kinds else "llama",
         "tokens_per_page": [prefill_config.tokens_per_page, tpp],
         "decode_tp": tp,
-        "plan": links[0].plan.kind,
+        "plan": links[0][0].plan.kind,
+        "prefills": len(addresses),
+        "prefill_requests": from_prefill,
+        "inflight": limit,
+        "max_inflight": max_inflight,
         "verified": not failures and len(latencies) == args.requests,
         "mismatched": failures,
     }

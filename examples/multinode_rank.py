@@ -21,11 +21,11 @@ import time
 import numpy as np
 from workload import run_rank  # examples/, this script's folder
 
-from kvlend.backend import load_backend
-from kvlend.control import load_secret
+from kvlend.transport import load_backend
+from kvlend.runtime.secret import load_secret
 from kvlend.errors import KvlendError
-from kvlend.layout import ReplicaRank, layout_from_pools
-from kvlend.node import DecodeNode, NodeConfig, PrefillNode
+from kvlend.core.layout import ReplicaRank, layout_from_pools
+from kvlend.runtime import DecodeNode, NodeConfig, PrefillNode
 
 DTYPE = np.float16
 
@@ -51,8 +51,9 @@ def make_pools(args, heads: int, pages: int, fill: bool):
 
 
 def config(args) -> NodeConfig:
+    # A failed read is reported once quiet: within transfer_timeout + cancel_grace at worst.
     return NodeConfig(ttl=args.ttl, heartbeat=min(1.0, args.ttl / 4), handshake_timeout=args.timeout,
-                      transfer_timeout=args.transfer_timeout)
+                      transfer_timeout=args.transfer_timeout, cancel_grace=min(2.0, args.transfer_timeout / 2))
 
 
 def backend(args, role: str):
@@ -148,6 +149,7 @@ def run_decode(args) -> int:
             except KvlendError as exc:
                 failures.append({"request": offer.request, "error": type(exc).__name__, "message": str(exc)[:300],
                                  "seconds": time.monotonic() - start, "deadline": args.transfer_timeout,
+                                 "grace": node.config.cancel_grace,
                                  "started": started})
                 break
             nbytes += result.bytes

@@ -1,10 +1,12 @@
-"""Launch a prefill rank and a decode rank as two processes on loopback and report.
+"""Launch prefill ranks and a decode rank as processes on loopback and report.
 
-The pair gets a fresh shared secret (a 0600 file named by
-``$KVLEND_SECRET_FILE``), the prefill listens on 127.0.0.1, the decode
-connects, reads every request's KV over NIXL and checks the generated tokens
-against a single-process reference.  ``run_pair`` returns the decode's report;
-``main`` prints it (``--json`` for one JSON object).
+The ranks share a fresh secret (a 0600 file named by
+``$KVLEND_SECRET_FILE``).  ``--prefills`` prefill processes listen on
+127.0.0.1, each computing and lending its share of the requests; one decode
+process connects to all of them, keeps up to ``--inflight`` fetches in
+flight over NIXL at once, and checks every request's generated tokens
+against a single-process reference.  ``run_pair`` returns the decode's
+report; ``main`` prints it (``--json`` for one JSON object).
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ sys.path.insert(0, HERE)
 
 from workload import add_workload_args, workload_argv, run_rank  # noqa: E402
 
-from kvlend.control import SECRET_ENV, SECRET_FILE_ENV, generate_secret  # noqa: E402
+from kvlend.runtime.secret import SECRET_ENV, SECRET_FILE_ENV, generate_secret  # noqa: E402
 from kvlend.errors import KvlendError, TransferTimeout  # noqa: E402
 
 
@@ -57,20 +59,27 @@ def _forward(stdout, listening: queue.SimpleQueue) -> None:
 
 
 def check_args(args: argparse.Namespace) -> None:
-    """Refuse options the ranks would fail on, before starting either of them."""
+    """Refuse options the ranks would fail on, before starting any of them."""
     for name, low in (("requests", 1), ("seed", 0), ("min_len", 1), ("max_new_tokens", 1), ("decode_tp", 1),
-                      ("host_layers", 0), ("tokens_per_page", 1), ("decode_tokens_per_page", 1)):
+                      ("host_layers", 0), ("tokens_per_page", 1), ("decode_tokens_per_page", 1),
+                      ("prefills", 1), ("inflight", 1)):
         value = getattr(args, name)
         if value is not None and value < low:
             raise KvlendError(f"--{name.replace('_', '-')}: must be >= {low}, got {value}")
+    if args.prefills > args.requests:
+        raise KvlendError(f"--prefills: {args.prefills} prefill ranks for {args.requests} requests would leave "
+                          "a rank with nothing to lend")
     if args.max_len < args.min_len:
         raise KvlendError(f"--max-len: {args.max_len} is shorter than --min-len {args.min_len}")
     if not args.timeout > 0:
         raise KvlendError(f"--timeout: must be > 0 seconds, got {args.timeout:g}")
     if args.metrics_port is not None:
         if not 1 <= args.metrics_port <= 65534:
-            raise KvlendError(f"--metrics-port: must be in [1, 65534] (the prefill takes the next port), "
+            raise KvlendError(f"--metrics-port: must be in [1, 65534] (the prefill ranks take the next ports), "
                               f"got {args.metrics_port}")
+        if args.metrics_port + args.prefills > 65535:
+            raise KvlendError(f"--metrics-port: {args.metrics_port} + {args.prefills} prefill ranks passes port "
+                              f"65535 (prefill rank r serves on {args.metrics_port} + 1 + r)")
         if importlib.util.find_spec("prometheus_client") is None:
             raise KvlendError("--metrics-port needs prometheus_client: pip install 'kvlend[metrics]'")
     from prefill import model_config  # imports torch: only once the cheap checks passed
@@ -90,8 +99,53 @@ def check_args(args: argparse.Namespace) -> None:
                           f"context of {prefill.max_context} tokens")
 
 
+def prefill_argv(args, rank: int) -> list[str]:
+    """The command line of prefill rank ``rank``."""
+    return [sys.executable, os.path.join(HERE, "prefill.py"), *workload_argv(args),
+            "--prefills", str(args.prefills), "--rank", str(rank), "--max-inflight", str(lend_ahead(args))]
+
+
+def decode_argv(args, addresses: list[str], report_file: str) -> list[str]:
+    """The decode's command line: it connects to every prefill rank's ``HOST:PORT``."""
+    connect = [arg for address in addresses for arg in ("--connect", address)]
+    return [sys.executable, os.path.join(HERE, "decode.py"), *workload_argv(args), *connect,
+            "--inflight", str(args.inflight), "--report", report_file]
+
+
+def lend_ahead(args) -> int:
+    """Each prefill rank's ``--max-inflight``: as many as the decode's ``--inflight``.
+
+    Any one rank can then fill the decode's window alone (near the end only one may have requests
+    left); its cache holds that many requests' pages.
+    """
+    return args.inflight
+
+
+def _start_prefill(args, rank: int, env: dict) -> tuple[subprocess.Popen, queue.SimpleQueue]:
+    proc = subprocess.Popen(prefill_argv(args, rank), env=env, stdout=subprocess.PIPE, text=True)
+    listening: queue.SimpleQueue = queue.SimpleQueue()
+    threading.Thread(target=_forward, args=(proc.stdout, listening), daemon=True).start()
+    return proc, listening
+
+
+def _address(proc: subprocess.Popen, listening: queue.SimpleQueue, rank: int, timeout: float) -> str:
+    """``HOST:PORT`` once prefill rank ``rank`` listens."""
+    try:
+        line = listening.get(timeout=timeout)
+    except queue.Empty:
+        raise TransferTimeout(f"prefill rank {rank} did not start listening within {timeout:g} s") from None
+    if line is None:
+        try:
+            code = proc.wait(5)
+        except subprocess.TimeoutExpired:
+            code = None
+        raise KvlendError(f"prefill rank {rank} did not start (exit {code})")
+    _, host, port = line.split()
+    return f"{host}:{port}"
+
+
 def run_pair(args) -> dict:
-    """Run the pair; returns the decode's report dict (raises KvlendError on failure)."""
+    """Run the prefill ranks and the decode; returns the decode's report dict (raises KvlendError on failure)."""
     with tempfile.TemporaryDirectory(prefix="kvlend-pair-") as tmp:
         secret_file = os.path.join(tmp, "secret")
         fd = os.open(secret_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
@@ -102,61 +156,50 @@ def run_pair(args) -> dict:
         env.setdefault("PYTHONUNBUFFERED", "1")
         report_file = os.path.join(tmp, "report.json")
         budget = args.timeout * (args.requests + 4)  # a backstop: every wait inside the ranks has its own deadline
-        prefill = subprocess.Popen(
-            [sys.executable, os.path.join(HERE, "prefill.py"), *workload_argv(args)],
-            env=env, stdout=subprocess.PIPE, text=True,
-        )
-        listening: queue.SimpleQueue = queue.SimpleQueue()
-        threading.Thread(target=_forward, args=(prefill.stdout, listening), daemon=True).start()
+        prefills: list[subprocess.Popen] = []
         decode = None
         try:
-            try:
-                line = listening.get(timeout=args.timeout)
-            except queue.Empty:
-                raise TransferTimeout(f"prefill rank did not start listening within {args.timeout:g} s") from None
-            if line is None:
-                try:
-                    code = prefill.wait(5)
-                except subprocess.TimeoutExpired:
-                    code = None
-                raise KvlendError(f"prefill rank did not start (exit {code})")
-            _, host, port = line.split()
+            started = []
+            for rank in range(args.prefills):
+                started.append(_start_prefill(args, rank, env))
+                prefills.append(started[-1][0])  # stopped in `finally` even if a later one fails to start
+            addresses = [_address(proc, listening, rank, args.timeout)
+                         for rank, (proc, listening) in enumerate(started)]
             start = time.monotonic()
-            decode = subprocess.Popen(
-                [sys.executable, os.path.join(HERE, "decode.py"), *workload_argv(args),
-                 "--connect", f"{host}:{port}", "--report", report_file],
-                env=env,
-            )
+            decode = subprocess.Popen(decode_argv(args, addresses, report_file), env=env)
             try:
                 decode_rc = decode.wait(budget)
-                prefill_rc = prefill.wait(max(1.0, budget - (time.monotonic() - start)))
+                if not os.path.exists(report_file):  # the prefill ranks are stopped, not waited for
+                    raise KvlendError(f"decode rank failed (exit {decode_rc}) before writing its report")
+                prefill_rcs = [proc.wait(max(1.0, budget - (time.monotonic() - start))) for proc in prefills]
             except subprocess.TimeoutExpired:
                 raise TransferTimeout(f"the pair did not finish within {budget:.0f} s") from None
-            if not os.path.exists(report_file):
-                raise KvlendError(f"decode rank failed (exit {decode_rc}) before writing its report")
             with open(report_file) as f:
                 report = json.load(f)
-            report["prefill_exit"] = prefill_rc
+            report["prefill_exits"] = prefill_rcs
+            report["prefill_exit"] = next((rc for rc in prefill_rcs if rc != 0), 0)
             report["wall_s"] = time.monotonic() - start
-            report["verified"] = bool(report["verified"] and prefill_rc == 0 and decode_rc == 0)
+            report["verified"] = bool(report["verified"] and decode_rc == 0 and not any(prefill_rcs))
             return report
         finally:
-            for proc in (decode, prefill):
+            for proc in (decode, *prefills):
                 if proc is not None:
                     _stop(proc)
 
 
 def format_report(r: dict) -> str:
+    ranks = f"{r['prefills']} prefill rank{'' if r['prefills'] == 1 else 's'}"
     return "\n".join([
         "kvlend demo: prefill -> decode over NIXL (UCX, loopback)",
-        f"  requests              {r['requests']}",
+        f"  requests              {r['requests']} ({' + '.join(map(str, r['prefill_requests']))} from {ranks})",
         f"  prompt tokens         {r['tokens']}",
         f"  model                 {r['model']}, tokens/page {r['tokens_per_page'][0]} -> "
         f"{r['tokens_per_page'][1]}, decode tp {r['decode_tp']} ({r['plan']} plan)",
+        f"  in flight             {r['inflight']} (max seen {r['max_inflight']}) from {ranks}",
         f"  bytes moved           {r['bytes']:,} ({r['bytes'] / 2**20:.1f} MiB; lending every page: "
         f"{r['bytes_full'] / 2**20:.1f} MiB)",
         f"  transfer throughput   {r['gbps']:.2f} GB/s",
-        f"  transfer latency      p50 {r['latency_ms_p50']:.2f} ms, p99 {r['latency_ms_p99']:.2f} ms",
+        f"  transfer latency      p50 {r['latency_ms_p50']:.2f} ms, p99 {r['latency_ms_p99']:.2f} ms (per fetch)",
         f"  descriptors/request   {r['descriptors_per_request']:.1f}",
         f"  handshake             {r['handshake_ms']:.1f} ms",
         f"  wall time             {r['wall_s']:.1f} s",
@@ -168,6 +211,10 @@ def build_parser(p: argparse.ArgumentParser | None = None) -> argparse.ArgumentP
     """The pair's options; ``kvlend demo`` adds them to its own parser."""
     p = p or argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_workload_args(p)
+    p.add_argument("--prefills", type=int, default=2,
+                   help="prefill processes; each lends its share of the requests (i %% N == its rank) (default 2)")
+    p.add_argument("--inflight", type=int, default=16,
+                   help="fetches the decode keeps in flight at once, at most (default 16)")
     p.add_argument("--json", action="store_true", help="print the report as one JSON object")
     return p
 

@@ -1,10 +1,12 @@
 """Prefill rank of the example pair: computes each prompt's KV into its pages and lends them.
 
-Run by ``examples/pair.py`` (or ``kvlend demo``); standalone:
-``KVLEND_SECRET=<hex> python examples/prefill.py --requests 64``.  It prints
-``LISTENING <host> <port>`` once a decode rank may connect, waits for
-``--decode-tp`` decode ranks, lends every request to each of them (each
-reads its head slice), waits for the leases to end, and exits 0.
+Run by ``examples/pair.py`` (or ``kvlend demo``), once per prefill rank;
+standalone: ``KVLEND_SECRET=<hex> python examples/prefill.py --requests 64``.
+It prints ``LISTENING <host> <port>`` once a decode rank may connect, waits
+for ``--decode-tp`` decode ranks, and pushes its share of the requests
+(those ``i`` with ``i % --prefills == --rank``) to each of them (each reads
+its head slice), keeping at most ``--max-inflight`` requests lent at once;
+then waits for the leases to end, and exits 0.
 """
 
 from __future__ import annotations
@@ -23,11 +25,11 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import toy_engine  # noqa: E402
 from workload import add_workload_args, run_rank  # noqa: E402
 
-from kvlend.backend import load_backend  # noqa: E402
-from kvlend.control import load_secret  # noqa: E402
+from kvlend.transport import load_backend  # noqa: E402
+from kvlend.runtime.secret import load_secret  # noqa: E402
 from kvlend.errors import TransferTimeout  # noqa: E402
 from kvlend.metrics import METRICS  # noqa: E402
-from kvlend.node import NodeConfig, PrefillNode  # noqa: E402
+from kvlend.runtime import NodeConfig, PrefillNode  # noqa: E402
 
 
 def model_config(args, side: str = "prefill") -> toy_engine.ModelConfig:
@@ -46,8 +48,16 @@ def main(argv=None) -> int:
     add_workload_args(p)
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=0, help="port to listen on (default: any free port)")
-    p.add_argument("--max-inflight", type=int, default=16, help="requests lent at once (default 16)")
+    p.add_argument("--max-inflight", type=int, default=16,
+                   help="requests lent at once, at most: cover the decode's --inflight (default 16)")
+    p.add_argument("--prefills", type=int, default=1, help="prefill ranks sharing the requests (default 1)")
+    p.add_argument("--rank", type=int, default=0,
+                   help="this rank among --prefills: it lends requests i with i %% prefills == rank (default 0)")
     args = p.parse_args(argv)
+    if args.max_inflight < 1:
+        p.error(f"--max-inflight: must be >= 1, got {args.max_inflight}")
+    if not 0 <= args.rank < args.prefills:
+        p.error(f"--rank: must be in [0, --prefills {args.prefills}), got {args.rank}")
     logging.basicConfig(level=os.environ.get("KVLEND_LOG", "WARNING"), format="prefill %(levelname)s %(name)s: %(message)s")
 
     config = model_config(args)
@@ -74,15 +84,17 @@ def main(argv=None) -> int:
                 cache.free_state(slot)
 
     if args.metrics_port is not None:
-        METRICS.serve(args.metrics_port + 1)
+        METRICS.serve(args.metrics_port + 1 + args.rank)  # the decode serves on --metrics-port itself
     backend = load_backend("nixl", name=f"prefill-{os.getpid()}", timeout=args.timeout)
-    node = PrefillNode(layout, backend, load_secret(), host=args.host, port=args.port,
+    node = PrefillNode(layout, backend, load_secret(), name=f"prefill-{args.rank}", host=args.host, port=args.port,
                        config=NodeConfig(transfer_timeout=args.timeout), on_release=lambda lease, reason: released.put(lease.request))
     print(f"LISTENING {node.address[0]} {node.address[1]}", flush=True)
     node.start()
     try:
         peers = node.wait_for_peers(args.decode_tp, args.timeout)
         for i, prompt in enumerate(prompts):
+            if i % args.prefills != args.rank:
+                continue  # another prefill rank's share
             deadline = time.monotonic() + args.timeout
             while len(held) >= args.max_inflight or cache.num_free < pages_per_request:
                 if time.monotonic() > deadline:
@@ -101,8 +113,13 @@ def main(argv=None) -> int:
             time.sleep(0.005)
             reclaim()
         if held:
-            print(f"prefill: {len(held)} requests' leases never ended", file=sys.stderr)
+            print(f"prefill {args.rank}: {len(held)} requests' leases never ended", file=sys.stderr)
             return 1
+        # Serve until the decode hangs up (it may still be reading another prefill rank's requests), so
+        # the links close in order: a prefill that leaves first is a lost peer to the decode.
+        deadline = time.monotonic() + args.timeout
+        while node.ready_peers() and time.monotonic() < deadline:  # past it: close anyway, every lease ended
+            time.sleep(0.01)
         return 0
     finally:
         node.close()

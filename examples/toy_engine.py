@@ -32,7 +32,7 @@ import numpy as np
 import torch
 
 from kvlend.errors import KvlendError, PageRangeError
-from kvlend.layout import (
+from kvlend.core.layout import (
     BufferDesc, HeadGeometry, LayerIdentity, LayerKind, MemoryRegion, PageLayout, ReplicaRank, Role, Sharding,
     array_info, layout_from_pools,
 )

@@ -35,7 +35,7 @@ def add_workload_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--timeout", type=float, default=60.0, help="seconds any one wait may take (default 60)")
     p.add_argument("--metrics-port", type=int, default=None,
                    help="serve Prometheus metrics while the pair runs: the decode rank on this port, "
-                        "the prefill rank on the next one (needs prometheus_client)")
+                        "prefill rank r on this port + 1 + r (needs prometheus_client)")
 
 
 def workload_argv(args: argparse.Namespace) -> list[str]:

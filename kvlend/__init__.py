@@ -4,8 +4,8 @@ from .errors import (
     AuthError, BackendError, ConfigError, KvlendError, LayoutError, LayoutMismatch, LeaseDenied, LeaseError,
     LeaseExpired, LeaseUnknown, PageRangeError, PeerLost, ProtocolError, TrackerError, TransferTimeout,
 )
-from .pages import GroupPages
-from .layout import (
+from .core.pages import GroupPages
+from .core.layout import (
     BufferDesc, HeadGeometry, HeadOrder, LayerGroup, LayerIdentity, LayerKind, MemoryKind,
     MemoryRegion, PageLayout, ReplicaRank, Role, RowSelection, SelectionMode, Sharding,
     layout_from_pools,

@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Callable, Sequence
 
 from .errors import KvlendError, LayoutError, LayoutMismatch
-from .layout import LayerGroup, PageLayout
+from .core.layout import LayerGroup, PageLayout
 
 EXIT_OK = 0
 EXIT_MISMATCH = 1  # layouts cannot exchange pages; the demo's tokens did not verify
@@ -167,9 +167,9 @@ def _add_layout_check(parser: argparse.ArgumentParser) -> None:
 def _run_layout_check(args: argparse.Namespace) -> int:
     local, remote = load_layout(args.local), load_layout(args.remote)
     try:
-        from .negotiate import negotiate  # lazily: only this command needs it
+        from .core.negotiate import negotiate  # lazily: only this command needs it
     except ImportError as exc:
-        raise CliError(f"layout check needs kvlend.negotiate: {exc}") from None
+        raise CliError(f"layout check needs kvlend.core.negotiate: {exc}") from None
     try:
         plan = negotiate(local, remote)
     except LayoutMismatch as exc:
@@ -262,7 +262,8 @@ COMMANDS: tuple[Command, ...] = (
             _add_layout_check, _run_layout_check,
             "exit status: 0 the layouts negotiate (the plan is printed), 1 they cannot exchange pages "
             "(every differing field is printed), 2 bad input"),
-    Command(("demo",), "run a prefill/decode pair moving a real KV cache over NIXL on loopback, with a report",
+    Command(("demo",), "run prefill ranks and a decode rank moving a real KV cache over NIXL on loopback, "
+                       "many fetches in flight, with a report",
             _add_demo, _run_demo,
             "exit status: 0 every request verified, 1 a request did not verify or a rank exited non-zero "
             "after the report, 2 bad options or a rank failed before reporting (one line on stderr). Environment: KVLEND_LOG sets the ranks' log level, "

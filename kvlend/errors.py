@@ -74,3 +74,11 @@ class PeerLost(BackendError):
 
 class TransferTimeout(KvlendError, TimeoutError):
     """A wait hit its deadline."""
+
+
+class TransferCancelled(KvlendError):
+    """A read was cancelled before it completed."""
+
+
+class IncompleteFetch(KvlendError):
+    """Every read of a fetch landed, but they cover fewer tokens than the lease: ``.bound`` says how many."""

@@ -11,8 +11,8 @@ import secrets
 
 import numpy as np
 
-from kvlend.backend import load_backend
-from kvlend.layout import PageLayout, layout_from_pools
+from kvlend.transport import load_backend
+from kvlend.core.layout import PageLayout, layout_from_pools
 
 TPP = 4  # tokens per page: small pages keep a thousand leases fast
 LAYERS = 4

@@ -39,9 +39,9 @@ sys.path.insert(0, os.path.join(os.path.dirname(TESTS), "examples"))
 import numpy as np  # noqa: E402
 from conftest import SENTINEL, TPP, FreeList, group_layers, make_layout, make_pools, nixl, pattern, prefill_request, slots  # noqa: E402,E501
 
-from kvlend.control import load_secret  # noqa: E402
+from kvlend.runtime.secret import load_secret  # noqa: E402
 from kvlend.errors import KvlendError, PeerLost, TransferTimeout  # noqa: E402
-from kvlend.node import DecodeNode, NodeConfig, PrefillNode  # noqa: E402
+from kvlend.runtime import DecodeNode, NodeConfig, PrefillNode  # noqa: E402
 
 MARK = "@@kvlend "
 SRC_PAGES = 512

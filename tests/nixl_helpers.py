@@ -8,8 +8,8 @@ import time
 
 import numpy as np
 
-from kvlend.backend import Completion
-from kvlend.layout import MemoryKind, MemoryRegion
+from kvlend.transport import Completion
+from kvlend.core.layout import MemoryKind, MemoryRegion
 
 PAGE = 4096
 
@@ -19,7 +19,9 @@ def host_region(arr: np.ndarray, name: str, page: int = PAGE) -> MemoryRegion:
 
 
 def pattern(size: int, seed: int) -> np.ndarray:
-    return np.random.default_rng(seed).integers(0, 256, size, dtype=np.uint8)
+    """``size`` random bytes from ``seed`` (raw generator output: 0.3 s for 256 MiB)."""
+    words = np.random.default_rng(seed).bit_generator.random_raw(-(-size // 8))
+    return words.view(np.uint8)[:size]
 
 
 def poll_until(initiator, tags, deadline_s: float, others=()) -> dict[bytes, Completion]:

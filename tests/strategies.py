@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from hypothesis import strategies as st
 
-from kvlend.layout import (
+from kvlend.core.layout import (
     BufferDesc, HeadGeometry, HeadOrder, LayerIdentity, LayerKind, MemoryKind, MemoryRegion,
     PageLayout, ReplicaRank, Role, Sharding,
 )

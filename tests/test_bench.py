@@ -9,7 +9,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from kvlend import bench, cli
+from kvlend import cli
+from kvlend.bench import scenarios as bench
 
 
 @pytest.fixture(scope="module")

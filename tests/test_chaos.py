@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 from test_faults import Rank
 
-from kvlend.control import generate_secret
+from kvlend.runtime.secret import generate_secret
 
 SOAK_S = float(os.environ.get("KVLEND_SOAK_S", "45"))
 KILLS = {"decode": 2, "prefill": 2}

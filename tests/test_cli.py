@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from kvlend import cli
-from kvlend.layout import LayerKind, MemoryKind, PageLayout, RowSelection, layout_from_pools
+from kvlend.core.layout import LayerKind, MemoryKind, PageLayout, RowSelection, layout_from_pools
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples" / "layouts"
 LLAMA = str(EXAMPLES / "llama-3.1-8b.json")
@@ -196,3 +196,65 @@ def test_commands_are_a_table(capsys, monkeypatch):
     assert cli.main(["extra", "--n", "3"]) == 7 and seen == [3]
     assert cli.main(["layout", "show", LLAMA]) == 0
     capsys.readouterr()
+
+
+# ------------------------------------------------------------------- demo
+SAMPLE_REPORT = {
+    "requests": 64, "tokens": 21128, "bytes": 88539136, "bytes_full": 88539136, "gbps": 0.3,
+    "latency_ms_p50": 6.6, "latency_ms_p99": 80.9, "descriptors_per_request": 54.4, "handshake_ms": 11.0,
+    "model": "llama", "tokens_per_page": [16, 16], "decode_tp": 1, "plan": "identity", "prefills": 2,
+    "prefill_requests": [32, 32], "inflight": 16, "max_inflight": 12, "verified": True, "mismatched": [],
+    "prefill_exits": [0, 0], "prefill_exit": 0, "wall_s": 7.2,
+}
+
+
+def demo_args(*argv: str):
+    return cli.build_parser().parse_args(["demo", *argv])
+
+
+def test_demo_options_default_to_two_prefills_and_16_in_flight():
+    args = demo_args()
+    assert (args.prefills, args.inflight) == (2, 16)
+    args = demo_args("--prefills", "3", "--inflight", "5", "--decode-tp", "2", "--model", "hybrid")
+    assert (args.prefills, args.inflight, args.decode_tp, args.model) == (3, 5, 2, "hybrid")
+
+
+def test_demo_launches_every_prefill_rank_and_one_decode_connected_to_all():
+    pair = cli._example("pair")
+    args = demo_args("--prefills", "3", "--inflight", "5", "--requests", "9")
+    for rank in range(3):
+        argv = pair.prefill_argv(args, rank)
+        assert argv[1].endswith("prefill.py")
+        flags = dict(zip(argv[2::2], argv[3::2]))
+        assert flags["--prefills"] == "3" and flags["--rank"] == str(rank) and flags["--requests"] == "9"
+        assert int(flags["--max-inflight"]) >= 5  # each rank lends enough ahead to fill the decode's window
+    argv = pair.decode_argv(args, ["127.0.0.1:1001", "127.0.0.1:1002", "127.0.0.1:1003"], "/tmp/report.json")
+    assert argv[1].endswith("decode.py")
+    connect = [argv[i + 1] for i, a in enumerate(argv) if a == "--connect"]
+    assert connect == ["127.0.0.1:1001", "127.0.0.1:1002", "127.0.0.1:1003"]
+    assert argv[argv.index("--inflight") + 1] == "5"
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--inflight", "0"], "--inflight: must be >= 1, got 0"),
+    (["--prefills", "0"], "--prefills: must be >= 1, got 0"),
+    (["--requests", "2", "--prefills", "3"], "--prefills: 3 prefill ranks for 2 requests"),
+    (["--metrics-port", "65534"], "--metrics-port: 65534 + 2 prefill ranks passes port 65535"),
+])
+def test_demo_refuses_bad_concurrency_options_before_starting_a_rank(capsys, argv, message):
+    assert cli.main(["demo", *argv]) == cli.EXIT_USAGE
+    out, err = capsys.readouterr()
+    assert out == "" and err.count("\n") == 1 and message in err, err
+
+
+def test_demo_text_report_says_how_many_were_in_flight():
+    pair = cli._example("pair")
+    text = pair.format_report(SAMPLE_REPORT)
+    lines = [line.strip() for line in text.splitlines()]
+    assert "in flight             16 (max seen 12) from 2 prefill ranks" in lines
+    assert "requests              64 (32 + 32 from 2 prefill ranks)" in lines
+    assert lines[-1] == "verified              yes"
+    one = pair.format_report({**SAMPLE_REPORT, "prefills": 1, "prefill_requests": [64], "inflight": 1,
+                              "max_inflight": 1, "verified": False, "mismatched": ["req-3"]})
+    assert "in flight             1 (max seen 1) from 1 prefill rank" in one
+    assert one.splitlines()[-1].strip() == "verified              NO: req-3"

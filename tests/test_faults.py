@@ -25,14 +25,15 @@ import numpy as np
 import pytest
 from conftest import nixl, prefill_request
 from fault_ranks import MARK
+from raw_peer import RawDecode
 from test_node import (
-    DEADLINE, DECODE_CONFIG, DST_PAGES, MAX_TOKENS, SRC_PAGES, Intercept, assert_locked, fetch_and_verify, free_lists, rig,
+    DEADLINE, DECODE_CONFIG, DST_PAGES, MAX_TOKENS, SRC_PAGES, assert_locked, fetch_and_verify, free_lists, intercept, rig,
 )
 
-from kvlend.control import SECRET_ENV, connect, generate_secret
 from kvlend.errors import KvlendError, PeerLost, TransferTimeout
-from kvlend.node import DecodeNode, NodeConfig
-from kvlend.wire import Done, DoneAck, Heartbeat, encode_frame
+from kvlend.runtime import DecodeNode, NodeConfig
+from kvlend.runtime.secret import SECRET_ENV, generate_secret
+from kvlend.protocol.wire import Done, DoneAck, Heartbeat, encode_frame
 
 TESTS = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(os.path.dirname(TESTS), "examples"))
@@ -126,10 +127,10 @@ def test_a_silent_client_does_not_stall_the_prefill():
         silent = socket.create_connection(r.prefill.address, timeout=DEADLINE)
         try:
             end = time.monotonic() + DEADLINE
-            while r.prefill.listener.pending == 0:  # the prefill took it in, and waits on it
+            while r.prefill.pending_hellos == 0:  # the prefill took it in, and waits on it
                 assert time.monotonic() < end, "the silent connection was never accepted"
                 time.sleep(0.005)
-            other = DecodeNode(r.decode.layout, nixl("second"), r.decode.secret, name="second", config=DECODE_CONFIG)
+            other = DecodeNode(r.decode.layout, nixl("second"), r.secret, name="second", config=DECODE_CONFIG)
             try:
                 link = other.connect(*r.prefill.address)  # completes while the silent one is still pending
                 peer = "second"
@@ -137,14 +138,14 @@ def test_a_silent_client_does_not_stall_the_prefill():
                 while peer not in r.prefill.ready_peers():
                     assert time.monotonic() < end
                     time.sleep(0.005)
-                assert r.prefill.listener.pending == 1
+                assert r.prefill.pending_hellos == 1
                 tables = prefill_request(r.layout, r.src, free_lists(r.layout, SRC_PAGES, 21), 60, seed=21)
                 r.prefill.offer(peer, "while-silent", 60, tables, r.layout.full_selection(), meta={"seed": 21})
                 got, offer = other.next_offer(DEADLINE)
-                assert got == link.channel.peer
+                assert got == link
                 dst = free_lists(other.layout, DST_PAGES, 22)
                 assert fetch_and_verify(other, got, offer, r.dst, dst).bound == 60
-                assert r.prefill.listener.pending == 1
+                assert r.prefill.pending_hellos == 1
             finally:
                 other.close()
                 other.backend.close()
@@ -157,7 +158,7 @@ def test_a_silent_client_does_not_stall_the_prefill():
 def test_sigkill_decode_mid_transfer_frees_locks_within_ttl_and_a_new_decode_serves_100():
     released: deque = deque()
     with rig(FAULT_CONFIG, on_release=lambda lease, reason: released.append((lease.request, reason))) as r:
-        secret = r.decode.secret
+        secret = r.secret
         child = Rank(secret, "decode", "--connect", "%s:%d" % r.prefill.address, "--gen", "7",
                      "--ttl", str(TTL), "--heartbeat", str(BEAT), "--chunk-pages", "1", "--slow", "0.1")
         try:
@@ -185,7 +186,7 @@ def test_sigkill_decode_mid_transfer_frees_locks_within_ttl_and_a_new_decode_ser
                 time.sleep(0.005)
             freed_after = time.monotonic() - killed
             assert list(released) == [("doomed", "expired")]
-            assert "decode7" not in r.prefill.peers
+            assert "decode7" not in r.prefill.ready_peers()
             print(f"\nlocks of the killed decode dropped {freed_after:.2f} s after SIGKILL (ttl {TTL}, heartbeat {BEAT})")
             for name, table in tables.items():
                 src_free[name].release(table)
@@ -267,7 +268,7 @@ def test_sigkill_prefill_mid_transfer_resumes_from_the_bound_and_matches_the_ref
     second = None
     node = DecodeNode(cache.layout(), nixl("decode"), secret, config=FAULT_CONFIG)
     try:
-        old_agent = node.connect(*first.listening()).agent
+        old_agent = node._agents[node.connect(*first.listening()).id]
         peer, offer = node.next_offer(DEADLINE)
         table = cache.alloc(-(-prompt_len // tpp))
         hook = KillAfterFirstChunk(node.backend, first)
@@ -279,13 +280,13 @@ def test_sigkill_prefill_mid_transfer_resumes_from_the_bound_and_matches_the_ref
         bound = info.value.bound
         assert info.value.request == "toy-0"
         assert 0 < bound < prompt_len and bound % tpp == 0, bound  # the first chunk, maybe more
-        assert node.links == {}  # the dead link and its NIXL peer are gone
+        assert node.links == []  # the dead link and its NIXL peer are gone
         assert node.tracker.stats.requests == 0
 
         # A replacement prefill (its pages elsewhere in its pool) lends the request again.
         second = Rank(secret, "toy-prefill", "--gen", "2", *args)
         link = node.connect(*second.listening())
-        assert link.agent != old_agent  # a new NIXL remote agent, same decode process
+        assert node._agents[link.id] != old_agent  # a new NIXL remote agent, same decode process
         peer, offer = node.next_offer(DEADLINE)
         hook.victim, hook.local_rows = None, []
         result = node.fetch(peer, offer, {"full": table}, resume_from=bound)
@@ -325,46 +326,38 @@ def test_wrong_secret_replayed_frame_and_another_decodes_lease_are_refused(caplo
         try:
             with pytest.raises(KvlendError):
                 intruder.connect(*r.prefill.address)
-            assert intruder.links == {} and "intruder" not in r.prefill.peers
+            assert intruder.links == [] and "intruder" not in r.prefill.ready_peers()
         finally:
             intruder.backend.close()
 
         tables = prefill_request(r.layout, r.src, free_lists(r.layout, SRC_PAGES, 41), 50, seed=41)
         lease = r.prefill.offer(r.peer, "a-only", 50, tables, r.layout.full_selection(), meta={"seed": 41})
         link_a, offer = r.decode.next_offer(DEADLINE)
-        channel_a = r.decode.links[link_a].channel
+        conn_a = r.decode.session._links[link_a.id].conn
 
         # A frame of session A, replayed into a new session of someone holding the secret.
-        replayed = encode_frame(channel_a._key, channel_a._send_seq, Done(lease.id, 50))
+        replayed = encode_frame(conn_a._key, conn_a._send_seq, Done(lease.id, 50))
         caplog.clear()
-        thief = connect(*r.prefill.address, r.decode.secret, "thief", timeout=DEADLINE)
-        try:
+        with RawDecode(r.prefill.address, r.secret, "thief") as thief:
             thief.sock.sendall(replayed)
             with pytest.raises(PeerLost):  # the prefill hangs up on it
                 while True:
                     thief.recv(DEADLINE)
-        finally:
-            thief.close()
-        assert "thief" not in r.prefill.peers and "failed authentication" in caplog.text
+        assert "thief" not in r.prefill.ready_peers() and "failed authentication" in caplog.text
 
         # Decode B, properly connected, sends Heartbeat and Done for A's lease.
-        b = DecodeNode(r.decode.layout, nixl("decode-b"), r.decode.secret, name="decode-b", config=DECODE_CONFIG)
-        try:
-            link_b = b.connect(*r.prefill.address)
+        with RawDecode(r.prefill.address, r.secret, "decode-b") as b:
+            b.handshake(r.decode.layout)
             before = r.prefill.lender.get(lease.id, time.monotonic()).expires_at
             time.sleep(0.05)  # so a renewal would move the expiry
-            link_b.channel.send(Heartbeat((lease.id,)))
-            link_b.channel.send(Done(lease.id, 50))
-            ack = link_b.channel.recv(DEADLINE)
+            b.send(Heartbeat((lease.id,)), Done(lease.id, 50))
+            ack = b.recv(DEADLINE)
             assert isinstance(ack, DoneAck) and ack.lease == lease.id
             assert not ack.ok and ack.error.startswith("LeaseDenied")
             with r.prefill._lock:
                 assert r.prefill.lender.get(lease.id, time.monotonic()).expires_at == before  # not renewed
             assert_locked(r.prefill, tables, True)
             assert "decode-b" in r.prefill.ready_peers()  # refused, not dropped
-        finally:
-            b.close()
-            b.backend.close()
 
         # A's lease survived all three and reads fine.
         result = fetch_and_verify(r.decode, link_a, offer, r.dst, free_lists(r.decode.layout, DST_PAGES, 42))
@@ -413,7 +406,7 @@ def test_without_a_done_ack_only_reads_made_while_the_lease_was_surely_valid_cou
     """
     offset = [0.0]
     with rig() as r:
-        decode = DecodeNode(r.decode.layout, nixl("slow"), r.decode.secret, name="slow",
+        decode = DecodeNode(r.decode.layout, nixl("slow"), r.secret, name="slow",
                             config=NodeConfig(ttl=5.0, heartbeat=1.0, transfer_timeout=DEADLINE),
                             clock=lambda: time.monotonic() + offset[0])
         try:
@@ -432,11 +425,11 @@ def test_without_a_done_ack_only_reads_made_while_the_lease_was_surely_valid_cou
                 if isinstance(message, Done):
                     r.prefill.close()
 
-            decode.links[link].channel = Intercept(decode.links[link].channel, before_send=vanish)
+            intercept(decode, link, before_send=vanish)
             with pytest.raises(PeerLost) as info:
                 decode.fetch(link, offer, {name: np.arange(12) for name in decode.layout.groups})
             assert info.value.bound == (0 if late else 48)
-            assert decode.links == {}
+            assert decode.links == []
         finally:
             decode.close()
             decode.backend.close()

@@ -25,8 +25,8 @@ import test_layout_fuzz as lf
 import test_wire as tw
 
 from kvlend.errors import KvlendError, LayoutError, ProtocolError
-from kvlend.layout import PageLayout
-from kvlend.wire import PROTOCOL_VERSION, FrameDecoder, LeaseOffer, Offer, encode_frame, message_from_wire
+from kvlend.core.layout import PageLayout
+from kvlend.protocol.wire import PROTOCOL_VERSION, FrameDecoder, LeaseOffer, Offer, encode_frame, message_from_wire
 
 GUARD_S = 120  # only turns a hang into a failure
 PEAK_LIMIT = 8 << 20  # bytes; the claims below are of gigabytes

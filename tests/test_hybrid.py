@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvlend.layout import LayerKind, MemoryKind, Role, SelectionMode
-from kvlend.lender import Lender
+from kvlend.core.layout import LayerKind, MemoryKind, Role, SelectionMode
+from kvlend.core.lender import Lender
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "examples"

@@ -12,9 +12,9 @@ import torch
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
-import kvlend.layout as layout_module
+import kvlend.core.layout as layout_module
 from kvlend.errors import KvlendError, LayoutError
-from kvlend.layout import (
+from kvlend.core.layout import (
     BufferDesc, HeadGeometry, HeadOrder, LayerGroup, LayerIdentity, LayerKind, MemoryKind,
     MemoryRegion, PageLayout, ReplicaRank, Role, RowSelection, SelectionMode, Sharding,
     layout_from_pools,

@@ -20,7 +20,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvlend.errors import LayoutError
-from kvlend.layout import (
+from kvlend.core.layout import (
     BufferDesc, HeadGeometry, LayerIdentity, LayerKind, MemoryKind, MemoryRegion, PageLayout,
     ReplicaRank, Role,
 )

@@ -10,11 +10,11 @@ from hypothesis import given, settings, strategies as st
 from kvlend.errors import (
     KvlendError, LayoutError, LeaseDenied, LeaseError, LeaseExpired, LeaseUnknown, PageRangeError,
 )
-from kvlend.layout import (
+from kvlend.core.layout import (
     BufferDesc, LayerIdentity, LayerKind, MemoryKind, MemoryRegion, PageLayout, Role, RowSelection,
 )
-from kvlend.lender import Lease, Lender
-from kvlend.locks import PageLocks
+from kvlend.core.lender import Lease, Lender
+from kvlend.core.locks import PageLocks
 
 ATT, REC = LayerKind.ATTENTION, LayerKind.RECURRENT
 ALL = RowSelection.all()
@@ -184,6 +184,7 @@ _GOOD = dict(request="r", num_tokens=161, selection=ALL, now=0.0, ttl=1.0, peer=
     ({"num_tokens": -3}, PageRangeError, "num_tokens"),
     ({"num_tokens": True}, PageRangeError, "num_tokens"),
     ({"num_tokens": 161.0}, PageRangeError, "num_tokens"),
+    ({"num_tokens": 10**6}, PageRangeError, "num_tokens: 1000000 exceeds the layout's kept window"),
     ({"num_tokens": 200}, PageRangeError, "pages\\['full'\\]: expected 7 entries, got shape \\(6,\\)"),
     ({"selection": "ALL"}, LayoutError, "selection: must be a RowSelection"),
     ({"selection": RowSelection.named("nope")}, LayoutError, "no buffer 'nope'"),

@@ -7,8 +7,8 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from kvlend.errors import KvlendError, PageRangeError
-from kvlend.layout import BufferDesc, LayerIdentity, LayerKind, MemoryKind, MemoryRegion, PageLayout, Role
-from kvlend.locks import PageLocks
+from kvlend.core.layout import BufferDesc, LayerIdentity, LayerKind, MemoryKind, MemoryRegion, PageLayout, Role
+from kvlend.core.locks import PageLocks
 
 
 def _layout() -> PageLayout:

@@ -9,10 +9,10 @@ import numpy as np
 import pytest
 from conftest import FreeList, make_layout, make_pools, nixl, prefill_request
 
-from kvlend.control import generate_secret
+from kvlend.runtime.secret import generate_secret
 from kvlend.errors import KvlendError
 from kvlend.metrics import METRICS, SPECS, Metrics
-from kvlend.node import DecodeNode, NodeConfig, PrefillNode
+from kvlend.runtime import DecodeNode, NodeConfig, PrefillNode
 
 DEADLINE = 10.0
 
@@ -49,7 +49,7 @@ def test_metrics_move_and_are_scraped_over_http():
         assert during['kvlend_locked_pages{node="metrics-prefill"}'] > 0
         for _ in range(3):
             _, offer = decode.next_offer(DEADLINE)
-            decode.fetch(link.channel.peer, offer, {g: f.alloc(10) for g, f in dst_free.items()})
+            decode.fetch(link, offer, {g: f.alloc(10) for g, f in dst_free.items()})
         after = scrape(port)
     finally:
         decode.close()

@@ -15,11 +15,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from kvlend.control import generate_secret
+from kvlend.runtime.secret import generate_secret
 from kvlend.errors import LayoutMismatch, PeerLost
-from kvlend.layout import HeadOrder, PageLayout, ReplicaRank
-from kvlend.negotiate import negotiate
-from kvlend.node import DecodeNode, NodeConfig, PrefillNode
+from kvlend.core.layout import HeadOrder, PageLayout, ReplicaRank
+from kvlend.core.negotiate import negotiate
+from kvlend.runtime import DecodeNode, NodeConfig, PrefillNode
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "examples"
@@ -34,13 +34,24 @@ FAST = NodeConfig(handshake_timeout=5.0)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("prefill_tpp, decode_tpp", [(16, 32), (32, 16)])
-def test_pair_maps_tokens_per_page(prefill_tpp, decode_tpp):
-    report = pair("--model", "hybrid", "--requests", "8", "--max-len", "300",
+@pytest.mark.parametrize("model, prefill_tpp, decode_tpp", [("llama", 16, 32), ("hybrid", 32, 16)])
+def test_pair_maps_tokens_per_page(model, prefill_tpp, decode_tpp):
+    report = pair("--model", model, "--requests", "8", "--max-len", "300",
                   "--tokens-per-page", str(prefill_tpp), "--decode-tokens-per-page", str(decode_tpp))
     assert report["plan"] == "mapped" and report["tokens_per_page"] == [prefill_tpp, decode_tpp]
-    config = dataclasses.replace(te.preset("hybrid"), tokens_per_page=prefill_tpp)
-    assert report["bytes"] == expected_bytes(config, 8, 300)[0]
+    if model == "hybrid":
+        config = dataclasses.replace(te.preset("hybrid"), tokens_per_page=prefill_tpp)
+        assert report["bytes"] == expected_bytes(config, 8, 300)[0]
+
+
+def test_bigger_decode_pages_need_a_longer_prefill_window():
+    """16-token prefill pages lend a 64-token window; 32-token decode pages can start 16 tokens earlier."""
+    hybrid = te.preset("hybrid")
+    remote = te.PagedKVCache(hybrid, 8).layout()
+    local = te.PagedKVCache(dataclasses.replace(hybrid, tokens_per_page=32), 8).layout()
+    with pytest.raises(LayoutMismatch) as info:
+        negotiate(local, remote)
+    assert {f for f, *_ in info.value.fields} == {"groups['swa'].read_window", "groups['swa'].sinks"}
 
 
 @pytest.mark.slow
@@ -105,7 +116,7 @@ def test_handshake_refuses_unsupported_difference(case):
         with pytest.raises(LayoutMismatch, match="|".join(fields)) as refused:
             decode.connect(*prefill.address)
         assert {f for f, *_ in refused.value.fields} == set(named)  # the decode names every field too
-        assert decode.links == {} and prefill.ready_peers() == []
+        assert decode.links == [] and prefill.ready_peers() == []
         slot_table = {g: np.arange(1) for g in prefill_cache.layout_groups}
         with pytest.raises(PeerLost):
             prefill.offer("decode", "never", 8, slot_table, remote.full_selection())

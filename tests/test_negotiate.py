@@ -6,20 +6,22 @@ import dataclasses
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from kvlend.errors import LayoutMismatch
-from kvlend.layout import (
+from kvlend.core.layout import (
     BufferDesc, HeadGeometry, HeadOrder, LayerIdentity, LayerKind, MemoryKind, MemoryRegion, PageLayout,
     ReplicaRank, Role, Sharding, layout_from_pools,
 )
-from kvlend.negotiate import IDENTITY, MAPPED, Piece, negotiate
+from kvlend.core.negotiate import IDENTITY, MAPPED, Piece, negotiate
 
 BPH = 8  # bytes per head and token
 
 
 def attention(*, layers=(0, 1), heads=4, tpp=16, order=HeadOrder.HND, tp=(1, 0), pp=(1, 0), dtype="bfloat16",
               scope="model", sharding=Sharding.INDEXED, bph=BPH, pad=0, num_pages=8, group="full",
-              window=None, prefix="") -> PageLayout:
+              window=None, sinks=0, kept=4096, prefix="") -> PageLayout:
     """One region per layer holding K then V (then ``pad`` bytes) in each slot."""
     page = heads * tpp * bph
     regions, buffers = [], []
@@ -31,8 +33,8 @@ def attention(*, layers=(0, 1), heads=4, tpp=16, order=HeadOrder.HND, tp=(1, 0),
             buffers.append(BufferDesc(
                 f"{prefix}L{layer}.{role.value}", name, i * page, page,
                 LayerIdentity(layer, LayerKind.ATTENTION, role), group,
-                HeadGeometry(heads, bph, order, sharding), window))
-    return PageLayout(tuple(regions), tuple(buffers), tpp, 4096, dtype, scope,
+                HeadGeometry(heads, bph, order, sharding), window, sinks))
+    return PageLayout(tuple(regions), tuple(buffers), tpp, kept, dtype, scope,
                       ReplicaRank(tp[0], tp[1], pp[0], pp[1]))
 
 
@@ -53,8 +55,8 @@ def fields(exc: LayoutMismatch) -> list[str]:
 def test_equal_layouts_give_an_identity_plan_of_whole_slots():
     pools = [np.zeros((6, 2, 4, 16, 8), dtype=np.uint8) for _ in range(3)]
     other = [np.zeros((9, 2, 4, 16, 8), dtype=np.uint8) for _ in range(3)]
-    remote = layout_from_pools(kv=pools, kept_window=1024)
-    local = layout_from_pools(kv=other, kept_window=4096)  # other capacity, addresses, kept window
+    remote = layout_from_pools(kv=pools, kept_window=4096)
+    local = layout_from_pools(kv=other, kept_window=1024)  # other capacity, addresses, a smaller kept window
     plan = negotiate(local, remote)
     assert plan.kind == IDENTITY and plan.local_id == plan.remote_id
     assert dict(plan.group_map) == {"full": "full"}
@@ -66,7 +68,7 @@ def test_equal_layouts_give_an_identity_plan_of_whole_slots():
     assert "identity plan" in plan.summary()
 
 
-def test_names_windows_and_capacities_never_block():
+def test_names_capacities_and_a_smaller_local_window_never_block():
     remote = attention(group="full", window=None, num_pages=8)
     local = attention(group="g0", window=512, num_pages=3, prefix="dec.")
     plan = negotiate(local, remote)
@@ -183,8 +185,9 @@ def test_big_remote_pages_split_into_small_local_pages(order):
 
 @pytest.mark.parametrize("order", [HeadOrder.HND, HeadOrder.NHD])
 def test_small_remote_pages_fill_big_local_pages(order):
+    # A big local page starts its window up to 32 - 16 tokens earlier: the remote keeps that much more.
     plan = negotiate(attention(layers=(0,), heads=2, tpp=32, order=order),
-                     attention(layers=(0,), heads=2, tpp=16, order=order))
+                     attention(layers=(0,), heads=2, tpp=16, order=order, kept=4096 + 16))
     pair = plan.pairs[0]
     assert (pair.remote_per_local, pair.local_per_remote) == (2, 1)
     k = [p for p in pair.pieces if p.buffer == "L0.K"]
@@ -284,3 +287,111 @@ def test_pipeline_sizes_differ_plan_covers_the_intersection():
     with pytest.raises(LayoutMismatch) as err:
         negotiate(local, attention(layers=(6, 7), pp=(4, 3)))
     assert fields(err.value) == ["replica.pp_rank"]
+
+
+# ------------------------------------------------------- what each side reads
+def swa(*, tpp=16, window=64, sinks=1, kept=4096, **kw) -> PageLayout:
+    return attention(layers=(0,), heads=1, tpp=tpp, window=window, sinks=sinks, kept=kept, group="swa", **kw)
+
+
+def test_a_remote_that_lends_more_than_the_local_group_reads_is_mapped():
+    local = swa(window=64, sinks=1, kept=1024)
+    negotiate(local, swa(window=128, sinks=2, kept=4096))
+    negotiate(local, swa(window=None, sinks=1))  # a full remote group lends its whole kept window
+    negotiate(swa(tpp=16, window=64, sinks=2), swa(tpp=32, window=64, sinks=1))  # 32 sink tokens either way
+
+
+def test_a_larger_local_window_is_refused_naming_read_window():
+    with pytest.raises(LayoutMismatch) as err:
+        negotiate(swa(window=128), swa(window=64))
+    ((name, lv, rv, why),) = err.value.fields
+    assert (name, lv, rv) == ("groups['swa'].read_window", 128, 64)
+    assert "needs at least 128" in why
+
+
+def test_big_local_pages_need_a_remote_window_longer_by_the_page_difference():
+    # At 112 tokens a 64-token window starts in local page 1 (token 32) but at remote page 3 (token 48):
+    # the remote must lend 32 - 16 tokens more.
+    with pytest.raises(LayoutMismatch) as err:
+        negotiate(swa(tpp=32, window=64, sinks=0), swa(tpp=16, window=79, sinks=0))
+    assert fields(err.value) == ["groups['swa'].read_window"]
+    assert "in pages of 32 from pages of 16 needs at least 80" in str(err.value)
+    negotiate(swa(tpp=32, window=64, sinks=0), swa(tpp=16, window=80, sinks=0))
+
+
+def test_more_local_sink_tokens_are_refused_naming_sinks():
+    with pytest.raises(LayoutMismatch) as err:
+        negotiate(swa(sinks=2), swa(sinks=1))
+    assert [(f, lv, rv) for f, lv, rv, _ in err.value.fields] == [("groups['swa'].sinks", 2, 1)]
+    with pytest.raises(LayoutMismatch) as err:  # one page either side, but 32 tokens against 16
+        negotiate(swa(tpp=32, window=64, sinks=1), swa(tpp=16, window=80, sinks=1))
+    assert fields(err.value) == ["groups['swa'].sinks"]
+    assert "(32 tokens)" in str(err.value) and "(16 tokens)" in str(err.value)
+
+
+def test_a_full_remote_group_covers_any_local_reads_since_leases_stay_inside_the_kept_window():
+    negotiate(attention(kept=4096), attention(kept=2048))  # the lender refuses num_tokens > 2048
+    negotiate(attention(tpp=32), attention(tpp=16))  # bigger local pages: still every page from 0
+    negotiate(swa(window=1024), swa(window=4096, kept=512))  # clamped to its kept window: lends every page
+
+
+def test_every_read_difference_is_listed_at_once():
+    def two_groups(kept, window, sinks, dtype="bfloat16"):
+        """Layer 0 in group "full", layer 1 in group "swa"."""
+        layout = attention(kept=kept, window=window, sinks=sinks, dtype=dtype)
+        return dataclasses.replace(layout, buffers=tuple(
+            dataclasses.replace(b, group="full", window=None, sinks=0) if b.identity.layer == 0
+            else dataclasses.replace(b, group="swa") for b in layout.buffers))
+
+    with pytest.raises(LayoutMismatch) as err:
+        negotiate(two_groups(4096, 128, 2), two_groups(1024, 64, 1, dtype="float16"))
+    assert fields(err.value) == ["dtype", "groups['swa'].read_window", "groups['swa'].sinks"]
+
+
+def test_recurrent_groups_have_no_window_to_check():
+    negotiate(with_state(attention(layers=(0,))), with_state(attention(layers=(0,))))
+
+
+def _lent_tokens(group, position, tpp) -> np.ndarray:
+    """Which tokens below ``position`` the pages a decoder at ``position`` reads hold."""
+    pages = -(-position // tpp)
+    held = np.zeros((pages, tpp), dtype=bool)
+    held[group.pages_read(position, tpp)] = True
+    return held.reshape(-1)[:position]
+
+
+def _covered(local, remote, position) -> bool:
+    """From first principles: every page the local group reads is whole among the remote's lent tokens."""
+    tl, tr = local.tokens_per_page, remote.tokens_per_page
+    lent = _lent_tokens(remote.groups["swa"], position, tr)
+    pages = -(-position // tl)
+    whole = np.ones(pages * tl, dtype=bool)
+    whole[:position] = lent
+    return bool(whole.reshape(pages, tl).all(axis=1)[local.groups["swa"].pages_read(position, tl)].all())
+
+
+RATIOS = [(1, 1), (1, 2), (2, 1), (1, 4), (4, 1)]  # (local, remote) multiples of a base page size
+
+
+@settings(max_examples=300, deadline=None)
+@given(base=st.sampled_from([1, 2, 4, 8]), ratio=st.sampled_from(RATIOS),
+       windows=st.tuples(*[st.none() | st.integers(-1, 80)] * 2), sinks=st.tuples(*[st.integers(0, 4)] * 2),
+       kept=st.tuples(*[st.integers(1, 96)] * 2))
+def test_a_plan_exists_exactly_when_every_position_is_covered(base, ratio, windows, sinks, kept):
+    tl, tr = base * ratio[0], base * ratio[1]
+    local = swa(tpp=tl, window=windows[0], sinks=sinks[0], kept=kept[0])
+    remote = swa(tpp=tr, window=windows[1], sinks=sinks[1], kept=kept[1])
+    # Past both windows and sinks by a page of each size, what is read repeats every max(tl, tr) tokens.
+    reach = max(kept) + max(s * t for s, t in zip(sinks, (tl, tr))) + 2 * max(tl, tr)
+    uncovered = [n for n in range(1, 4 * reach) if not _covered(local, remote, n)]
+    lendable = remote.kept_window  # the lender never lends past it
+    full = remote.groups["swa"].read_window >= remote.kept_window  # lends every page of any lease
+    try:
+        negotiate(local, remote)
+    except LayoutMismatch as err:
+        assert not full and uncovered, f"refused although every position is covered: {err}"
+        assert set(fields(err)) <= {"groups['swa'].read_window", "groups['swa'].sinks"}
+    else:
+        bad = [n for n in uncovered if n <= lendable]
+        assert not bad, f"planned although positions {bad[:5]} are not covered"
+        assert full or not uncovered

@@ -13,14 +13,15 @@ import secrets
 import signal
 import struct
 import threading
+import time
 
 import numpy as np
 import pytest
 from nixl_helpers import PAGE, host_region, lender_main, pattern, poll_until
 
-from kvlend.backend import ReadBatch, TransferBackend, available_backends, load_backend
-from kvlend.errors import BackendError, KvlendError, PeerLost, TransferTimeout
-from kvlend.layout import MemoryKind, MemoryRegion
+from kvlend.transport import ReadBatch, TransferBackend, available_backends, load_backend
+from kvlend.errors import BackendError, KvlendError, PeerLost, TransferCancelled, TransferTimeout
+from kvlend.core.layout import MemoryKind, MemoryRegion
 from kvlend_nixl import NixlBackend
 from kvlend_nixl.backend import peer_name
 
@@ -106,6 +107,7 @@ def test_options_the_backend_does_not_take_are_a_backend_error():
     ({"error_mode": "bogus"}, "error_mode"),
     ({"timeout": 0}, "timeout"),
     ({"timeout": float("inf")}, "timeout"),
+    ({"abort_grace": 0}, "abort_grace"),
     ({"num_threads": -1}, "num_threads"),
     ({"name": ""}, "name"),
     ({"backend_params": {"num_threads": "2"}}, "num_threads"),
@@ -252,29 +254,164 @@ def test_bad_peer_metadata_is_a_backend_error(pair):
 
 
 # ----------------------------------------------------------------- failures
-def test_removed_peer_fails_its_reads_with_peer_lost():
+# The lender is never polled in these tests until said so, so a peer's first
+# read stays in flight: NIXL's own handle state, checked by in_nixl_flight.
+def in_nixl_flight(backend: NixlBackend, tag: bytes) -> bool:
+    return all(backend._agent.check_xfer_state(h) == "PROC" for h in backend._reads[tag].handles)
+
+
+def poll_quietly(backend: NixlBackend, seconds: float) -> list:
+    """Everything ``backend`` reports within ``seconds`` of polling (lender not polled)."""
+    out, end = [], time.monotonic() + seconds
+    while time.monotonic() < end:
+        out += backend.poll()
+        time.sleep(1e-3)
+    return out
+
+
+def test_cancel_of_an_unknown_or_reported_tag_is_a_no_op(pair):
+    pair.reader.cancel(b"never-posted")
+    pair.reader.post_read(pair.peer, [batch(pair.src, pair.dst, [0], [0], PAGE)], b"x")
+    assert pair.drain([b"x"])[b"x"].error is None
+    pair.reader.cancel(b"x")  # already reported
+    assert pair.reader.poll() == [] and pair.reader.in_flight == 0
+    with pytest.raises(BackendError, match="tag must be bytes"):
+        pair.reader.cancel("x")
+
+
+def test_cancel_after_the_read_finished_reports_its_success(pair):
+    pair.reader.post_read(pair.peer, [batch(pair.src, pair.dst, [0], [0], PAGE)], b"wire-up")
+    pair.drain([b"wire-up"])  # from now on, over cma, the copy happens inside transfer()
+    pair.reader.post_read(pair.peer, [batch(pair.src, pair.dst, [0], [0], SIZE)], b"done")
+    assert pair.reader.in_flight == 1 and not in_nixl_flight(pair.reader, b"done")
+    pair.reader.cancel(b"done")
+    assert pair.drain([b"done"])[b"done"].error is None
+    assert np.array_equal(pair.dst, pair.src) and pair.reader.in_flight == 0
+
+
+def test_cancelled_read_is_reported_only_once_nixl_has_finished_it():
     p = Pair()
     try:
-        # The lender is never polled, so this first read stays in flight.
+        p.reader.post_read(p.peer, [batch(p.src, p.dst, [0], [0], PAGE)], b"wanted")
+        assert in_nixl_flight(p.reader, b"wanted")
+        p.reader.cancel(b"wanted")
+        assert poll_quietly(p.reader, 0.2) == []  # quarantined: NIXL still says PROC
+        assert p.reader.in_flight == 1 and in_nixl_flight(p.reader, b"wanted")
+        [done] = p.drain([b"wanted"]).values()  # the lender progresses: the handle ends
+        assert isinstance(done.error, TransferCancelled) and "cancelled" in str(done.error)
+        assert p.reader.in_flight == 0 and p.reader.resets == 0
+        p.reader.post_read(p.peer, [batch(p.src, p.dst, [PAGE], [PAGE], PAGE)], b"next")
+        assert p.drain([b"next"])[b"next"].error is None
+        assert np.array_equal(p.dst[PAGE:2 * PAGE], p.src[PAGE:2 * PAGE])
+    finally:
+        p.close()
+
+
+def test_read_that_never_stops_gets_the_agent_rebuilt_after_the_grace():
+    p = Pair(abort_grace=0.3)
+    try:
+        before = p.reader.metadata()
+        p.reader.post_read(p.peer, [batch(p.src, p.dst, [0], [0], PAGE)], b"stuck")
+        p.reader.post_read(p.peer, [batch(p.src, p.dst, [PAGE], [PAGE], PAGE)], b"bystander")
+        p.reader.cancel(b"stuck")
+        start = time.monotonic()
+        done = poll_until(p.reader, [b"stuck", b"bystander"], DEADLINE)
+        assert time.monotonic() - start >= 0.3
+        assert isinstance(done[b"stuck"].error, TransferCancelled)
+        # The rebuilt agent stops every read of the old one.
+        assert type(done[b"bystander"].error) is BackendError and "aborted" in str(done[b"bystander"].error)
+        assert p.reader.resets == 1 and p.reader.metadata() != before
+        p.reader.post_read(p.peer, [batch(p.src, p.dst, [0], [0], SIZE)], b"after")  # regions, peer reloaded
+        assert p.drain([b"after"])[b"after"].error is None
+        assert np.array_equal(p.dst, p.src)
+    finally:
+        p.close()
+
+
+def test_a_reset_that_cannot_make_an_agent_still_reports_and_tries_again(monkeypatch):
+    p = Pair(abort_grace=0.2)
+    try:
+        p.reader.post_read(p.peer, [batch(p.src, p.dst, [0], [0], PAGE)], b"stuck")
+        p.reader.cancel(b"stuck")
+
+        def no_device():
+            raise BackendError("no usable UCX device (link down?)")
+
+        monkeypatch.setattr(p.reader, "_start_agent", no_device)
+        [done] = poll_until(p.reader, [b"stuck"], DEADLINE).values()
+        assert isinstance(done.error, TransferCancelled) and p.reader.resets == 1
+        with pytest.raises(BackendError, match="no agent since its reset: no usable UCX device"):
+            p.reader.post_read(p.peer, [batch(p.src, p.dst, [0], [0], PAGE)], b"refused")
+        assert p.reader.poll() == [] and p.reader.in_flight == 0
+        monkeypatch.undo()  # the device is back: the next call makes the agent
+        p.reader.post_read(p.peer, [batch(p.src, p.dst, [0], [0], SIZE)], b"back")
+        assert p.drain([b"back"])[b"back"].error is None
+        assert np.array_equal(p.dst, p.src)
+    finally:
+        p.close()
+
+
+def test_removed_peer_fails_its_reads_with_peer_lost_once_they_stopped():
+    p = Pair()
+    try:
         p.reader.post_read(p.peer, [batch(p.src, p.dst, [0], [0], PAGE)], b"pending")
         p.reader.remove_peer(p.peer)
-        [done] = poll_until(p.reader, [b"pending"], DEADLINE).values()
-        assert isinstance(done.error, PeerLost) and "removed" in str(done.error)
         with pytest.raises(BackendError, match="unknown peer") as info:
             p.reader.post_read(p.peer, [batch(p.src, p.dst, [0], [0], PAGE)], b"later")
         assert type(info.value).__module__ == "kvlend.errors"
         with pytest.raises(BackendError, match="unknown peer"):
             p.reader.remove_peer(p.peer)
+        assert poll_quietly(p.reader, 0.1) == [] and in_nixl_flight(p.reader, b"pending")
+        [done] = p.drain([b"pending"]).values()
+        assert isinstance(done.error, PeerLost) and "removed" in str(done.error)
+        assert p.reader.resets == 0
+        assert p.reader.add_peer(p.lender.metadata()) == p.peer  # unloaded from NIXL, loads again
+        p.reader.post_read(p.peer, [batch(p.src, p.dst, [0], [0], PAGE)], b"back")
+        assert p.drain([b"back"])[b"back"].error is None
     finally:
         p.close()
 
 
+def test_removed_peer_added_back_while_its_reads_drain_is_kept():
+    p = Pair()
+    try:
+        p.reader.post_read(p.peer, [batch(p.src, p.dst, [0], [0], PAGE)], b"pending")
+        p.reader.remove_peer(p.peer)
+        assert p.reader.add_peer(p.lender.metadata()) == p.peer
+        p.reader.post_read(p.peer, [batch(p.src, p.dst, [PAGE], [PAGE], PAGE)], b"new")
+        done = p.drain([b"pending", b"new"])
+        assert isinstance(done[b"pending"].error, PeerLost) and done[b"new"].error is None
+        assert np.array_equal(p.dst[PAGE:2 * PAGE], p.src[PAGE:2 * PAGE])
+    finally:
+        p.close()
+
+
+def test_peer_replaced_while_its_read_is_in_flight_rebuilds_the_agent():
+    p = Pair()
+    twin = NixlBackend(p.peer)  # a new incarnation under the same name, the old one still alive
+    try:
+        fresh = pattern(SIZE, 42)
+        twin.register([host_region(fresh, "src")])
+        p.reader.post_read(p.peer, [batch(p.src, p.dst, [0], [0], PAGE)], b"old")
+        assert p.reader.add_peer(twin.metadata()) == p.peer
+        assert p.reader.resets == 1
+        [done] = poll_until(p.reader, [b"old"], DEADLINE).values()
+        assert isinstance(done.error, PeerLost) and "replaced" in str(done.error)
+        p.reader.post_read(p.peer, [batch(fresh, p.dst, [0], [0], SIZE)], b"new")
+        assert poll_until(p.reader, [b"new"], DEADLINE, others=[twin])[b"new"].error is None
+        assert np.array_equal(p.dst, fresh)
+    finally:
+        twin.close()
+        p.close()
+
+
 def test_overdue_read_times_out_and_the_link_still_works():
-    p = Pair(timeout=0.2)
+    p = Pair(timeout=0.2, abort_grace=0.3)
     try:
         p.reader.post_read(p.peer, [batch(p.src, p.dst, [0], [0], PAGE)], b"slow")
-        [done] = poll_until(p.reader, [b"slow"], DEADLINE).values()  # lender not polled
-        assert isinstance(done.error, TransferTimeout) and "aborted" in str(done.error)
+        [done] = poll_until(p.reader, [b"slow"], DEADLINE).values()  # lender not polled: the grace ends it
+        assert isinstance(done.error, TransferTimeout) and "cancelled" in str(done.error)
+        assert p.reader.resets == 1
         p.reader.post_read(p.peer, [batch(p.src, p.dst, [PAGE], [PAGE], PAGE)], b"next")
         assert p.drain([b"next"])[b"next"].error is None
         assert np.array_equal(p.dst[PAGE:2 * PAGE], p.src[PAGE:2 * PAGE])
@@ -305,7 +442,8 @@ def test_close_is_idempotent_and_final():
     with backend:
         pass
     backend.close()
-    for call in (backend.poll, backend.metadata, backend.deregister, lambda: backend.remove_peer("x")):
+    for call in (backend.poll, backend.metadata, backend.deregister, lambda: backend.remove_peer("x"),
+                 lambda: backend.cancel(b"x")):
         with pytest.raises(BackendError, match="closed"):
             call()
 

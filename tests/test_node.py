@@ -27,11 +27,11 @@ from conftest import (
     SENTINEL, TPP, FreeList, group_layers, make_layout, make_pools, nixl, pattern, prefill_request, slots,
 )
 
-from kvlend.control import SECRET_ENV, generate_secret
+from kvlend.runtime.secret import SECRET_ENV, generate_secret
 from kvlend.errors import AuthError, ConfigError, LayoutMismatch, LeaseExpired, PeerLost, ProtocolError, TransferTimeout
-from kvlend.layout import PageLayout
-from kvlend.node import DecodeNode, FetchResult, NodeConfig, PrefillNode
-from kvlend.wire import Done, LeaseOffer
+from kvlend.core.layout import PageLayout
+from kvlend.runtime import DecodeNode, FetchResult, Link, NodeConfig, PrefillNode
+from kvlend.protocol.wire import Done, LeaseOffer
 
 DEADLINE = 10.0  # seconds any single wait may take before the test fails
 SRC_PAGES = 256
@@ -48,9 +48,10 @@ class Rig:
     prefill: PrefillNode
     decode: DecodeNode
     peer: str  # the decode as the prefill knows it
-    link: str  # the prefill as the decode knows it
+    link: Link  # the prefill as the decode knows it
     src: list[np.ndarray]
     dst: list[np.ndarray]
+    secret: bytes
     released: list[tuple[str, str]] = field(default_factory=list)  # (request, reason), from the prefill thread
 
     @property
@@ -76,7 +77,7 @@ def rig(prefill_config: NodeConfig = NodeConfig(), clock=time.monotonic, on_rele
         prefill.start()
         decode = DecodeNode(make_layout(dst), nixl("decode"), secret, config=DECODE_CONFIG)
         link = decode.connect(*prefill.address)
-        yield Rig(prefill, decode, prefill.wait_for_peer(DEADLINE), link.channel.peer, src, dst, released)
+        yield Rig(prefill, decode, prefill.wait_for_peer(DEADLINE), link, src, dst, secret, released)
     finally:
         if decode is not None:
             decode.close()
@@ -204,14 +205,14 @@ def test_windowed_group_lends_only_sinks_and_window():
 def test_handshake_refuses_a_mismatched_layout(field_name, mismatch):
     with rig() as r:
         other = DecodeNode(make_layout(make_pools(DST_PAGES, **mismatch)), nixl("odd-decode"),
-                           r.decode.secret, name="odd-decode", config=DECODE_CONFIG)
+                           r.secret, name="odd-decode", config=DECODE_CONFIG)
         try:
             with pytest.raises(LayoutMismatch, match=field_name):
                 other.connect(*r.prefill.address)
-            assert other.links == {}
+            assert other.links == []
         finally:
             other.backend.close()
-        assert "odd-decode" not in r.prefill.peers
+        assert "odd-decode" not in r.prefill.ready_peers()
         assert r.prefill.ready_peers() == [r.peer]
         tables = prefill_request(r.layout, r.src, free_lists(r.layout, SRC_PAGES, 5), 8, seed=1)
         with pytest.raises(PeerLost):
@@ -232,8 +233,8 @@ def test_wrong_secret_gets_no_channel():
         prefill.start()
         with pytest.raises((PeerLost, AuthError)):
             decode.connect(*prefill.address)
-        assert decode.links == {}
-        assert prefill.peers == {}
+        assert decode.links == []
+        assert prefill.ready_peers() == []
         with pytest.raises(TransferTimeout):
             prefill.wait_for_peer(0.2)
     finally:
@@ -242,24 +243,22 @@ def test_wrong_secret_gets_no_channel():
         prefill.backend.close()
 
 
-class Intercept:
-    """A real control channel with hooks before each send and poll, to force one interleaving."""
+def intercept(decode: DecodeNode, link, before_send=lambda message: None, before_poll=lambda: None) -> None:
+    """Hooks before each message the decode sends on ``link`` and before each socket poll,
+    to force one interleaving of a real exchange."""
+    conn = decode.session._links[link.id].conn
+    send, poll = conn.send, decode._sockets.poll
 
-    def __init__(self, channel, before_send=lambda message: None, before_poll=lambda: None):
-        self.channel = channel
-        self.before_send = before_send
-        self.before_poll = before_poll
+    def hooked_send(message):
+        before_send(message)
+        send(message)
 
-    def send(self, message, timeout: float = 10.0) -> None:
-        self.before_send(message)
-        self.channel.send(message, timeout)
+    def hooked_poll(timeout):
+        before_poll()
+        return poll(timeout)
 
-    def poll(self, timeout: float = 0.0):
-        self.before_poll()
-        return self.channel.poll(timeout)
-
-    def __getattr__(self, name):
-        return getattr(self.channel, name)
+    conn.send = hooked_send
+    decode._sockets.poll = hooked_poll
 
 
 @pytest.mark.parametrize("when", ["before_fetch", "after_reads"])
@@ -284,7 +283,7 @@ def test_fetch_of_an_expired_lease_raises_lease_expired(when):
         if when == "before_fetch":
             expire()
         else:  # every read has landed; the lease lapses before the prefill sees Done
-            r.decode.links[link].channel = Intercept(r.decode.links[link].channel, before_send=expire)
+            intercept(r.decode, link, before_send=expire)
         with pytest.raises(LeaseExpired, match="discard"):
             r.decode.fetch(link, offer, {name: np.arange(10) for name in r.decode.layout.groups})
         assert r.released == [("late", "expired")]
@@ -315,8 +314,8 @@ def test_done_ack_survives_the_prefill_closing_right_after_it():
         closer = threading.Thread(target=shut_down, daemon=True)
         closer.start()
         done_sent = threading.Event()
-        r.decode.links[link].channel = Intercept(
-            r.decode.links[link].channel,
+        intercept(
+            r.decode, link,
             before_send=lambda m: done_sent.set() if isinstance(m, Done) else None,
             before_poll=lambda: done_sent.is_set() and closed.wait(DEADLINE),
         )
@@ -334,8 +333,8 @@ import json, queue, sys, time
 sys.path.insert(0, sys.argv[1])
 import numpy as np
 from conftest import FreeList, make_layout, make_pools, nixl, prefill_request
-from kvlend.control import load_secret
-from kvlend.node import PrefillNode
+from kvlend.runtime.secret import load_secret
+from kvlend.runtime import PrefillNode
 
 n_leases, max_tokens, window, deadline_s = map(int, sys.argv[2:6])
 pools = make_pools(256)
@@ -462,6 +461,7 @@ def test_bad_arguments_are_kvlend_errors_before_anything_happens():
                 PrefillNode(r.layout, backend, generate_secret(), port=busy_port)
         finally:
             backend.close()
-        for call in (lambda: r.decode.fetch("nobody", None, {}), lambda: r.decode.disconnect("nobody")):
-            with pytest.raises(PeerLost, match="nobody"):
-                call()
+        gone = Link(999, "127.0.0.1", 1, "nobody", r.link.plan, 0.0)
+        with pytest.raises(PeerLost, match="999"):
+            r.decode.fetch(gone, None, {})
+        r.decode.disconnect(gone)  # an unknown link: nothing to do

@@ -1,22 +1,24 @@
-"""The example pair end to end: prefill and decode as two processes over NIXL on loopback.
+"""The example pair end to end: prefill ranks and a decode as processes over NIXL on loopback.
 
 The decode rank checks every request's generated tokens against a
 single-process reference; here the test also recomputes from the workload
-what the report must say (prompt tokens, bytes moved), so a pair that moved
-the wrong requests, or too few pages, cannot report success.
+what the report must say (prompt tokens, bytes moved, requests per prefill
+rank), so a pair that moved the wrong requests, or too few pages, cannot
+report success.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from kvlend.control import SECRET_ENV, SECRET_FILE_ENV
+from kvlend.runtime.secret import SECRET_ENV, SECRET_FILE_ENV
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "examples"
@@ -25,7 +27,7 @@ import toy_engine  # noqa: E402
 
 RUN_TIMEOUT = 120  # seconds for a whole pair run
 REPORT_KEYS = {"requests", "bytes", "gbps", "latency_ms_p50", "latency_ms_p99", "descriptors_per_request",
-               "handshake_ms", "verified"}
+               "handshake_ms", "prefills", "inflight", "max_inflight", "verified"}
 
 
 def expected(requests: int, max_len: int, min_len: int = 8, seed: int = 0) -> tuple[int, int]:
@@ -38,11 +40,16 @@ def expected(requests: int, max_len: int, min_len: int = 8, seed: int = 0) -> tu
     return sum(map(len, prompts)), pages * config.layers * slot
 
 
-def run_json(argv: list[str]) -> dict:
+def run(argv: list[str]) -> str:
+    """The command's stdout, after checking it exited 0."""
     env = {k: v for k, v in os.environ.items() if k not in (SECRET_ENV, SECRET_FILE_ENV)}
     proc = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=RUN_TIMEOUT)
     assert proc.returncode == 0, f"exit {proc.returncode}\nstdout: {proc.stdout}\nstderr: {proc.stderr[-4000:]}"
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return proc.stdout
+
+
+def run_json(argv: list[str]) -> dict:
+    return json.loads(run(argv).strip().splitlines()[-1])
 
 
 @pytest.mark.slow
@@ -52,8 +59,10 @@ def test_example_pair_verifies_every_request():
     assert report["verified"] is True
     assert report["mismatched"] == []
     assert report["requests"] == 12
-    assert report["prefill_exit"] == 0
+    assert report["prefill_exit"] == 0 and report["prefill_exits"] == [0, 0]
     assert (report["tokens"], report["bytes"]) == expected(12, 200)
+    assert report["prefills"] == 2 and report["prefill_requests"] == [6, 6]  # i % 2 == rank
+    assert report["inflight"] == 16 and 1 <= report["max_inflight"] <= 16
 
 
 @pytest.mark.slow
@@ -69,3 +78,22 @@ def test_kvlend_demo_reports_json():
     assert 0 < report["latency_ms_p50"] <= report["latency_ms_p99"]
     assert report["descriptors_per_request"] >= toy_engine.preset("tiny").layers  # one region per layer at least
     assert report["handshake_ms"] > 0
+    assert report["prefills"] == 2 and report["inflight"] == 16 and 1 <= report["max_inflight"] <= 16
+
+
+@pytest.mark.slow
+def test_kvlend_demo_says_how_many_were_in_flight_from_two_prefills():
+    """Short prompts are lent faster than the decode generates and checks them: fetches pile up towards
+    the limit, never past it."""
+    kvlend = Path(sys.executable).with_name("kvlend")
+    out = run([str(kvlend), "demo", "--requests", "12", "--max-len", "64", "--inflight", "8", "--timeout", "30"])
+
+    def field(label: str) -> str:
+        """The value on the report's ``label`` line."""
+        return next(line.strip()[len(label):].strip() for line in out.splitlines()
+                    if line.strip().startswith(label + " "))
+
+    flight = re.fullmatch(r"8 \(max seen (\d+)\) from 2 prefill ranks", field("in flight"))
+    assert flight and 3 <= int(flight.group(1)) <= 8, out  # it reaches 8 on a 2-core host
+    assert field("requests") == "12 (6 + 6 from 2 prefill ranks)", out
+    assert field("verified") == "yes", out

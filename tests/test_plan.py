@@ -16,13 +16,13 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvlend.errors import LayoutError, LayoutMismatch, PageRangeError
-from kvlend.layout import (
+from kvlend.core.layout import (
     BufferDesc, HeadGeometry, HeadOrder, LayerIdentity, LayerKind, MemoryKind, MemoryRegion, PageLayout,
     ReplicaRank, Role, RowSelection, SelectionMode, Sharding, layout_from_pools,
 )
-from kvlend.negotiate import Piece, TransferPlan, negotiate
-from kvlend.pages import GroupPages
-from kvlend.plan import plan_reads
+from kvlend.core.negotiate import Piece, TransferPlan, negotiate
+from kvlend.core.pages import GroupPages
+from kvlend.core.plan import plan_reads
 
 
 # ------------------------------------------------------------------ pools
@@ -192,6 +192,7 @@ class Side:
 
 def build(model: Model, side: Side, rng, pools: Pools) -> PageLayout:
     regions, buffers = [], []
+    slack = 4 if side.names == "p." else 0  # the prefill lends enough window for decode pages up to 4 tokens bigger
     roles = (Role.KV,) if model.combined else ((Role.V, Role.K) if side.flip else (Role.K, Role.V))
     items = []  # (layer, role, page_bytes, geometry, group)
     for layer, sharding in enumerate(model.shardings):
@@ -211,7 +212,7 @@ def build(model: Model, side: Side, rng, pools: Pools) -> PageLayout:
         for layer, role, page_bytes, geometry, group in members:
             buffers.append(BufferDesc(f"{side.names}L{layer}.{role.value}", name, offset, page_bytes,
                                       LayerIdentity(layer, LayerKind.ATTENTION, role), group, geometry,
-                                      window=256 if layer in model.window_layers else None))
+                                      window=256 + slack if layer in model.window_layers else None))
             offset += page_bytes + side.pad
         kind = side.kinds[index % len(side.kinds)]
         regions.append(pools.region(name, kind, index % 2, offset, side.num_pages, rng))

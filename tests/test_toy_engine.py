@@ -14,7 +14,7 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 from kvlend.errors import KvlendError, PageRangeError
-from kvlend.layout import MemoryKind, PageLayout, Role
+from kvlend.core.layout import MemoryKind, PageLayout, Role
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 sys.path.insert(0, str(EXAMPLES))

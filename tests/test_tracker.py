@@ -5,8 +5,8 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from kvlend.errors import KvlendError, PageRangeError, TrackerError
-from kvlend.layout import BufferDesc, LayerIdentity, LayerKind, MemoryKind, MemoryRegion, PageLayout, Role
-from kvlend.tracker import DeliveryTracker, TrackerStats
+from kvlend.core.layout import BufferDesc, LayerIdentity, LayerKind, MemoryKind, MemoryRegion, PageLayout, Role
+from kvlend.core.tracker import DeliveryTracker, TrackerStats
 
 ATT, REC = LayerKind.ATTENTION, LayerKind.RECURRENT
 

@@ -13,10 +13,10 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from kvlend.errors import AuthError, ProtocolError
-from kvlend.layout import RowSelection
-from kvlend.pages import GroupPages
-from kvlend.wire import (
-    MAC_BYTES, MAX_FRAME_BYTES, MESSAGES, PROTOCOL_VERSION, Abort, Bye, Done, DoneAck, FrameDecoder,
+from kvlend.core.layout import RowSelection
+from kvlend.core.pages import GroupPages
+from kvlend.protocol.wire import (
+    MAC_BYTES, MAX_FRAME_BYTES, MESSAGES, PROTOCOL_VERSION, Abort, Bye, Claim, Done, DoneAck, FrameDecoder,
     Handshake, Heartbeat, Hello, HelloAck, HelloConfirm, LeaseOffer, Offer, encode_frame,
     message_from_wire, session_key,
 )
@@ -53,6 +53,7 @@ SAMPLES = [
     DoneAck(LID, True, ""),
     DoneAck(LID2, False, "LeaseExpired: gone"),
     Abort(LID, "decode gave up"),
+    Claim(LID2),
     Bye("shutdown"),
 ]
 

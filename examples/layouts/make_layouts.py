@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from kvlend.layout import (
+from kvlend.core.layout import (
     BufferDesc, HeadGeometry, HeadOrder, LayerIdentity, LayerKind, MemoryKind, MemoryRegion,
     PageLayout, ReplicaRank, Role, Sharding,
 )

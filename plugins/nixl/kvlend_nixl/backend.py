@@ -1,6 +1,28 @@
 """``NixlBackend``: kvlend's transfer backend over NIXL (UCX underneath).
 
-Shaped by NIXL 1.5.1's measured behaviour (see README):
+**Completion contract.**  ``poll()`` reports each posted tag exactly once, and
+only when the transport has finished with the tag's destination: NIXL said
+DONE or ERR for every handle of the tag, or the agent itself was destroyed.
+A read that fails early (``cancel``, its ``timeout``, ``remove_peer``) is held
+back until then ("quarantined"), and its Completion carries the error.
+Until then the caller must not reuse the destination pages.
+
+Why, as measured with NIXL 1.5.1 / UCX 1.23 over ``UCX_TLS=tcp`` (README):
+NIXL cannot abort a READ.  Releasing an in-flight handle frees it while the
+GET runs on to its end (writes went on for 140-230 ms, until the whole buffer
+had landed).  ``remove_remote_agent`` makes ``check_xfer_state`` raise
+NotFound at once, but the GET still runs to its end.  Against a peer that is
+alive but stopped, the GET stays PROC (past 25 s), survives release and
+removal, and resumes writing when the peer does.  So a failed read keeps its
+handles, and they are polled until they are terminal.  A peer leaves NIXL
+only once its reads have settled.  If handles are still not terminal
+``abort_grace`` seconds after the abort, the agent is destroyed, which stops
+every write (50 ms over tcp), and rebuilt under the same name with the same
+regions and peers.  Every other read in flight then ends with
+``BackendError``.  A peer's death needs no escalation: NIXL reports the
+disconnect (ERR 14-18 ms after a SIGKILL), and nothing was written after it.
+
+Also shaped by NIXL's measured behaviour:
 
 * The progress thread is off by default.  On small hosts it starves under
   polling Python threads, so ``poll()`` progresses the agent itself, and the
@@ -26,16 +48,19 @@ import secrets
 import struct
 import threading
 import time
-from dataclasses import dataclass, field
+import weakref
+from dataclasses import dataclass
 from typing import Mapping, Sequence
 
 import numpy as np
 from nixl import _bindings as _nb
 from nixl._api import nixl_agent, nixl_agent_config, nixl_thread_sync_t
 
-from kvlend.backend import Completion, ReadBatch
-from kvlend.errors import BackendError, KvlendError, PeerLost, TransferTimeout
-from kvlend.layout import MemoryKind, MemoryRegion
+from kvlend.transport import Completion, ReadBatch
+from kvlend.errors import BackendError, KvlendError, PeerLost, TransferCancelled, TransferTimeout
+from kvlend.core.layout import MemoryKind, MemoryRegion
+
+log = logging.getLogger(__name__)
 
 _MEM = {MemoryKind.HOST: "DRAM", MemoryKind.DEVICE: "VRAM"}
 _ERROR_MODES = ("peer", "none")
@@ -68,6 +93,12 @@ def _as_error(exc: BaseException, what: str) -> KvlendError:
     return cls(f"{what}: {type(exc).__name__}: {exc}")
 
 
+def _check_seconds(name: str, value) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
+        raise BackendError(f"{name} must be a positive finite number of seconds, got {value!r}")
+    return float(value)
+
+
 def peer_name(metadata: bytes) -> str:
     """The agent name inside NIXL metadata, read before loading it.
 
@@ -89,14 +120,25 @@ def peer_name(metadata: bytes) -> str:
 
 @dataclass(eq=False)
 class _Read:
-    """One tag: its handles, which are done, and its first error."""
+    """One tag: its handles, which of them may still write, and its first error."""
 
     peer: str
     handles: list
     deadline: float
+    live: list  # live[i]: handle i was posted and NIXL has not yet said DONE or ERR
     posted: bool = False
-    done: list = field(default_factory=list)
     error: KvlendError | None = None
+    failed_at: float = math.inf  # when ``error`` was set: the abort grace runs from here
+
+    @property
+    def settled(self) -> bool:
+        """Nothing of this read can write any more: it may be reported."""
+        return self.posted and not any(self.live)
+
+    def fail(self, error: KvlendError, now: float) -> None:
+        """Keep the first error; the read stays quarantined until it settles."""
+        if self.error is None:
+            self.error, self.failed_at = error, now
 
 
 class NixlBackend:
@@ -108,9 +150,11 @@ class NixlBackend:
     on: never busy-spin around it).  ``num_threads``: UCX worker threads that
     split big descriptor batches.  ``error_mode``: UCX ``peer`` (detects dead
     peers) or ``none`` (shared-memory notifications, no disconnect detection).
-    ``timeout``: seconds a tag may stay in flight before it fails with
-    ``TransferTimeout``.  ``thread_safe``: NIXL locks (RW) for use from several
-    threads.  ``backend_params``: further UCX backend parameters.
+    ``timeout``: seconds a tag may stay in flight before it is cancelled and
+    ends with ``TransferTimeout``.  ``abort_grace``: seconds a cancelled,
+    timed-out or orphaned read may take to stop before the agent is rebuilt.
+    ``thread_safe``: NIXL locks (RW) for use from several threads.
+    ``backend_params``: further UCX backend parameters.
     """
 
     kind = "nixl"
@@ -123,6 +167,7 @@ class NixlBackend:
         num_threads: int = 0,
         error_mode: str = "peer",
         timeout: float = 10.0,
+        abort_grace: float = 1.0,
         thread_safe: bool = False,
         backend_params: Mapping[str, str] | None = None,
     ) -> None:
@@ -134,8 +179,8 @@ class NixlBackend:
             raise BackendError(f"num_threads must be an int >= 0, got {num_threads!r}")
         if error_mode not in _ERROR_MODES:
             raise BackendError(f"error_mode must be one of {_ERROR_MODES}, got {error_mode!r}")
-        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout < math.inf:
-            raise BackendError(f"timeout must be a positive finite number of seconds, got {timeout!r}")
+        self.timeout = _check_seconds("timeout", timeout)
+        self.abort_grace = _check_seconds("abort_grace", abort_grace)
         params = dict(backend_params or {})
         for key, value in params.items():
             if not isinstance(key, str) or not isinstance(value, str):
@@ -148,23 +193,28 @@ class NixlBackend:
         # UCX worker threads need a locking mode too (nixl PR 686).
         locking = thread_safe or num_threads > 0
         sync = nixl_thread_sync_t.NIXL_THREAD_SYNC_RW if locking else nixl_thread_sync_t.NIXL_THREAD_SYNC_NONE
-        config = nixl_agent_config(enable_prog_thread=progress_thread, backends=[], sync_mode=sync)
-        try:
-            agent = nixl_agent(name, config)
-            agent.create_backend("UCX", params)
-        except Exception as exc:
-            raise _as_error(exc, f"creating NIXL agent {name!r} with UCX {params}") from None
         self.name = name
-        self.timeout = float(timeout)
-        self._agent = agent
+        self._config = nixl_agent_config(enable_prog_thread=progress_thread, backends=[], sync_mode=sync)
+        self._params = params
+        self._agent: nixl_agent | None = self._start_agent()  # None: lost in a reset, made again on use
+        self._closed = False
         self._lock = threading.RLock()
         self._registrations: list = []  # nixlRegDList per register() call and kind
         self._registered: set[tuple] = set()
         self._spans: dict[tuple[MemoryKind, int], tuple[np.ndarray, np.ndarray]] = {}
         self._peers: dict[str, bytes] = {}
+        self._leaving: dict[str, bytes] = {}  # removed peers NIXL keeps until their reads settle
         self._reads: dict[bytes, _Read] = {}
         self._completed: list[Completion] = []
-        self._unreleased: list = []  # handles whose release failed; retried on poll
+        self._resets = 0
+
+    def _start_agent(self) -> nixl_agent:
+        try:
+            agent = nixl_agent(self.name, self._config)
+            agent.create_backend("UCX", self._params)
+        except Exception as exc:
+            raise _as_error(exc, f"creating NIXL agent {self.name!r} with UCX {self._params}") from None
+        return agent
 
     # ------------------------------------------------------------ lifecycle
     def __enter__(self) -> NixlBackend:
@@ -174,16 +224,29 @@ class NixlBackend:
         self.close()
 
     def _open_agent(self) -> nixl_agent:
-        if self._agent is None:
+        if self._closed:
             raise BackendError(f"NIXL backend {self.name!r} is closed")
+        if self._agent is None:
+            self._rebuild()
         return self._agent
+
+    @property
+    def in_flight(self) -> int:
+        """Tags posted and not yet returned by ``poll()`` (quarantined ones included)."""
+        with self._lock:
+            return len(self._reads) + len(self._completed)
+
+    @property
+    def resets(self) -> int:
+        """How often the agent was rebuilt to stop reads that would not end."""
+        return self._resets
 
     # ------------------------------------------------------------- memory
     def register(self, regions: Sequence[MemoryRegion]) -> None:
         """Register each region once (HOST as DRAM, DEVICE as VRAM)."""
         with self._lock:
             agent = self._open_agent()
-            new: dict[MemoryKind, dict[tuple, MemoryRegion]] = {}
+            new: dict[tuple, MemoryRegion] = {}
             for r in regions:
                 if not isinstance(r, MemoryRegion):
                     raise BackendError(f"register() takes MemoryRegion objects, got {type(r).__name__}")
@@ -191,25 +254,16 @@ class NixlBackend:
                     raise BackendError(f"region {r.name!r} has no address (address=0)")
                 key = (r.kind, r.device_id, r.address, r.size)
                 if key not in self._registered:
-                    new.setdefault(r.kind, {})[key] = r
-            if MemoryKind.DEVICE in new:
-                _check_gpus(new[MemoryKind.DEVICE].values())
-            done = []
-            try:
-                for kind, rows in new.items():
-                    arr = np.array([[r.address, r.size, r.device_id] for r in rows.values()], dtype=np.uint64)
-                    done.append(agent.register_memory(arr, _MEM[kind]))
-            except Exception as exc:
-                for dlist in done:
-                    self._quietly(agent.deregister_memory, dlist)
-                raise _as_error(exc, f"registering {sum(map(len, new.values()))} regions") from None
-            self._registrations.extend(done)
-            for rows in new.values():
-                self._registered.update(rows)
+                    new[key] = r
+            devices = [r for r in new.values() if r.kind is MemoryKind.DEVICE]
+            if devices:
+                _check_gpus(devices)
+            self._registrations.extend(_register(agent, new))
+            self._registered.update(new)
             self._spans = _spans(self._registered)
 
     def deregister(self) -> None:
-        """Deregister everything; refused while reads are in flight."""
+        """Deregister everything; refused while reads are in flight or quarantined."""
         with self._lock:
             agent = self._open_agent()
             if self._reads:
@@ -226,6 +280,7 @@ class NixlBackend:
 
     # -------------------------------------------------------------- peers
     def metadata(self) -> bytes:
+        """This agent's metadata; it changes when the agent is rebuilt (see ``resets``)."""
         with self._lock:
             agent = self._open_agent()
             try:
@@ -244,13 +299,16 @@ class NixlBackend:
         if name == self.name:
             raise BackendError(f"peer metadata names this agent itself ({name!r})")
         with self._lock:
-            agent = self._open_agent()
+            self._open_agent()
             if self._peers.get(name) == data:
                 return name
-            if name in self._peers:
-                self._drop_peer(agent, name, f"peer {name!r} was replaced by new metadata (restarted?)")
+            if self._leaving.get(name) == data:  # removed, still in NIXL: take it back as it is
+                self._peers[name] = self._leaving.pop(name)
+                return name
+            if name in self._peers or name in self._leaving:
+                self._replace(name)
             try:
-                agent.add_remote_agent(data)
+                self._agent.add_remote_agent(data)
             except Exception as exc:
                 # NIXL 1.5 keeps the UCX connection of a half-loaded peer, so
                 # later loads under this name may fail until the agent is new.
@@ -258,29 +316,44 @@ class NixlBackend:
             self._peers[name] = data
             return name
 
+    def _replace(self, name: str) -> None:
+        """Unload an old incarnation; NIXL holds one per name, so reads from it must stop first."""
+        if name in self._peers:
+            self._forget_peer(name, f"peer {name!r} was replaced by new metadata (restarted?)")
+        if name in self._leaving and not self._reset(f"peer {name!r} was replaced while its reads could still write"):
+            raise BackendError(f"peer {name!r} cannot be replaced while a read is being posted; retry")
+
     def remove_peer(self, peer: str) -> None:
+        """Forget a peer; its unfinished reads end with ``PeerLost`` once they cannot write."""
         with self._lock:
-            agent = self._open_agent()
+            self._open_agent()
             self._known(peer)
-            self._drop_peer(agent, peer, f"peer {peer!r} was removed")
+            self._forget_peer(peer, f"peer {peer!r} was removed")
 
     def _known(self, peer: str) -> None:
         if peer not in self._peers:
             raise BackendError(f"unknown peer {peer!r} (known: {sorted(self._peers) or 'none'})")
 
-    def _drop_peer(self, agent: nixl_agent, peer: str, why: str) -> None:
-        for read in self._reads.values():
-            if read.peer == peer and read.error is None:
-                read.error = PeerLost(why)
-        self._finish_failed()
-        del self._peers[peer]
-        self._quietly(agent.remove_remote_agent, peer)
+    def _forget_peer(self, peer: str, why: str) -> None:
+        """Fail the peer's unsettled reads; unload it from NIXL now, or once they settle.
+
+        Unloading earlier would make NIXL answer NotFound for their handles
+        while the GETs go on writing.
+        """
+        now = time.monotonic()
+        busy = [r for r in self._reads.values() if r.peer == peer and not r.settled]
+        for read in busy:
+            read.fail(PeerLost(why), now)
+        data = self._peers.pop(peer)
+        if busy:
+            self._leaving[peer] = data
+        else:
+            self._quietly(self._agent.remove_remote_agent, peer)
 
     # -------------------------------------------------------------- reads
     def post_read(self, peer: str, batches: Sequence[ReadBatch], tag: bytes) -> None:
         """Post every batch; ``poll()`` reports one ``Completion(tag)`` for all."""
-        if not isinstance(tag, bytes):
-            raise BackendError(f"tag must be bytes, got {type(tag).__name__}")
+        _check_tag(tag)
         batches = list(batches)
         for i, b in enumerate(batches):
             if not isinstance(b, ReadBatch):
@@ -301,38 +374,39 @@ class NixlBackend:
                     remote = agent.get_xfer_descs(np.ascontiguousarray(b.remote), _MEM[b.remote_kind])
                     handles.append(agent.initialize_xfer("READ", local, remote, peer))
             except Exception as exc:
-                for h in handles:
-                    self._release(h)
+                _release(handles)  # never posted: releasing aborts nothing
                 err = _as_error(exc, f"building read {tag!r} from peer {peer!r}")
                 if not isinstance(err, PeerLost):
                     raise err from None
                 self._completed.append(Completion(tag, err))
                 return
-            read = _Read(peer, handles, time.monotonic() + self.timeout, done=[False] * len(handles))
+            read = _Read(peer, handles, time.monotonic() + self.timeout, live=[False] * len(handles))
             self._reads[tag] = read
         # Outside this object's lock (over cma the copy happens inside transfer()); concurrent
         # calls into the agent are safe only with thread_safe=True (NIXL's RW sync mode).
-        done, error = [], None
-        for h in handles:
-            try:
-                state = agent.transfer(h)
-            except Exception as exc:
-                error = _as_error(exc, f"posting read {tag!r} to peer {peer!r}")
-                break
-            if state == "ERR":
-                error = BackendError(f"posting read {tag!r} to peer {peer!r}: NIXL returned ERR")
-                break
-            done.append(state == "DONE")
+        live, error = _post(agent, handles, f"posting read {tag!r} to peer {peer!r}")
+        del agent  # a reset must be able to destroy it
         with self._lock:
             if self._reads.get(tag) is not read:  # closed meanwhile
-                for h in handles:
-                    self._release(h)
+                _release(handles)
                 return
-            read.done[:len(done)] = done
+            read.live[:len(live)] = live
             read.posted = True
-            if read.error is None:
-                read.error = error
-            self._finish_failed()
+            if error is not None:
+                read.fail(error, time.monotonic())
+
+    def cancel(self, tag: bytes) -> None:
+        """Start cancelling ``tag``; ``poll()`` still reports it, once it cannot write any more.
+
+        It then ends with ``TransferCancelled``, unless it had already completed
+        (its success is reported).  An unknown or already reported tag is ignored.
+        """
+        _check_tag(tag)
+        with self._lock:
+            self._open_agent()
+            read = self._reads.get(tag)
+            if read is not None and not read.settled:
+                read.fail(TransferCancelled(f"read {tag!r} from peer {read.peer!r} was cancelled"), time.monotonic())
 
     def _check_local(self, index: int, batch: ReadBatch) -> None:
         """Every local row must lie inside one registered region of its kind and device."""
@@ -359,58 +433,108 @@ class NixlBackend:
             )
 
     def poll(self) -> list[Completion]:
-        """Progress the agent; return reads finished, failed or overdue since the last poll."""
+        """Progress the agent; return the reads that can no longer write, each exactly once."""
         with self._lock:
-            agent = self._open_agent()
+            if not self._closed and self._agent is None and self._quietly(self._rebuild) is not None:
+                out, self._completed = self._completed, []  # nothing is in flight without an agent
+                return out
             try:
-                agent.get_new_notifs()  # progresses the worker (the target side needs it)
+                self._open_agent().get_new_notifs()  # progresses the worker (the target side needs it)
             except Exception as exc:
                 raise _as_error(exc, "progressing the NIXL agent") from None
             now = time.monotonic()
             for tag, read in self._reads.items():
-                if not read.posted or read.error is not None:
-                    continue
-                read.error = self._check(agent, tag, read)
-                if read.error is None and not all(read.done) and now >= read.deadline:
-                    read.error = TransferTimeout(
-                        f"read {tag!r} from peer {read.peer!r} still in flight after {self.timeout:g} s; aborted"
-                    )
-            for tag in [t for t, r in self._reads.items() if r.posted and r.error is None and all(r.done)]:
-                for h in self._reads.pop(tag).handles:
-                    self._release(h)
-                self._completed.append(Completion(tag))
-            self._finish_failed()
-            for h in self._unreleased[:]:
-                self._unreleased.remove(h)
-                self._release(h)
+                if read.posted:
+                    self._check(tag, read, now)
+            self._settle()
+            stuck = [t for t, r in self._reads.items() if r.posted and now - r.failed_at >= self.abort_grace]
+            if stuck:
+                self._reset(f"reads {stuck} had not stopped {self.abort_grace:g} s after they were aborted")
             out, self._completed = self._completed, []
             return out
 
-    def _check(self, agent: nixl_agent, tag: bytes, read: _Read) -> KvlendError | None:
+    def _check(self, tag: bytes, read: _Read, now: float) -> None:
+        """Ask NIXL about each live handle; an overdue read is cancelled with ``TransferTimeout``."""
         for i, h in enumerate(read.handles):
-            if read.done[i]:
-                continue
-            try:
-                state = agent.check_xfer_state(h)
-            except Exception as exc:
-                return _as_error(exc, f"read {tag!r} from peer {read.peer!r}")
-            if state == "ERR":
-                return BackendError(f"read {tag!r} from peer {read.peer!r}: NIXL returned ERR")
-            read.done[i] = state == "DONE"
-        return None
+            if read.live[i]:
+                read.live[i], error = self._state(tag, read.peer, h)
+                if error is not None:
+                    read.fail(error, now)
+        if any(read.live) and now >= read.deadline:
+            read.fail(TransferTimeout(
+                f"read {tag!r} from peer {read.peer!r} still in flight after {self.timeout:g} s; cancelled"
+            ), now)
 
-    def _finish_failed(self) -> None:
-        """Abort and report every posted read that has an error."""
-        for tag in [t for t, r in self._reads.items() if r.posted and r.error is not None]:
+    def _state(self, tag: bytes, peer: str, handle) -> tuple[bool, KvlendError | None]:
+        """Whether ``handle`` is still in flight, and its error if it failed."""
+        try:
+            state = self._agent.check_xfer_state(handle)
+        except _nb.nixlNotFoundError:
+            # NIXL drops a peer by itself only after UCX reported it disconnected, which
+            # fails the endpoint every handle to that peer uses; this backend unloads a
+            # peer only once its reads have settled.
+            return False, PeerLost(f"read {tag!r}: NIXL dropped peer {peer!r} after a disconnect")
+        except Exception as exc:  # error statuses raise
+            return False, _as_error(exc, f"read {tag!r} from peer {peer!r}")
+        if state == "ERR":
+            return False, BackendError(f"read {tag!r} from peer {peer!r}: NIXL returned ERR")
+        return state == "PROC", None
+
+    def _settle(self) -> None:
+        """Report reads that can no longer write; unload removed peers whose reads all settled."""
+        for tag in [t for t, r in self._reads.items() if r.settled]:
             read = self._reads.pop(tag)
-            for h in read.handles:
-                self._release(h)
+            _release(read.handles)  # terminal: releasing only frees
             self._completed.append(Completion(tag, read.error))
+        busy = {r.peer for r in self._reads.values()}
+        for peer in [p for p in self._leaving if p not in busy]:
+            del self._leaving[peer]
+            self._quietly(self._agent.remove_remote_agent, peer)
 
-    def _release(self, handle) -> None:
-        """Release (aborting if active); a handle NIXL cannot free yet is retried later."""
-        if self._quietly(handle.release) is not None:
-            self._unreleased.append(handle)
+    def _reset(self, why: str) -> bool:
+        """Destroy the agent, the one way found to stop a GET NIXL cannot abort, and rebuild it.
+
+        Every read in flight ends (``BackendError`` unless it already failed);
+        regions and known peers are loaded into the new agent, removed peers
+        are gone.  Not while another thread is inside ``transfer()`` (False).
+        """
+        if not all(r.posted for r in self._reads.values()):
+            return False
+        log.warning("NIXL backend %r: rebuilding its agent: %s", self.name, why)
+        now = time.monotonic()
+        for tag, read in self._reads.items():
+            read.fail(BackendError(f"read {tag!r} from peer {read.peer!r} aborted: {why}"), now)
+            _release(read.handles)  # no handle object may keep the agent alive
+            read.handles, read.live = [], []
+        self._leaving.clear()
+        self._destroy_agent()
+        self._resets += 1
+        self._settle()
+        if (exc := self._quietly(self._rebuild)) is not None:
+            log.warning("NIXL backend %r: %s; retried on the next call", self.name, exc)
+        return True
+
+    def _rebuild(self) -> None:
+        """A new agent under this name, with the regions and the known peers loaded again."""
+        try:
+            agent = self._start_agent()
+            self._registrations = _register(agent, self._registered)
+        except BackendError as exc:
+            raise BackendError(f"NIXL backend {self.name!r} has had no agent since its reset: {exc}") from None
+        self._agent = agent
+        for peer, data in list(self._peers.items()):
+            if (exc := self._quietly(agent.add_remote_agent, data)) is not None:
+                log.warning("NIXL backend %r: peer %r not reloaded after the reset: %s", self.name, peer, exc)
+                del self._peers[peer]
+
+    def _destroy_agent(self) -> None:
+        """Drop the agent and check it is gone: only then has UCX closed its connections."""
+        core = weakref.ref(self._agent.agent)  # the C++ agent; each handle object holds it too
+        self._agent = None
+        self._registrations = []
+        if core() is not None:
+            self._closed = True
+            raise BackendError(f"NIXL backend {self.name!r}: its agent outlived the reset; reads may still write")
 
     @staticmethod
     def _quietly(fn, *args) -> Exception | None:
@@ -423,27 +547,66 @@ class NixlBackend:
     def close(self) -> None:
         """Abort reads, deregister, forget peers and drop the agent (idempotent)."""
         with self._lock:
-            agent = self._agent
-            if agent is None:
+            if self._closed:
                 return
-            for read in self._reads.values():
-                if read.posted:  # an unposted one is released by its poster
-                    for h in read.handles:
-                        self._quietly(h.release)
+            self._closed = True
+            agent, self._agent = self._agent, None
+            if agent is not None:  # None: lost in a reset, which left nothing in flight
+                for read in self._reads.values():
+                    if read.posted:  # an unposted one is released by its poster
+                        _release(read.handles)
+                for dlist in self._registrations:
+                    self._quietly(agent.deregister_memory, dlist)
+                for peer in [*self._peers, *self._leaving]:
+                    self._quietly(agent.remove_remote_agent, peer)
             self._reads.clear()
             self._completed.clear()
-            for h in self._unreleased:
-                self._quietly(h.release)
-            self._unreleased.clear()
-            for dlist in self._registrations:
-                self._quietly(agent.deregister_memory, dlist)
             self._registrations.clear()
             self._registered.clear()
             self._spans = {}
-            for peer in self._peers:
-                self._quietly(agent.remove_remote_agent, peer)
             self._peers.clear()
-            self._agent = None
+            self._leaving.clear()
+
+
+def _release(handles: list) -> None:
+    """Release handles, ignoring failures: a handle NIXL keeps is retried by its finalizer."""
+    for h in handles:
+        NixlBackend._quietly(h.release)
+
+
+def _check_tag(tag) -> None:
+    if not isinstance(tag, bytes):
+        raise BackendError(f"tag must be bytes, got {type(tag).__name__}")
+
+
+def _post(agent: nixl_agent, handles: list, what: str) -> tuple[list[bool], KvlendError | None]:
+    """Post each handle; which are in flight, and the error that stopped posting."""
+    live = []
+    for h in handles:
+        try:
+            state = agent.transfer(h)
+        except Exception as exc:
+            return live, _as_error(exc, what)
+        if state == "ERR":
+            return live, BackendError(f"{what}: NIXL returned ERR")
+        live.append(state == "PROC")
+    return live, None
+
+
+def _register(agent: nixl_agent, keys) -> list:
+    """Register ``(kind, device, address, size)`` keys, one NIXL list per kind; all or none."""
+    rows: dict[MemoryKind, list] = {}
+    for kind, device, address, size in keys:
+        rows.setdefault(kind, []).append([address, size, device])
+    done = []
+    try:
+        for kind, arr in rows.items():
+            done.append(agent.register_memory(np.array(arr, dtype=np.uint64), _MEM[kind]))
+    except Exception as exc:
+        for dlist in done:
+            NixlBackend._quietly(agent.deregister_memory, dlist)
+        raise _as_error(exc, f"registering {sum(map(len, rows.values()))} regions") from None
+    return done
 
 
 def _check_gpus(regions) -> None:

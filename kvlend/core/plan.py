@@ -15,8 +15,8 @@ from typing import Mapping
 
 import numpy as np
 
-from .backend import ReadBatch
-from .errors import LayoutError, PageRangeError
+from .reads import ReadBatch
+from ..errors import LayoutError, PageRangeError
 from .layout import MemoryKind, MemoryRegion, RowSelection, SelectionMode
 from .negotiate import Piece, RegionPair, TransferPlan, merge_pieces
 from .pages import GroupPages, int_array

@@ -23,12 +23,12 @@ from typing import Callable
 
 import numpy as np
 
-from .errors import KvlendError
-from .layout import MemoryKind, MemoryRegion, PageLayout, layout_from_pools
-from .lender import Lender
-from .negotiate import negotiate
-from .plan import plan_reads
-from .tracker import DeliveryTracker
+from ..errors import KvlendError
+from ..core.layout import MemoryKind, MemoryRegion, PageLayout, layout_from_pools
+from ..core.lender import Lender
+from ..core.negotiate import negotiate
+from ..core.plan import plan_reads
+from ..core.tracker import DeliveryTracker
 
 HEADS, TPP, HEAD_DIM = 8, 16, 128  # Llama-3-8B-like: 32 KiB per K (or V) page per layer, 2-byte elements
 PAGE_BYTES = HEADS * TPP * HEAD_DIM * 2
@@ -150,7 +150,7 @@ def _cold_prefill(arg: dict):
 
     from kvlend_nixl import NixlBackend
 
-    from .node import PrefillNode
+    from ..runtime import PrefillNode
 
     arrays, layout = _pools(arg["pages"], 1, False, fill=True)
     node = PrefillNode(layout, NixlBackend(f"cold-prefill-{os.getpid()}"), arg["secret"], name="bench-prefill")
@@ -515,8 +515,8 @@ def scenario_4(lender: _Lender, backend, sizes: Sizes, progress) -> dict:
     from kvlend_nixl import NixlBackend
     from nixl._api import nixl_agent, nixl_agent_config
 
-    from .control import generate_secret
-    from .node import DecodeNode
+    from ..runtime.secret import generate_secret
+    from ..runtime import DecodeNode
 
     n = sizes.s3_pages
     secret = generate_secret()

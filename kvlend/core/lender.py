@@ -33,7 +33,7 @@ from typing import Any, Callable, Mapping
 
 import numpy as np
 
-from .errors import LayoutError, LeaseDenied, LeaseError, LeaseExpired, LeaseUnknown, PageRangeError
+from ..errors import LayoutError, LeaseDenied, LeaseError, LeaseExpired, LeaseUnknown, PageRangeError
 from .layout import PageLayout, RowSelection
 from .locks import PageLocks
 from .pages import GroupPages, int_array
@@ -141,6 +141,9 @@ class Lender:
             raise LeaseError(f"request: must be a non-empty str, got {request!r}")
         if isinstance(num_tokens, bool) or not isinstance(num_tokens, int) or num_tokens <= 0:
             raise PageRangeError(f"num_tokens: must be an int > 0, got {num_tokens!r}")
+        if num_tokens > self.layout.kept_window:  # readers rely on it: a full group then lends every page
+            raise PageRangeError(f"num_tokens: {num_tokens} exceeds the layout's kept window of "
+                                 f"{self.layout.kept_window} tokens")
         if not isinstance(selection, RowSelection):
             raise LayoutError(f"selection: must be a RowSelection, got {selection!r}")
         targets = self._targets(selection)
@@ -266,6 +269,29 @@ class Lender:
         if lease.peer is not None and lease.peer != peer:
             raise LeaseDenied(f"lease {lease.hex} is not offered to peer {peer!r}")
         return lease
+
+    def bind(self, lease_id: bytes, peer: str, now: float) -> Lease:
+        """Give a lease lent to any peer (a ticket's) to ``peer``, which alone may read it from now on."""
+        peer = _peer(peer)
+        lease = self.check_read(lease_id, peer, now)
+        if lease.peer == peer:
+            return lease
+        key = (lease.request, peer)
+        other = self._live.get(self._by_key.get(key, b""))
+        if other is not None and now <= other.lease.expires_at:
+            raise LeaseError(f"request {lease.request!r} already has live lease {other.lease.hex} for peer {peer!r}")
+        bound = replace(lease, peer=peer)
+        self._live[lease_id] = replace(self._live[lease_id], lease=bound)
+        if self._by_key.get((lease.request, None)) == lease_id:
+            del self._by_key[(lease.request, None)]
+        self._by_key[key] = lease_id
+        return bound
+
+    def next_expiry(self) -> float | None:
+        """The earliest expiry among live leases, or None (may be early: renewals are pushed lazily)."""
+        while self._deadlines and self._deadlines[0][2] not in self._live:
+            heapq.heappop(self._deadlines)
+        return self._deadlines[0][0] if self._deadlines else None
 
     def renew(self, lease_id: bytes, now: float) -> Lease:
         """Push the expiry to ``now + ttl`` (never earlier than it was)."""

@@ -15,7 +15,7 @@ from typing import Any, Iterable
 
 import numpy as np
 
-from .errors import PageRangeError
+from ..errors import PageRangeError
 from .layout import PageLayout
 from .pages import int_array
 

@@ -20,7 +20,7 @@ from typing import Any, Iterable, Mapping, Sequence
 import msgpack
 import numpy as np
 
-from .errors import LayoutError
+from ..errors import LayoutError
 
 LAYOUT_VERSION = 3
 

@@ -19,8 +19,26 @@ layout ids give an *identity* plan (whole page slots copy 1:1); otherwise a
 A ``KV`` buffer holds its K part then its V part, each ``heads x tokens x
 bytes_per_head`` in the buffer's head order.  Everything else that differs in
 bytes is refused with a ``LayoutMismatch`` naming every field at once: wrong
-bytes are worse than no bytes.  Windows, sinks, kept window, group and region
-names and capacities never block a plan.
+bytes are worse than no bytes.  Group and region names and capacities never
+block a plan.
+
+What each side reads must agree too.  A lease holds the pages a decoder at
+``num_tokens`` reads by the *remote* layout (sinks and read window), and the
+lender never lends past the remote kept window, so a remote group whose read
+window is the whole kept window (full attention) lends every page and covers
+anything.  Otherwise the local group must find among the lent pages, whole,
+every page it reads by the *local* layout, at every ``num_tokens``.  With
+``W``/``S``/``t`` the read window (tokens), sink pages and tokens per page of
+each side, that holds exactly when
+
+* ``W_remote - W_local >= max(0, t_local - t_remote)``: a big local page
+  starts its window up to ``t_local - t_remote`` tokens before a small
+  remote page does (refused as ``groups[name].read_window``), and
+* ``S_local * t_local <= S_remote * t_remote``: sink tokens
+  (``groups[name].sinks``).
+
+Recurrent groups are one row, read whole.  A lease that holds more than the
+local group reads is fine: ``fetchplan`` reads only what the local group needs.
 """
 
 from __future__ import annotations
@@ -29,7 +47,7 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Iterator, Mapping
 
-from .errors import LayoutMismatch
+from ..errors import LayoutMismatch
 from .layout import BufferDesc, HeadOrder, PageLayout, Role, Sharding
 
 IDENTITY = "identity"
@@ -141,6 +159,7 @@ class _Negotiation:
                             "model, weights or quantization differ: the bytes would mean something else")
         matched, uncovered, elsewhere = self._match(ratio, sources)
         group_map = self._group_map(matched)
+        self._check_reads()
         if not matched and not self.problems:
             lr, rr = self.local.replica, self.remote.replica
             if elsewhere:
@@ -184,6 +203,36 @@ class _Negotiation:
                         f"decode rank {lr.tp_rank} of tp {tl} reads only prefill ranks {list(sources)} of tp {tr}")
             return range(0)
         return sources
+
+    def _check_reads(self) -> None:
+        """Refuse group pairs where some lease would lack pages the local group reads (module doc).
+
+        Pairs come from the buffers' (layer, role), so they are checked even after other refusals.
+        """
+        tl, tr = self.local.tokens_per_page, self.remote.tokens_per_page
+        if tl % tr and tr % tl:
+            return  # refused as tokens_per_page
+        remote_group = {b.identity.key: b.group for b in self.remote.buffers}
+        pairs = dict.fromkeys((remote_group[b.identity.key], b.group) for b in self.local.buffers
+                              if b.identity.key in remote_group)
+        for rg, lg in pairs:
+            local, remote = self.local.groups[lg], self.remote.groups[rg]
+            if local.recurrent or remote.read_window >= self.remote.kept_window:
+                continue  # a lease never outgrows the kept window, so such a group lends every page
+            need = local.read_window + max(0, tl - tr)
+            if remote.read_window < need:
+                self.refuse(f"groups[{lg!r}].read_window", local.read_window, remote.read_window,
+                            f"remote group {rg!r} lends a {remote.read_window}-token window; reading "
+                            f"{local.read_window} tokens{self._kept(self.local, local.read_window)} in pages of "
+                            f"{tl} from pages of {tr} needs at least {need}")
+            if local.sinks * tl > remote.sinks * tr:
+                self.refuse(f"groups[{lg!r}].sinks", local.sinks, remote.sinks,
+                            f"local group reads {local.sinks} sink page(s) of {tl} tokens ({local.sinks * tl} tokens), "
+                            f"remote group {rg!r} lends {remote.sinks} of {tr} ({remote.sinks * tr} tokens)")
+
+    @staticmethod
+    def _kept(layout: PageLayout, window: int) -> str:
+        return " (its kept window)" if window == layout.kept_window else ""
 
     # --------------------------------------------------------- buffer matching
     def _match(self, ratio: tuple[int, int], sources: range):

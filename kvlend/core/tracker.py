@@ -24,7 +24,7 @@ from typing import Any, Hashable, Mapping
 
 import numpy as np
 
-from .errors import PageRangeError, TrackerError
+from ..errors import PageRangeError, TrackerError
 from .layout import PageLayout
 from .pages import int_array
 

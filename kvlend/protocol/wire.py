@@ -25,10 +25,10 @@ from typing import Any, ClassVar, Mapping
 import msgpack
 import numpy as np
 
-from .errors import AuthError, ProtocolError
-from .layout import RowSelection, SelectionMode, _show  # _show: a short, non-recursive repr of a peer's value
-from .lender import LEASE_ID_BYTES
-from .pages import GroupPages
+from ..errors import AuthError, ProtocolError
+from ..core.layout import RowSelection, SelectionMode, _show  # _show: a short, non-recursive repr of a peer's value
+from ..core.lender import LEASE_ID_BYTES
+from ..core.pages import GroupPages
 
 PROTOCOL_VERSION = 1
 MAX_FRAME_BYTES = 16 << 20
@@ -274,6 +274,18 @@ class Abort(Message):
 
 
 @dataclass(frozen=True)
+class Claim(Message):
+    """Decode -> prefill: redeem a ticket's lease; answered by its ``Offer`` or an ``Abort``.
+
+    The prefill binds the lease to the claiming peer and renews it, so the
+    decode knows it stays valid for a TTL from when it sent the claim.
+    """
+    TYPE: ClassVar[str] = "claim"
+    SCHEMA: ClassVar = {"lease": _lease_id}
+    lease: bytes
+
+
+@dataclass(frozen=True)
 class Bye(Message):
     """Orderly close."""
     TYPE: ClassVar[str] = "bye"
@@ -282,7 +294,7 @@ class Bye(Message):
 
 
 MESSAGES: dict[str, type[Message]] = {
-    m.TYPE: m for m in (Hello, HelloAck, HelloConfirm, Handshake, Offer, Heartbeat, Done, DoneAck, Abort, Bye)
+    m.TYPE: m for m in (Hello, HelloAck, HelloConfirm, Handshake, Offer, Heartbeat, Done, DoneAck, Abort, Claim, Bye)
 }
 
 

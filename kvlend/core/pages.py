@@ -7,7 +7,7 @@ from typing import Any
 
 import numpy as np
 
-from .errors import PageRangeError
+from ..errors import PageRangeError
 
 
 def int_array(where: str, value: Any, *, length: int | None = None) -> np.ndarray:

@@ -1,0 +1,1 @@
+"""The control protocol, sans-IO: wire messages, framing and the prefill and decode sessions."""

@@ -1,0 +1,98 @@
+"""What the sessions ask of their I/O shell (actions) and tell the engine (events).
+
+Frozen records only: the shell performs actions in the order given and hands
+events to the engine; neither side decides anything from them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+from ..core.reads import ReadBatch
+
+
+# ------------------------------------------------------------------ actions
+@dataclass(frozen=True)
+class Send:
+    """Write ``data`` to connection ``conn`` (in order, without blocking the loop)."""
+    conn: int
+    data: bytes
+
+
+@dataclass(frozen=True)
+class Close:
+    """Close connection ``conn`` once what was sent before is flushed (best effort)."""
+    conn: int
+    reason: str
+
+
+@dataclass(frozen=True)
+class Connect:
+    """Open a connection to a prefill's control endpoint; report it with ``connected`` or ``closed``."""
+    conn: int
+    host: str
+    port: int
+
+
+@dataclass(frozen=True)
+class AddPeer:
+    """Load a prefill's backend metadata; report the backend peer name with ``peer_added``."""
+    conn: int
+    metadata: bytes
+
+
+@dataclass(frozen=True)
+class RemovePeer:
+    """Forget link ``conn``'s backend peer, tearing its endpoint down: its reads go terminal (``PeerLost``)."""
+    conn: int
+
+
+@dataclass(frozen=True)
+class Post:
+    """Post one-sided reads from link ``conn``'s backend peer; the backend reports ``tag`` once,
+    when the transport is done with it."""
+    conn: int
+    batches: Sequence[ReadBatch]
+    tag: bytes
+
+
+@dataclass(frozen=True)
+class Cancel:
+    """Start cancelling the read ``tag``; its (terminal) completion still follows."""
+    tag: bytes
+
+
+# ------------------------------------------------------------------- events
+@dataclass(frozen=True)
+class PeerReady:
+    """A peer authenticated and exchanged layouts."""
+    conn: int
+    peer: str
+
+
+@dataclass(frozen=True)
+class PeerGone:
+    conn: int
+    peer: str | None
+    reason: str
+
+
+@dataclass(frozen=True)
+class LeaseEnded:
+    """Prefill: a lease ended (``done``, ``aborted``, ``expired`` or ``released``); its pages may be reused."""
+    lease: Any
+    reason: str
+
+
+@dataclass(frozen=True)
+class Offered:
+    """Decode: a prefill pushed a lease over link ``conn``."""
+    conn: int
+    offer: Any
+
+
+@dataclass(frozen=True)
+class FetchFinished:
+    """Decode: a fetch reached ``done`` or ``failed``; nothing can still land in its destination."""
+    fetch: Any

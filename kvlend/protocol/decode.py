@@ -1,0 +1,667 @@
+"""``DecodeSession``: the reading side of the control protocol, sans-IO.
+
+Fed connection events, received bytes, transfer completions and ``now``;
+returns actions (connect, send, close, add or remove a backend peer, post or
+cancel reads) and events (offers pushed, fetches finished).  It runs many
+fetches at once over many links, each link one prefill endpoint.
+
+A fetch's life: (claim a ticket's lease) -> post its chunks -> every chunk
+done -> ``Done`` -> the prefill's ack -> ``done``.  Any failure (a chunk
+failed, the deadline passed, the link died, the engine cancelled) first
+cancels the reads still in flight and waits until the backend reports each
+one terminal: only then is the fetch ``failed``, its destination quiet and
+``Abort`` sent, so neither side reuses pages a late read could still write.
+The safe-resume bound counts a read only if it landed while the lease was
+surely valid (before the conservative cutoff: TTL minus one heartbeat after
+the lease was surely renewed), unless the prefill's done ack confirms it.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any, Mapping
+
+import numpy as np
+
+from ..core.fetchplan import needed_pages, skip_below, split_chunks
+from ..core.layout import PageLayout
+from ..core.negotiate import TransferPlan, negotiate
+from ..core.plan import plan_reads
+from ..core.reads import ReadBatch
+from ..core.tracker import DeliveryTracker
+from ..errors import (
+    IncompleteFetch, KvlendError, LeaseDenied, LeaseExpired, LeaseUnknown, PageRangeError, PeerLost,
+    ProtocolError, TransferCancelled, TransferTimeout,
+)
+from .actions import AddPeer, Cancel, Close, Connect, FetchFinished, Offered, PeerGone, PeerReady, Post, RemovePeer, Send
+from .config import NodeConfig
+from .connection import Connection
+from .prefill import peer_layout
+from .ticket import Ticket
+from .wire import Abort, Bye, Claim, Done, DoneAck, Handshake, Heartbeat, LeaseOffer, Message, Offer
+
+log = logging.getLogger("kvlend.session")
+_REASON = 4000
+_PLAN_CACHE = 64
+_REFUSALS = {cls.__name__: cls for cls in (LeaseExpired, LeaseUnknown, LeaseDenied)}
+
+
+class FetchState(str, Enum):
+    CLAIMING = "claiming"  # waiting for a link, or for the offer a claim asked for
+    READING = "reading"  # chunks posted
+    ACKING = "acking"  # every chunk landed; done sent, waiting for the prefill's ack
+    CANCELLING = "cancelling"  # failed or cancelled; reads still in flight (destination not quiet)
+    DONE = "done"
+    FAILED = "failed"
+
+
+_TERMINAL = (FetchState.DONE, FetchState.FAILED)
+
+
+@dataclass(eq=False)
+class Fetch:
+    """One lease being read into ``dst``.  Read its fields; the session changes them."""
+
+    id: int
+    link: int
+    lease: bytes
+    num_tokens: int
+    dst: Mapping[str, Any]
+    resume_from: int
+    started: float
+    deadline: float
+    state: FetchState
+    request: str = ""  # known once the offer is
+    offer: LeaseOffer | None = None
+    bound: int = 0  # safe-resume bound so far, in tokens
+    error: KvlendError | None = None
+    bytes: int = 0
+    descriptors: int = 0
+    finished: float | None = None
+    tags: set = field(default_factory=set)  # reads posted and not yet terminal
+    sure_until: float = -math.inf  # reads landing before this count for the bound without the ack
+    claimed_at: float | None = None
+    quiet_by: float = math.inf  # CANCELLING: tear the link down if reads are still in flight then
+
+    @property
+    def done(self) -> bool:
+        return self.state in _TERMINAL
+
+    @property
+    def quiet(self) -> bool:
+        """Nothing posted for this fetch can still write into ``dst``."""
+        return not self.tags
+
+    @property
+    def seconds(self) -> float:
+        return (self.finished if self.finished is not None else self.started) - self.started
+
+    @property
+    def key(self) -> str:
+        return f"fetch-{self.id}"
+
+
+class _LinkState(str, Enum):
+    CONNECTING = "connecting"
+    HELLO = "hello"
+    HANDSHAKE = "handshake"
+    READY = "ready"
+
+
+@dataclass(eq=False)
+class _Link:
+    id: int
+    endpoint: tuple[str, int]
+    deadline: float  # for reaching READY
+    started: float
+    state: _LinkState = _LinkState.CONNECTING
+    conn: Connection | None = None
+    plan: TransferPlan | None = None
+    peer: str | None = None  # the prefill's name
+    backend_peer: bool = False  # AddPeer was asked for
+    handshake_ms: float = 0.0
+    offers: dict = field(default_factory=dict)  # pushed, not yet fetched or declined: lease id -> offer
+    lent_after: dict = field(default_factory=dict)  # lease id -> drained_at when its offer was read
+    drained_at: float = 0.0  # last time everything received so far was handled
+    next_beat: float = 0.0
+    waiting: list = field(default_factory=list)  # fetch ids to claim once READY
+    abandoned: set = field(default_factory=set)  # leases whose claim we gave up on: their offer is stale
+
+
+class DecodeSession:
+    """Reads leases from any number of prefill ranks into ``layout``'s pages."""
+
+    def __init__(self, layout: PageLayout, backend_kind: str, metadata: bytes, secret: bytes, *,
+                 name: str = "decode", config: NodeConfig = NodeConfig()) -> None:
+        self.layout = layout
+        self.name = name
+        self.config = config
+        self.tracker = DeliveryTracker(layout)
+        self._kind = backend_kind
+        self._metadata = metadata
+        self._secret = secret
+        self._links: dict[int, _Link] = {}
+        self._by_endpoint: dict[tuple[str, int], int] = {}
+        self._fetches: dict[int, Fetch] = {}
+        self._tags: dict[bytes, tuple[int, int]] = {}  # tag -> (fetch id, chunk)
+        self._plans: dict[tuple, TransferPlan] = {}
+        self._next_conn = self._next_fetch = self._seq = 0
+        self._gone: OrderedDict[int, KvlendError] = OrderedDict()  # why recent links closed
+        self._actions: list = []
+        self._events: list = []
+
+    # ------------------------------------------------------------------ links
+    def open(self, host: str, port: int, now: float) -> int:
+        """Start connecting to a prefill endpoint (a new link); its id."""
+        if not isinstance(host, str) or not host or isinstance(port, bool) or not isinstance(port, int) \
+                or not 0 < port < 65536:
+            raise PeerLost(f"bad prefill endpoint {host!r}:{port!r}")
+        self._next_conn += 1
+        conn = self._next_conn
+        self._links[conn] = _Link(conn, (host, port), now + self.config.handshake_timeout, now)
+        self._by_endpoint[(host, port)] = conn
+        self._actions.append(Connect(conn, host, port))
+        return conn
+
+    def link_to(self, host: str, port: int, now: float) -> int:
+        """The link to ``host:port``, opened on first use and shared by every later fetch."""
+        conn = self._by_endpoint.get((host, port))
+        return conn if conn is not None else self.open(host, port, now)
+
+    def connected(self, conn: int, now: float) -> None:
+        """The shell's connection for ``conn`` is up: start the hello."""
+        link = self._links.get(conn)
+        if link is not None and link.state is _LinkState.CONNECTING:
+            link.conn = Connection("client", self._secret, self.name, now)
+            link.state = _LinkState.HELLO
+
+    def receive(self, conn: int, data: bytes, now: float) -> None:
+        link = self._links.get(conn)
+        if link is None or link.conn is None:
+            return
+        try:
+            messages = link.conn.receive(data)
+            if link.state is _LinkState.HELLO and link.conn.ready:
+                link.peer = link.conn.peer
+                link.conn.send(Handshake(self.layout.encode(), self._kind, self._metadata))
+                link.state = _LinkState.HANDSHAKE
+            drained = link.drained_at
+            for message in messages:
+                if conn not in self._links:
+                    return
+                self._handle(conn, link, message, drained, now)
+            link.drained_at = now
+        except KvlendError as exc:
+            if link.state is not _LinkState.READY or isinstance(exc, PeerLost):
+                lost = exc  # a refused handshake says why (LayoutMismatch, AuthError, ...)
+            else:
+                lost = PeerLost(f"link to {_where(link)} failed: {exc}")
+            self._fail_link(conn, lost, now)
+
+    def closed(self, conn: int, now: float, why: str = "connection closed") -> None:
+        """The shell's connection for ``conn`` ended (or could not be opened)."""
+        link = self._links.get(conn)
+        if link is not None:
+            self._fail_link(conn, PeerLost(f"{_where(link)}: {why}"), now, send_bye=False)
+
+    def disconnect(self, conn: int, now: float, reason: str = "decode closing the link") -> None:
+        """Close a link in order; its fetches fail with ``PeerLost`` once their reads are quiet."""
+        link = self._links.get(conn)
+        if link is None:
+            return
+        self._fail_link(conn, PeerLost(f"{_where(link)}: {reason}"), now, send_bye=True)
+
+    def plan(self, conn: int) -> TransferPlan | None:
+        link = self._links.get(conn)
+        return None if link is None else link.plan
+
+    def ready(self, conn: int) -> bool:
+        link = self._links.get(conn)
+        return link is not None and link.state is _LinkState.READY
+
+    def link_info(self, conn: int) -> dict | None:
+        link = self._links.get(conn)
+        if link is None:
+            return None
+        return {"endpoint": link.endpoint, "peer": link.peer, "state": link.state.value,
+                "handshake_ms": link.handshake_ms, "plan": link.plan}
+
+    def link_error(self, conn: int) -> KvlendError | None:
+        """Why a recently closed link closed (None if it is open or long gone)."""
+        return self._gone.get(conn)
+
+    @property
+    def links(self) -> list[int]:
+        return list(self._links)
+
+    # --------------------------------------------------------------- fetches
+    def fetch_offer(self, conn: int, offer: LeaseOffer, dst: Mapping[str, Any], now: float,
+                    resume_from: int = 0) -> Fetch:
+        """Start reading a pushed ``offer`` into ``dst`` (local group -> slot per local token page).
+
+        Bad arguments raise before anything changes or is posted.
+        """
+        link = self._ready_link(conn)
+        if not isinstance(offer, LeaseOffer):
+            raise ProtocolError(f"expected a LeaseOffer, got {type(offer).__name__}")
+        self._check_not_fetching(offer.id)
+        resume_from = _resume_point(resume_from, offer.num_tokens)
+        work = self._work(link.plan, offer, dst, resume_from)  # may raise: nothing changed yet
+        link.offers.pop(offer.id, None)
+        fetch = self._new_fetch(conn, offer.id, offer.num_tokens, dst, resume_from, now, FetchState.READING)
+        fetch.sure_until = link.lent_after.pop(offer.id, -math.inf) + offer.ttl - self.config.heartbeat
+        self._begin(fetch, offer, work, now)
+        return fetch
+
+    def fetch_ticket(self, ticket: Ticket, dst: Mapping[str, Any], now: float, resume_from: int = 0) -> Fetch:
+        """Redeem ``ticket``: connect to its prefill if no link is open, claim the lease, read it."""
+        if not isinstance(ticket, Ticket):
+            raise ProtocolError(f"expected a Ticket, got {type(ticket).__name__}")
+        resume_from = _resume_point(resume_from, ticket.num_tokens)
+        if not isinstance(dst, Mapping):
+            raise PageRangeError(f"dst: must map local groups to page tables, got {type(dst).__name__}")
+        self._check_not_fetching(ticket.lease)
+        conn = self.link_to(ticket.host, ticket.port, now)
+        fetch = self._new_fetch(conn, ticket.lease, ticket.num_tokens, dst, resume_from, now, FetchState.CLAIMING)
+        link = self._links[conn]
+        if link.state is _LinkState.READY:
+            self._claim(link, fetch, now)
+        else:
+            link.waiting.append(fetch.id)
+        return fetch
+
+    def decline(self, conn: int, offer: LeaseOffer, reason: str) -> None:
+        """Tell the prefill this rank will not read ``offer``: it releases the lease at once."""
+        link = self._ready_link(conn)
+        link.offers.pop(offer.id, None)
+        link.lent_after.pop(offer.id, None)
+        link.conn.send(Abort(offer.id, reason[:_REASON]))
+
+    def cancel(self, fetch_id: int, now: float) -> None:
+        """Give up on a fetch; it ends ``failed`` (``TransferCancelled``) once its reads are quiet."""
+        fetch = self._fetches.get(fetch_id)
+        if fetch is not None and not fetch.done:
+            self._fail(fetch, TransferCancelled(f"fetch {fetch_id} cancelled"), now)
+
+    def get(self, fetch_id: int) -> Fetch | None:
+        return self._fetches.get(fetch_id)
+
+    def forget(self, fetch_id: int) -> None:
+        """Drop a finished fetch's record (the engine has taken its result)."""
+        fetch = self._fetches.get(fetch_id)
+        if fetch is not None and fetch.done:
+            del self._fetches[fetch_id]
+
+    @property
+    def in_flight(self) -> int:
+        """Fetches not yet finished."""
+        return sum(not f.done for f in self._fetches.values())
+
+    # ----------------------------------------------------------- completions
+    def completed(self, tag: bytes, error: KvlendError | None, now: float) -> None:
+        """The backend is done with read ``tag`` (terminal: it will not write again)."""
+        entry = self._tags.pop(tag, None)
+        if entry is None:
+            return
+        fetch = self._fetches.get(entry[0])
+        if fetch is None:
+            return
+        fetch.tags.discard(tag)
+        if fetch.state is FetchState.READING:
+            if error is None:
+                self.tracker.done(fetch.key, entry[1])
+                if now < fetch.sure_until:
+                    fetch.bound = self.tracker.bound(fetch.key)
+            else:
+                self.tracker.fail(fetch.key, entry[1], error)
+                if isinstance(error, PeerLost) and fetch.link in self._links:
+                    self._fail_link(fetch.link, error, now)
+                else:
+                    self._fail(fetch, error, now)
+        self._progress(fetch, now)
+
+    # ------------------------------------------------------------------ time
+    def tick(self, now: float) -> None:
+        """Deadlines, escalation of reads that will not go quiet, and heartbeats."""
+        for conn, link in list(self._links.items()):
+            if link.state is not _LinkState.READY and now > link.deadline:
+                self._fail_link(conn, TransferTimeout(
+                    f"{_where(link)}: no handshake within {self.config.handshake_timeout:.3g} s"), now)
+        for fetch in list(self._fetches.values()):
+            if fetch.state is FetchState.CANCELLING and now > fetch.quiet_by and fetch.link in self._links:
+                self._fail_link(fetch.link, PeerLost(
+                    f"reads of request {fetch.request} still in flight {self.config.cancel_grace:.3g} s after "
+                    "cancelling; tearing the link down to stop them"), now)
+            elif not fetch.done and fetch.state is not FetchState.CANCELLING and now > fetch.deadline:
+                what = "no done ack" if fetch.state is FetchState.ACKING else "reads not finished"
+                self._fail(fetch, TransferTimeout(
+                    f"request {fetch.request or fetch.lease.hex()}: {what} within "
+                    f"{self.config.transfer_timeout:.3g} s"), now)
+        for link in self._links.values():
+            if link.state is _LinkState.READY and now >= link.next_beat:
+                leases = self._renewable(link)
+                if leases:
+                    link.conn.send(Heartbeat(tuple(leases)))
+                link.next_beat = now + self.config.heartbeat
+
+    def next_deadline(self) -> float | None:
+        """When ``tick`` next has work (None: nothing pending)."""
+        times = [link.deadline for link in self._links.values() if link.state is not _LinkState.READY]
+        times += [link.next_beat for link in self._links.values()
+                  if link.state is _LinkState.READY and self._renewable(link)]
+        for f in self._fetches.values():
+            if f.state is FetchState.CANCELLING:
+                times.append(f.quiet_by)
+            elif not f.done:
+                times.append(f.deadline)
+        return min(times) if times else None
+
+    # --------------------------------------------------------------- outputs
+    def take_actions(self) -> list:
+        for conn, link in self._links.items():
+            if link.conn is not None:
+                data = link.conn.data_to_send()
+                if data:
+                    self._actions.append(Send(conn, data))
+        out, self._actions = self._actions, []
+        return out
+
+    def take_events(self) -> list:
+        out, self._events = self._events, []
+        return out
+
+    # -------------------------------------------------------------- messages
+    def _handle(self, conn: int, link: _Link, message: Message, drained: float, now: float) -> None:
+        if link.state is _LinkState.HANDSHAKE:
+            self._handshake(conn, link, message, now)
+        elif isinstance(message, Offer):
+            self._offer(conn, link, message.lease, drained, now)
+        elif isinstance(message, DoneAck):
+            fetch = self._fetch_of(conn, message.lease, FetchState.ACKING)
+            if fetch is not None:
+                self._acked(fetch, message, now)
+        elif isinstance(message, Abort):
+            self._withdrawn(conn, link, message, now)
+        elif isinstance(message, Bye):
+            raise PeerLost(f"prefill {link.peer} closed: {message.reason}")
+        else:
+            raise ProtocolError(f"unexpected {message.TYPE} from prefill {link.peer}")
+
+    def _handshake(self, conn: int, link: _Link, message: Message, now: float) -> None:
+        if isinstance(message, Bye):
+            raise ProtocolError(f"prefill {link.peer} refused the handshake: {message.reason}")
+        remote = peer_layout(message, self._kind)
+        # Addresses are not part of a layout id, but the plan holds them: a restarted
+        # prefill with the same layout elsewhere in memory needs its own plan.
+        key = (self.layout.layout_id, remote.layout_id, tuple((r.name, r.address) for r in remote.regions))
+        plan = self._plans.get(key)
+        if plan is None:
+            if len(self._plans) >= _PLAN_CACHE:
+                self._plans.clear()
+            plan = self._plans[key] = negotiate(self.layout, remote)
+        if not message.metadata:
+            raise ProtocolError(f"prefill {link.peer} sent no backend metadata")
+        link.plan = plan
+        link.state = _LinkState.READY
+        link.handshake_ms = (now - link.started) * 1e3
+        link.next_beat = now + self.config.heartbeat
+        link.backend_peer = True
+        self._actions.append(AddPeer(conn, message.metadata))
+        self._events.append(PeerReady(conn, link.peer))
+        log.info("handshake with %s: %s", link.peer, plan.summary().splitlines()[0])
+        waiting, link.waiting = link.waiting, []
+        for fid in waiting:
+            fetch = self._fetches.get(fid)
+            if fetch is not None and fetch.state is FetchState.CLAIMING:
+                self._claim(link, fetch, now)
+
+    def _offer(self, conn: int, link: _Link, offer: LeaseOffer, drained: float, now: float) -> None:
+        if offer.id in link.abandoned:  # the answer to a claim we gave up on (and aborted)
+            link.abandoned.discard(offer.id)
+            return
+        fetch = self._fetch_of(conn, offer.id, FetchState.CLAIMING)
+        if fetch is None:  # pushed
+            link.offers[offer.id] = offer
+            link.lent_after[offer.id] = drained
+            self._events.append(Offered(conn, offer))
+            return
+        if offer.num_tokens != fetch.num_tokens:
+            self._fail(fetch, ProtocolError(f"lease {offer.id.hex()} has {offer.num_tokens} tokens, its ticket "
+                                            f"said {fetch.num_tokens}"), now)
+            return
+        try:
+            work = self._work(link.plan, offer, fetch.dst, fetch.resume_from)
+        except KvlendError as exc:
+            fetch.request = offer.request
+            self._fail(fetch, exc, now)
+            return
+        # The prefill renewed the lease when the claim arrived, which was after we sent it.
+        fetch.sure_until = fetch.claimed_at + offer.ttl - self.config.heartbeat
+        fetch.state = FetchState.READING
+        self._begin(fetch, offer, work, now)
+
+    def _withdrawn(self, conn: int, link: _Link, message: Abort, now: float) -> None:
+        """The prefill refused a claim or ended the lease: nothing read under it may be used."""
+        link.offers.pop(message.lease, None)
+        link.lent_after.pop(message.lease, None)
+        link.abandoned.discard(message.lease)
+        for fetch in self._fetches.values():
+            if fetch.link == conn and fetch.lease == message.lease and not fetch.done:
+                fetch.bound = fetch.resume_from  # its pages may be reused under our reads
+                kind = _REFUSALS.get(message.reason.partition(":")[0], LeaseUnknown)
+                self._fail(fetch, kind(f"prefill {link.peer} refused lease {message.lease.hex()}: "
+                                       f"{message.reason}"), now, tell_prefill=False)
+        log.info("prefill %s withdrew lease %s: %s", link.peer, message.lease.hex(), message.reason)
+
+    def _acked(self, fetch: Fetch, ack: DoneAck, now: float) -> None:
+        if not ack.ok:
+            kind = LeaseExpired if ack.error.startswith("LeaseExpired") else LeaseUnknown
+            fetch.bound = fetch.resume_from  # nothing read under this lease may be used
+            self._finish(fetch, kind(f"request {fetch.request}: prefill refused done ({ack.error}); "
+                                     "discard what was read"), now)
+            return
+        bound = self.tracker.bound(fetch.key)
+        fetch.bound = bound
+        if bound < fetch.num_tokens:
+            self._finish(fetch, IncompleteFetch(
+                f"request {fetch.request}: every read landed but they cover only {bound} of "
+                f"{fetch.num_tokens} tokens (the lease does not hold every page this rank needs)"), now)
+        else:
+            self._finish(fetch, None, now)
+
+    # -------------------------------------------------------------- internals
+    def _check_not_fetching(self, lease: bytes) -> None:
+        if any(f.lease == lease and not f.done for f in self._fetches.values()):
+            raise ProtocolError(f"lease {lease.hex()} is already being fetched")
+
+    def _ready_link(self, conn: int) -> _Link:
+        link = self._links.get(conn)
+        if link is None or link.state is not _LinkState.READY:
+            why = self._gone.get(conn) if isinstance(conn, int) else None
+            raise PeerLost(f"link {conn!r} is not connected" + (f" (it closed: {why})" if why is not None else
+                                                                  f" (open: {sorted(self._links)})"))
+        return link
+
+    def _new_fetch(self, conn: int, lease: bytes, num_tokens: int, dst, resume_from: int, now: float,
+                   state: FetchState) -> Fetch:
+        self._next_fetch += 1
+        fetch = Fetch(self._next_fetch, conn, lease, num_tokens, dst, resume_from, now,
+                      now + self.config.transfer_timeout, state, bound=resume_from)
+        self._fetches[fetch.id] = fetch
+        return fetch
+
+    def _claim(self, link: _Link, fetch: Fetch, now: float) -> None:
+        fetch.claimed_at = now
+        link.conn.send(Claim(fetch.lease))
+
+    def _work(self, plan: TransferPlan, offer: LeaseOffer, dst: Mapping[str, Any], resume_from: int):
+        """Every chunk's descriptors and local pages, and what the tracker waits for.
+
+        Computed before any state changes, so a bad destination table fails first.
+        """
+        pages, kept = skip_below(plan, offer.pages, offer.num_tokens, resume_from)
+        chunks = [(plan_reads(plan, src, dst, offer.selection), local)
+                  for src, local in split_chunks(plan, pages, offer.num_tokens, self.config.chunk_pages)]
+        needed = needed_pages(plan, offer.pages, offer.num_tokens)
+        return chunks, kept, needed
+
+    def _begin(self, fetch: Fetch, offer: LeaseOffer, work, now: float) -> None:
+        """Track the fetch and post its chunks; all or nothing."""
+        chunks, kept, needed = work
+        fetch.offer, fetch.request = offer, offer.request
+        mark = len(self._actions)
+        tags: list[bytes] = []
+        try:
+            self.tracker.begin(fetch.key, offer.num_tokens, needed)
+            if kept:
+                self.tracker.post(fetch.key, "resumed", kept)  # read by an earlier lease, verified then
+                self.tracker.done(fetch.key, "resumed")
+            for batches, local in chunks:
+                self._seq += 1
+                tag = f"{self.name}:{self._seq}".encode()
+                self.tracker.post(fetch.key, self._seq, local)
+                self._actions.append(Post(fetch.link, batches, tag))
+                tags.append(tag)
+                self._tags[tag] = (fetch.id, self._seq)
+                fetch.bytes += _nbytes(batches)
+                fetch.descriptors += sum(b.count for b in batches)
+        except BaseException:
+            del self._actions[mark:]
+            for tag in tags:
+                self._tags.pop(tag, None)
+            self._forget_tracking(fetch)
+            del self._fetches[fetch.id]
+            raise
+        fetch.tags.update(tags)
+        if now < fetch.sure_until:
+            fetch.bound = self.tracker.bound(fetch.key)
+        self._progress(fetch, now)
+
+    def _progress(self, fetch: Fetch, now: float) -> None:
+        """Move a fetch on once its reads allow: send done, or finish a failure when quiet."""
+        if fetch.tags:
+            return
+        if fetch.state is FetchState.READING:
+            fetch.state = FetchState.ACKING
+            self._links[fetch.link].conn.send(Done(fetch.lease, self.tracker.bound(fetch.key)))
+        elif fetch.state is FetchState.CANCELLING:
+            link = self._links.get(fetch.link)
+            if link is not None and link.state is _LinkState.READY and fetch.offer is not None:
+                link.conn.send(Abort(fetch.lease, _error_text(fetch.error)))
+            self._finish(fetch, fetch.error, now)
+
+    def _fail(self, fetch: Fetch, error: KvlendError, now: float, tell_prefill: bool = True) -> None:
+        """Stop a fetch: cancel what is in flight; it finishes once quiet."""
+        if fetch.done or fetch.state is FetchState.CANCELLING:
+            return
+        link = self._links.get(fetch.link)
+        if fetch.state is FetchState.CLAIMING:
+            if tell_prefill and link is not None and link.state is _LinkState.READY and fetch.claimed_at is not None:
+                link.conn.send(Abort(fetch.lease, _error_text(error)))
+                link.abandoned.add(fetch.lease)
+            if link is not None and fetch.id in link.waiting:
+                link.waiting.remove(fetch.id)
+            self._finish(fetch, error, now)
+            return
+        if fetch.state is FetchState.ACKING:  # every read is terminal; the prefill releases on our done
+            self._finish(fetch, error, now)
+            return
+        fetch.error = error
+        fetch.state = FetchState.CANCELLING
+        fetch.quiet_by = now + self.config.cancel_grace
+        self.tracker.abort(fetch.key)
+        for tag in sorted(fetch.tags):
+            self._actions.append(Cancel(tag))
+        if not tell_prefill:
+            fetch.offer = None  # the prefill already ended the lease: no Abort
+        self._progress(fetch, now)
+
+    def _finish(self, fetch: Fetch, error: KvlendError | None, now: float) -> None:
+        fetch.state = FetchState.FAILED if error is not None else FetchState.DONE
+        fetch.finished = now
+        if error is None:
+            fetch.bound = fetch.num_tokens
+        else:
+            error.request, error.bound = fetch.request, fetch.bound
+            level = logging.INFO if isinstance(error, TransferCancelled) else logging.WARNING
+            log.log(level, "request %s (lease %s) failed at bound %d: %s", fetch.request or "?",
+                    fetch.lease.hex(), fetch.bound, error)
+        fetch.error = error
+        self._forget_tracking(fetch)
+        self._events.append(FetchFinished(fetch))
+
+    def _forget_tracking(self, fetch: Fetch) -> None:
+        try:
+            self.tracker.abort(fetch.key)
+            self.tracker.finish(fetch.key)
+        except KvlendError:
+            pass  # never begun
+
+    def _fail_link(self, conn: int, error: KvlendError, now: float, send_bye: bool = False) -> None:
+        """Drop a link: its fetches fail; its backend peer is removed, which makes their reads terminal."""
+        link = self._links.pop(conn)
+        busy = any(f.link == conn and not f.done for f in self._fetches.values())
+        self._gone[conn] = error
+        while len(self._gone) > _PLAN_CACHE:
+            self._gone.popitem(last=False)
+        if self._by_endpoint.get(link.endpoint) == conn:
+            del self._by_endpoint[link.endpoint]
+        for fetch in list(self._fetches.values()):
+            if fetch.link == conn and not fetch.done:
+                self._fail(fetch, clone_error(error), now, tell_prefill=False)  # one error object each
+        if link.conn is not None:
+            if send_bye and link.conn.ready:
+                link.conn.send(Bye(str(error)[:_REASON]))
+            data = link.conn.data_to_send()
+            if data and send_bye:
+                self._actions.append(Send(conn, data))
+        if link.backend_peer:
+            self._actions.append(RemovePeer(conn))
+        self._actions.append(Close(conn, str(error)))
+        self._events.append(PeerGone(conn, link.peer, str(error)))
+        log.log(logging.WARNING if busy and not send_bye else logging.INFO, "link to %s closed: %s",
+                _where(link), error)
+
+    def _fetch_of(self, conn: int, lease: bytes, state: FetchState) -> Fetch | None:
+        for fetch in self._fetches.values():
+            if fetch.link == conn and fetch.lease == lease and fetch.state is state:
+                return fetch
+        return None
+
+    def _renewable(self, link: _Link) -> list[bytes]:
+        """Leases on ``link`` that must not expire: fetches not finished, and offers not yet taken."""
+        ids = [f.lease for f in self._fetches.values()
+               if f.link == link.id and not f.done and (f.offer is not None or f.claimed_at is not None)]
+        return ids + [i for i in link.offers if i not in ids]
+
+
+def clone_error(error: KvlendError) -> KvlendError:
+    """A copy of ``error`` (its fields too), so each fetch carries its own ``.request`` and ``.bound``."""
+    clone = error.__class__.__new__(error.__class__)
+    clone.__dict__.update(error.__dict__)
+    clone.args = error.args
+    return clone
+
+
+def _where(link: _Link) -> str:
+    host, port = link.endpoint
+    return f"prefill {link.peer or '?'} at {host}:{port}"
+
+
+def _nbytes(batches: list[ReadBatch]) -> int:
+    return sum(b.nbytes for b in batches)
+
+
+def _resume_point(resume_from: Any, num_tokens: int) -> int:
+    if isinstance(resume_from, bool) or not isinstance(resume_from, (int, np.integer)) \
+            or not 0 <= resume_from <= num_tokens:
+        raise PageRangeError(f"resume_from: must be an int in [0, {num_tokens}], got {resume_from!r}")
+    return int(resume_from)
+
+
+def _error_text(exc: KvlendError | None) -> str:
+    return f"{type(exc).__name__}: {exc}"[:_REASON]

@@ -1,0 +1,298 @@
+"""``PrefillSession``: the lending side of the control protocol, sans-IO.
+
+Fed connections, received bytes and ``now``; returns actions (bytes to
+send, connections to close) and events (peers ready or gone, leases ended).
+It authenticates decode ranks, refuses a second connection claiming a live
+peer's name, checks each peer's layout before it sees a lease, lends pages
+(to a connected peer as a pushed offer, or to any peer behind a ticket),
+renews leases on heartbeats, answers claims and dones, and expires leases
+whose reader went quiet.  Every timing decision is made here with the time
+passed in.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+from ..core.layout import PageLayout, RowSelection
+from ..core.lender import Lease, Lender
+from ..core.negotiate import negotiate
+from ..errors import KvlendError, LayoutMismatch, LeaseUnknown, PeerLost, ProtocolError
+from .actions import Close, LeaseEnded, PeerGone, PeerReady, Send
+from .config import NodeConfig
+from .connection import HELLO_TIMEOUT, Connection
+from .ticket import Ticket
+from .wire import (
+    Abort, Bye, Claim, Done, DoneAck, Handshake, Heartbeat, LeaseOffer, Message, Offer, check_offer,
+)
+
+log = logging.getLogger("kvlend.session")
+_REASON = 4000  # characters of a reason sent to a peer
+
+
+@dataclass(eq=False)
+class _Peer:
+    conn: Connection
+    layout: PageLayout | None = None  # set once the layouts were exchanged
+
+    @property
+    def name(self) -> str | None:
+        return self.conn.peer if self.conn.ready else None
+
+
+@dataclass
+class _Loaned:
+    """What a peer needs to read a lease besides the lender's record."""
+
+    meta: Mapping[str, Any] = field(default_factory=dict)
+
+
+class PrefillSession:
+    """Lends ``layout``'s pages to authenticated decode ranks."""
+
+    def __init__(self, layout: PageLayout, backend_kind: str, metadata: bytes, secret: bytes, *,
+                 name: str = "prefill", config: NodeConfig = NodeConfig(), lender: Lender | None = None) -> None:
+        self.layout = layout
+        self.name = name
+        self.config = config
+        self.lender = lender or Lender(layout)
+        self._kind = backend_kind
+        self._metadata = metadata
+        self._secret = secret
+        self._peers: dict[int, _Peer] = {}
+        self._by_name: dict[str, int] = {}  # ready peers
+        self._loans: dict[bytes, _Loaned] = {}
+        self._actions: list = []
+        self._events: list = []
+
+    # ----------------------------------------------------------- connections
+    def accept(self, conn: int, now: float) -> None:
+        """A decode rank connected; it must complete the hello within ``HELLO_TIMEOUT``."""
+        if conn in self._peers:
+            raise ProtocolError(f"connection {conn} is already open")
+        self._peers[conn] = _Peer(Connection("server", self._secret, self.name, now, HELLO_TIMEOUT))
+
+    def receive(self, conn: int, data: bytes, now: float) -> None:
+        peer = self._peers.get(conn)
+        if peer is None:
+            return  # closed meanwhile; the shell may still hold bytes read before
+        try:
+            was_ready = peer.conn.ready
+            messages = peer.conn.receive(data)
+            if peer.conn.ready and not was_ready:
+                self._authenticated(conn, peer)
+            for message in messages:
+                if conn not in self._peers:
+                    break
+                self._handle(conn, peer, message, now)
+        except _Goodbye as bye:
+            self._drop(conn, f"said bye: {bye}", logging.INFO)
+        except KvlendError as exc:
+            self._drop(conn, str(exc))
+
+    def closed(self, conn: int, now: float, why: str = "connection closed") -> None:
+        """The shell saw the connection end; its leases stay until they expire (reads may still land)."""
+        if conn in self._peers:
+            self._drop(conn, why, logging.INFO, notify=False)
+
+    def shutdown(self, reason: str) -> None:
+        """Say goodbye to every peer and close; leases stay until released or expired."""
+        for conn, peer in list(self._peers.items()):
+            if peer.layout is not None:  # a peer still in the handshake gets its bye from _drop
+                peer.conn.send(Bye(reason[:_REASON]))
+            self._drop(conn, reason, logging.INFO)
+
+    # ---------------------------------------------------------------- engine
+    def lend(self, request: str, num_tokens: int, pages: Mapping[str, Any], selection: RowSelection,
+             now: float, *, meta: Mapping[str, Any] | None = None, peer: str | None = None) -> Lease:
+        """Lend ``request``'s pages; with ``peer`` None any decode may claim it through a ticket."""
+        meta = check_offer(request, meta or {})  # what the decode would refuse must not take locks
+        lease = self.lender.lend(request, num_tokens, pages, selection, now, self.config.ttl, peer=peer)
+        self._loans[lease.id] = _Loaned(meta)
+        return lease
+
+    def offer(self, peer: str, request: str, num_tokens: int, pages: Mapping[str, Any],
+              selection: RowSelection, now: float, *, meta: Mapping[str, Any] | None = None) -> Lease:
+        """Lend to a connected ``peer`` and push the offer to it."""
+        conn = self._by_name.get(peer)
+        if conn is None or self._peers[conn].layout is None:
+            raise PeerLost(f"decode rank {peer!r} is not connected")
+        lease = self.lend(request, num_tokens, pages, selection, now, meta=meta, peer=peer)
+        offer = self._offer_of(lease)
+        try:
+            self._peers[conn].conn.send(Offer(offer))
+        except ProtocolError:  # too large to frame: nothing was queued
+            self._end(lease.id, "aborted")
+            raise
+        return lease
+
+    def ticket(self, lease: Lease, host: str, port: int) -> Ticket:
+        """The portable form of a lease, for the decode that ``host:port`` reaches us from."""
+        return Ticket(lease.id, host, port, self.name, lease.num_tokens, self.layout.layout_id)
+
+    def release(self, lease_id: bytes) -> Lease | None:
+        """End a lease from the engine's side (its request was cancelled); None if already ended.
+
+        Its reader, if connected, is told at once: nothing it read under the lease may be used.
+        """
+        lease = self.lender.release(lease_id)
+        if lease is not None:
+            self._loans.pop(lease_id, None)
+            self._events.append(LeaseEnded(lease, "released"))
+            conn = self._by_name.get(lease.peer) if lease.peer is not None else None
+            if conn is not None:
+                self._peers[conn].conn.send(Abort(lease_id, "LeaseUnknown: released by the prefill"))
+        return lease
+
+    @property
+    def pending(self) -> int:
+        """Connections still in the hello."""
+        return sum(not p.conn.ready for p in self._peers.values())
+
+    @property
+    def peers(self) -> list[str]:
+        """Decode ranks that completed the handshake, sorted."""
+        return sorted(n for n, c in self._by_name.items() if self._peers[c].layout is not None)
+
+    # ------------------------------------------------------------------ time
+    def tick(self, now: float) -> None:
+        """Expire leases and drop connections that did not authenticate in time."""
+        for conn, peer in list(self._peers.items()):
+            if not peer.conn.ready and now > peer.conn.deadline:
+                self._drop(conn, f"no complete hello within {HELLO_TIMEOUT:.3g} s", notify=False)
+        for lease in self.lender.expire(now):
+            log.warning("lease %s of request %s expired (peer %s)", lease.hex, lease.request, lease.peer)
+            self._loans.pop(lease.id, None)
+            self._events.append(LeaseEnded(lease, "expired"))
+
+    def next_deadline(self) -> float | None:
+        """When ``tick`` next has work (None: nothing pending)."""
+        times = [p.conn.deadline for p in self._peers.values() if not p.conn.ready]
+        expiry = self.lender.next_expiry()
+        if expiry is not None:
+            times.append(expiry)
+        return min(times) if times else None
+
+    # --------------------------------------------------------------- outputs
+    def take_actions(self) -> list:
+        for conn, peer in self._peers.items():
+            data = peer.conn.data_to_send()
+            if data:
+                self._actions.append(Send(conn, data))
+        out, self._actions = self._actions, []
+        return out
+
+    def take_events(self) -> list:
+        out, self._events = self._events, []
+        return out
+
+    # -------------------------------------------------------------- handling
+    def _authenticated(self, conn: int, peer: _Peer) -> None:
+        name = peer.conn.peer
+        if name in self._by_name:
+            # Never a replacement: the live peer keeps its link; a restarted one waits for it to drop.
+            raise ProtocolError(f"a decode rank named {name!r} is already connected")
+        self._by_name[name] = conn
+        log.info("control: connection %d authenticated as %r", conn, name)
+
+    def _handle(self, conn: int, peer: _Peer, message: Message, now: float) -> None:
+        name = peer.name
+        if peer.layout is None:
+            self._handshake(conn, peer, message)
+        elif isinstance(message, Heartbeat):
+            for lease_id in message.leases:
+                try:
+                    self.lender.check_read(lease_id, name, now)
+                    self.lender.renew(lease_id, now)
+                except KvlendError as exc:
+                    log.info("heartbeat for lease %s from %s: %s", lease_id.hex(), name, exc)
+        elif isinstance(message, Claim):
+            self._claim(peer, message.lease, now)
+        elif isinstance(message, Done):
+            try:
+                self.lender.check_read(message.lease, name, now)
+            except KvlendError as exc:
+                peer.conn.send(DoneAck(message.lease, False, _error_text(exc)))
+                return
+            self._end(message.lease, "done")
+            peer.conn.send(DoneAck(message.lease, True, ""))
+        elif isinstance(message, Abort):
+            try:
+                self.lender.check_read(message.lease, name, now)
+            except KvlendError:
+                return
+            log.info("lease %s aborted by %s: %s", message.lease.hex(), name, message.reason)
+            self._end(message.lease, "aborted")
+        elif isinstance(message, Bye):
+            raise _Goodbye(message.reason)
+        else:
+            raise ProtocolError(f"unexpected {message.TYPE} from decode rank {name}")
+
+    def _handshake(self, conn: int, peer: _Peer, message: Message) -> None:
+        layout = peer_layout(message, self._kind)
+        try:
+            plan = negotiate(layout, self.layout)  # refuse a decode we cannot serve before it sees a lease
+        except LayoutMismatch:
+            # Our layout without backend metadata: the decode negotiates too and names every field.
+            peer.conn.send(Handshake(self.layout.encode(), self._kind, b""))
+            raise
+        peer.conn.send(Handshake(self.layout.encode(), self._kind, self._metadata))
+        peer.layout = layout
+        log.info("handshake with %s: %s", peer.name, plan.summary().splitlines()[0])
+        self._events.append(PeerReady(conn, peer.name))
+
+    def _claim(self, peer: _Peer, lease_id: bytes, now: float) -> None:
+        """Bind a ticket's lease to this peer and send its offer, renewed from now."""
+        try:
+            if lease_id not in self._loans:
+                raise LeaseUnknown(f"lease {lease_id.hex()} is not lent here")
+            self.lender.bind(lease_id, peer.name, now)
+            lease = self.lender.renew(lease_id, now)
+        except KvlendError as exc:
+            peer.conn.send(Abort(lease_id, _error_text(exc)))
+            return
+        peer.conn.send(Offer(self._offer_of(lease)))
+
+    def _offer_of(self, lease: Lease) -> LeaseOffer:
+        return LeaseOffer(lease.id, lease.request, lease.num_tokens, lease.pages, lease.selection, lease.ttl,
+                          self._loans[lease.id].meta)
+
+    def _end(self, lease_id: bytes, reason: str) -> None:
+        lease = self.lender.release(lease_id)
+        if lease is not None:
+            self._loans.pop(lease_id, None)
+            self._events.append(LeaseEnded(lease, reason))
+
+    def _drop(self, conn: int, why: str, level: int = logging.WARNING, notify: bool = True) -> None:
+        """Forget a connection; its leases stay until they expire (its reads may still land)."""
+        peer = self._peers.pop(conn)
+        name = peer.name
+        if name is not None and self._by_name.get(name) == conn:
+            del self._by_name[name]
+        log.log(level, "dropped decode rank %s: %s", name or f"connection {conn}", why)
+        if notify and peer.conn.ready and peer.layout is None:
+            peer.conn.send(Bye(why[:_REASON]))  # tell a refused peer why (shutdown said bye already)
+        data = peer.conn.data_to_send()
+        if data and notify:
+            self._actions.append(Send(conn, data))
+        self._actions.append(Close(conn, why))
+        self._events.append(PeerGone(conn, name, why))
+
+
+class _Goodbye(KvlendError):
+    """A peer closed the channel in order."""
+
+
+def peer_layout(message: Message, backend_kind: str) -> PageLayout:
+    """The layout a peer's handshake carries, after checking it is one and the backends match."""
+    if not isinstance(message, Handshake):
+        raise ProtocolError(f"expected handshake, got {message.TYPE}")
+    if message.backend != backend_kind:
+        raise ProtocolError(f"peer uses transfer backend {message.backend!r}, we use {backend_kind!r}")
+    return PageLayout.decode(message.layout)
+
+
+def _error_text(exc: KvlendError) -> str:
+    return f"{type(exc).__name__}: {exc}"[:_REASON]

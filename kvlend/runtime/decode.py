@@ -1,0 +1,332 @@
+"""``DecodeNode``: a ``DecodeSession`` behind sockets, a backend and (optionally) a thread.
+
+The engine starts fetches and gets handles back at once; many may be in
+flight, from many prefills, sharing one link per prefill endpoint.  It
+collects the finished ones with ``finished()`` (the way vLLM's
+``get_finished`` runs each step) or waits on some with a deadline.
+
+Thread-safety: every public method may be called from any engine thread;
+after ``start()`` the node's thread does all I/O, otherwise the engine's
+calls to ``step``, ``wait``, ``fetch`` and ``next_offer`` drive it.  Handles
+are safe to read from any thread.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable, Mapping
+
+from ..core.negotiate import TransferPlan
+from ..errors import KvlendError, PeerLost, ProtocolError, TransferTimeout
+from ..metrics import METRICS
+from ..protocol.actions import FetchFinished, Offered, PeerReady
+from ..protocol.config import NodeConfig
+from ..protocol.decode import DecodeSession, Fetch, FetchState, clone_error
+from ..protocol.ticket import Ticket
+from ..protocol.wire import LeaseOffer
+from ..transport import TransferBackend
+from .shell import Shell, log
+
+
+@dataclass(frozen=True)
+class FetchResult:
+    request: str
+    bound: int
+    bytes: int
+    descriptors: int
+    seconds: float
+    resumed_from: int = 0  # tokens below this were read by an earlier lease, not this one
+
+
+@dataclass(frozen=True)
+class Link:
+    """A connected prefill endpoint: pass it back to ``fetch`` and ``decline``."""
+
+    id: int
+    host: str
+    port: int
+    peer: str
+    plan: TransferPlan
+    handshake_ms: float
+
+
+class FetchHandle:
+    """One fetch in flight: its state, bound so far and error; ``cancel()`` gives up on it."""
+
+    def __init__(self, node: DecodeNode, fetch: Fetch) -> None:
+        self._node = node
+        self._fetch = fetch
+
+    @property
+    def id(self) -> int:
+        return self._fetch.id
+
+    @property
+    def request(self) -> str:
+        return self._fetch.request
+
+    @property
+    def state(self) -> FetchState:
+        return self._fetch.state
+
+    @property
+    def done(self) -> bool:
+        """Finished, successfully or not; nothing can still land in the destination."""
+        return self._fetch.done
+
+    @property
+    def ok(self) -> bool:
+        return self._fetch.state is FetchState.DONE
+
+    @property
+    def quiet(self) -> bool:
+        """No read of this fetch is in flight: its destination pages may be reused (if it failed)."""
+        return self._fetch.quiet
+
+    @property
+    def bound(self) -> int:
+        """The safe-resume bound so far (tokens of ``dst`` holding verified KV)."""
+        return self._fetch.bound
+
+    @property
+    def error(self) -> KvlendError | None:
+        return self._fetch.error
+
+    @property
+    def meta(self) -> Mapping[str, Any]:
+        offer = self._fetch.offer
+        return {} if offer is None else offer.meta
+
+    def cancel(self) -> None:
+        self._node.cancel(self)
+
+    def wait(self, timeout: float) -> FetchResult:
+        """Block until done; the result, or raise its error (with ``.request`` and ``.bound``)."""
+        self._node.wait([self], timeout)
+        return self.result()
+
+    def result(self) -> FetchResult:
+        f = self._fetch
+        if not f.done:
+            raise TransferTimeout(f"fetch {f.id} of request {f.request} has not finished")
+        if f.error is not None:
+            raise f.error
+        return FetchResult(f.request, f.bound, f.bytes, f.descriptors, f.seconds, f.resume_from)
+
+    def __repr__(self) -> str:
+        return f"FetchHandle({self.id}, request={self.request!r}, state={self.state.value}, bound={self.bound})"
+
+
+class DecodeNode(Shell):
+    """Reads leases offered by, or ticketed from, prefill ranks into this rank's pages."""
+
+    def __init__(self, layout, backend: TransferBackend, secret: bytes, *, name: str = "decode",
+                 config: NodeConfig = NodeConfig(), clock: Callable[[], float] = time.monotonic) -> None:
+        super().__init__(None, backend, name, clock)
+        backend.register(layout.regions)
+        self.layout = layout
+        self.config = config
+        self.session = DecodeSession(layout, backend.kind, backend.metadata(), secret, name=name, config=config)
+        self.tracker = self.session.tracker
+        self._handles: dict[int, FetchHandle] = {}
+        self._finished: list[FetchHandle] = []
+        self._offers: deque[tuple[Link, LeaseOffer]] = deque()
+        self._recorded: set[int] = set()
+
+    # ----------------------------------------------------------------- links
+    def connect(self, host: str, port: int, timeout: float | None = None) -> Link:
+        """The link to ``host:port`` once it is ready: authenticated, layouts exchanged, plan made.
+
+        Reuses an open link; raises ``PeerLost``, ``LayoutMismatch``, ``ProtocolError`` or
+        ``TransferTimeout`` (after ``timeout``, default the config's ``handshake_timeout``).
+        """
+        with self._lock:
+            conn = self.session.link_to(host, port, self.clock())
+        self._wake()
+        failure: list[KvlendError] = []
+
+        def ready() -> bool:
+            if self.session.ready(conn):
+                return True
+            if conn not in self.session.links:
+                failure.append(self._link_error(conn))
+                return True
+            return False
+
+        self._wait_until(ready, timeout or self.config.handshake_timeout, f"no handshake with {host}:{port}")
+        if failure:
+            raise failure[0]
+        with self._lock:
+            return self._link(conn)
+
+    @property
+    def links(self) -> list[Link]:
+        """The open links that are ready."""
+        with self._lock:
+            return [self._link(c) for c in self.session.links if self.session.ready(c)]
+
+    def disconnect(self, link: Link) -> None:
+        with self._lock:
+            self.session.disconnect(link.id, self.clock())
+        self._wake()
+
+    # --------------------------------------------------------------- fetches
+    def start_fetch(self, source: Ticket | str | bytes | LeaseOffer, dst: Mapping[str, Any], *,
+                    link: Link | None = None, resume_from: int = 0) -> FetchHandle:
+        """Start reading ``source`` into ``dst`` (local group -> slot per local token page); never blocks.
+
+        ``source`` is a ticket (object, bytes or text: the prefill is connected on first use) or an
+        offer pushed over ``link``.  Bad arguments raise here, before anything changes.
+        """
+        started = time.perf_counter()
+        with self._lock:
+            now = self.clock()
+            if isinstance(source, LeaseOffer) or link is not None:
+                if link is None:
+                    raise ProtocolError("a pushed offer needs the link it came over")
+                fetch = self.session.fetch_offer(link.id, source, dst, now, resume_from)
+            else:
+                fetch = self.session.fetch_ticket(_ticket(source), dst, now, resume_from)
+            handle = self._handles[fetch.id] = FetchHandle(self, fetch)
+        self._wake()
+        if not self.threaded:
+            self.flush()  # post now: the engine drives the loop
+        METRICS.observe("kvlend_post_seconds", time.perf_counter() - started)
+        return handle
+
+    def finished(self) -> list[FetchHandle]:
+        """Fetches that finished since the last call (progresses the loop when it has no thread)."""
+        if not self.threaded:
+            self.step(0.0)
+        with self._lock:
+            out, self._finished = self._finished, []
+            return out
+
+    def wait(self, handles: Iterable[FetchHandle], timeout: float) -> None:
+        """Block until every handle is done; ``TransferTimeout`` after ``timeout`` s (they go on)."""
+        handles = list(handles)
+        self._wait_until(lambda: all(h.done for h in handles), timeout,
+                         f"{sum(not h.done for h in handles)} of {len(handles)} fetches not finished")
+
+    def cancel(self, handle: FetchHandle) -> None:
+        with self._lock:
+            self.session.cancel(handle.id, self.clock())
+        self._wake()
+
+    def fetch(self, link: Link, offer: LeaseOffer, dst: Mapping[str, Any], *, resume_from: int = 0) -> FetchResult:
+        """Read a pushed offer and wait: the result, or raise (``.request`` and ``.bound`` set).
+
+        The blocking form of ``start_fetch``; it never waits past the config's ``transfer_timeout``
+        plus ``cancel_grace`` (the session's own deadlines end the fetch first).
+        """
+        handle = self.start_fetch(offer, dst, link=link, resume_from=resume_from)
+        self.wait([handle], self.config.transfer_timeout + self.config.cancel_grace + 1.0)
+        return handle.result()
+
+    @property
+    def in_flight(self) -> int:
+        with self._lock:
+            return self.session.in_flight
+
+    # ---------------------------------------------------------------- offers
+    def next_offer(self, timeout: float) -> tuple[Link, LeaseOffer]:
+        """The next lease pushed by a prefill rank still connected (offers from lost links are dropped)."""
+        def ready() -> bool:
+            while self._offers and not self.session.ready(self._offers[0][0].id):
+                self._offers.popleft()  # its lease expires on the prefill; nobody can read it now
+            return bool(self._offers) or not self.session.links
+
+        self._wait_until(ready, timeout, "no lease offered")
+        with self._lock:
+            if not self._offers:
+                raise self._link_error(None)
+            return self._offers.popleft()
+
+    def decline(self, link: Link, offer: LeaseOffer, reason: str) -> None:
+        """Tell the prefill this rank will not read ``offer``: it releases it at once."""
+        with self._lock:
+            self.session.decline(link.id, offer, reason)
+        self._wake()
+
+    def close(self) -> None:
+        """Close every link in order; fetches still in flight fail once quiet.  Idempotent."""
+        if self._closed:
+            return
+        with self._lock:
+            for conn in self.session.links:
+                self.session.disconnect(conn, self.clock(), "decode shutting down")
+        self._wake()
+        try:  # let cancelled reads go quiet before the agent goes
+            self._wait_until(lambda: not self.session.in_flight, self.config.cancel_grace, "fetches still in flight")
+        except TransferTimeout as exc:
+            log.warning("decode %s closing: %s", self.name, exc)
+        self._shutdown()
+
+    # ------------------------------------------------------------------ loop
+    def _feed(self, accepted, up, data, gone, now: float) -> None:
+        for sock in accepted:
+            sock.close()  # a decode listens to nobody
+        for conn in up:
+            self.session.connected(conn, now)
+        for conn, chunk in data:
+            self.session.receive(conn, chunk, now)
+        for conn, why in gone:
+            self.session.closed(conn, now, why)
+
+    def _completed(self, completion, now: float) -> None:
+        self.session.completed(completion.tag, completion.error, now)
+
+    def _completed_error(self, tag: bytes, error: KvlendError) -> None:
+        self.session.completed(tag, error, self.clock())
+
+    def _deliver(self, events: list) -> None:
+        with self._lock:
+            for event in events:
+                if isinstance(event, FetchFinished):
+                    handle = self._handles.pop(event.fetch.id, None)
+                    self.session.forget(event.fetch.id)
+                    if handle is not None:
+                        self._finished.append(handle)
+                        _record(handle)
+                elif isinstance(event, PeerReady):
+                    info = self.session.link_info(event.conn)
+                    if info is not None:
+                        METRICS.observe("kvlend_handshake_seconds", info["handshake_ms"] / 1e3)
+                elif isinstance(event, Offered) and self.session.link_info(event.conn) is not None:
+                    self._offers.append((self._link(event.conn), event.offer))
+            self._changed.notify_all()
+
+    def _link(self, conn: int) -> Link:
+        info = self.session.link_info(conn)
+        host, port = info["endpoint"]
+        return Link(conn, host, port, info["peer"], info["plan"], info["handshake_ms"])
+
+    def _link_error(self, conn: int | None) -> KvlendError:
+        error = None if conn is None else self.session.link_error(conn)
+        if error is not None:
+            return clone_error(error)
+        return PeerLost("no prefill rank is connected" if conn is None else f"link {conn} closed")
+
+
+def _ticket(source) -> Ticket:
+    if isinstance(source, Ticket):
+        return source
+    if isinstance(source, str):
+        return Ticket.from_text(source)
+    if isinstance(source, (bytes, bytearray)):
+        return Ticket.decode(bytes(source))
+    raise ProtocolError(f"expected a Ticket (object, bytes or text) or a LeaseOffer, got {type(source).__name__}")
+
+
+def _record(handle: FetchHandle) -> None:
+    f = handle._fetch
+    if f.error is not None:
+        METRICS.inc("kvlend_failed_transfers_total", type(f.error).__name__)
+        return
+    METRICS.observe("kvlend_transfer_seconds", f.seconds)
+    METRICS.observe("kvlend_transfer_bytes", f.bytes)
+    METRICS.observe("kvlend_transfer_descriptors", f.descriptors)
+    if f.resume_from:
+        METRICS.inc("kvlend_resumes_total")

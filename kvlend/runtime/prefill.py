@@ -1,0 +1,158 @@
+"""``PrefillNode``: a ``PrefillSession`` behind sockets, a backend and (optionally) a thread.
+
+Thread-safety: every public method may be called from any engine thread
+while the node serves; ``on_release`` runs on the loop's thread (the node's
+own after ``start()``), never under the node's lock, so it may call back
+into the node.  Hand released requests to the engine's thread (a queue)
+rather than freeing pages from the callback if the cache is not thread-safe.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Callable, Mapping
+
+from ..core.layout import PageLayout, RowSelection
+from ..core.lender import Lease
+from ..metrics import METRICS
+from ..protocol.actions import LeaseEnded, PeerGone, PeerReady
+from ..protocol.config import NodeConfig
+from ..protocol.prefill import PrefillSession
+from ..protocol.ticket import Ticket
+from ..transport import TransferBackend
+DEFAULT_HOST = "127.0.0.1"  #
+from .shell import Shell, log
+
+_TARGET_PROGRESS = 0.002  # seconds between backend polls while leases are live (a reader's first read needs it)
+
+
+class PrefillNode(Shell):
+    """Lends pages of ``layout`` to authenticated decode ranks.
+
+    ``on_release(lease, reason)`` is called when a lease ends (``"done"``,
+    ``"aborted"``, ``"expired"`` or ``"released"``): the engine may then reuse its pages.
+    ``advertise`` is the host that tickets name (default ``host``; set it when
+    listening on a wildcard address).
+    """
+
+    def __init__(self, layout: PageLayout, backend: TransferBackend, secret: bytes, *, name: str = "prefill",
+                 host: str = DEFAULT_HOST, port: int = 0, advertise: str | None = None,
+                 config: NodeConfig = NodeConfig(),
+                 on_release: Callable[[Lease, str], None] | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.layout = layout
+        self.config = config
+        self.on_release = on_release or (lambda lease, reason: None)
+        super().__init__(None, backend, name, clock)
+        try:
+            self.host, self.port = self._sockets.listen(host, port)  # a port in use fails before registering
+            self.advertise = advertise or self.host
+            backend.register(layout.regions)
+        except BaseException:
+            self._sockets.close_all()
+            raise
+        self.session = PrefillSession(layout, backend.kind, backend.metadata(), secret, name=name, config=config)
+        self.lender = self.session.lender
+        self._next_conn = 0
+        METRICS.gauge("kvlend_active_leases", lambda: self.lender.active_leases, name)
+        METRICS.gauge("kvlend_locked_pages", lambda: self.lender.locks.locked_pages(), name)
+
+    @property
+    def address(self) -> tuple[str, int]:
+        return self.host, self.port
+
+    # ---------------------------------------------------------------- engine
+    def offer(self, peer: str, request: str, num_tokens: int, pages: Mapping[str, Any],
+              selection: RowSelection = RowSelection.all(), meta: Mapping[str, Any] | None = None) -> Lease:
+        """Lend ``request``'s pages to the connected decode rank ``peer`` and push it the offer."""
+        with self._lock:
+            lease = self.session.offer(peer, request, num_tokens, pages, selection, self.clock(), meta=meta)
+        METRICS.inc("kvlend_leases_total")
+        log.debug("lease %s: offered request %s (%d pages) to %s", lease.hex, request, lease.num_pages, peer)
+        self._wake()
+        return lease
+
+    def lend(self, request: str, num_tokens: int, pages: Mapping[str, Any],
+             selection: RowSelection = RowSelection.all(), meta: Mapping[str, Any] | None = None) -> Ticket:
+        """Lend ``request``'s pages to whichever decode redeems the returned ticket."""
+        with self._lock:
+            lease = self.session.lend(request, num_tokens, pages, selection, self.clock(), meta=meta)
+            ticket = self.session.ticket(lease, self.advertise, self.port)
+        METRICS.inc("kvlend_leases_total")
+        self._wake()
+        return ticket
+
+    def release(self, lease_id: bytes) -> Lease | None:
+        """End a lease the engine no longer wants read (its request was cancelled)."""
+        with self._lock:
+            lease = self.session.release(lease_id)
+        self._wake()
+        return lease
+
+    def can_evict(self, region: str, ordinals) -> Any:
+        """Which of ``region``'s slots no lease holds (bool array): safe from any thread."""
+        with self._lock:
+            return self.lender.locks.can_evict(region, ordinals)
+
+    @property
+    def pending_hellos(self) -> int:
+        """Connections accepted and not yet authenticated."""
+        with self._lock:
+            return self.session.pending
+
+    def ready_peers(self) -> list[str]:
+        with self._lock:
+            return self.session.peers
+
+    def wait_for_peers(self, count: int, timeout: float) -> list[str]:
+        """Wait until ``count`` decode ranks completed the handshake; their names, sorted."""
+        self._wait_until(lambda: len(self.session.peers) >= count, timeout,
+                         f"fewer than {count} decode ranks completed the handshake")
+        return self.ready_peers()
+
+    def wait_for_peer(self, timeout: float) -> str:
+        return self.wait_for_peers(1, timeout)[0]
+
+    def close(self) -> None:
+        """Say goodbye to every decode and stop serving (leases are not released).  Idempotent."""
+        if self._closed:
+            return
+        with self._lock:
+            self.session.shutdown("prefill shutting down")
+        self._shutdown()
+        METRICS.remove_gauge("kvlend_active_leases", self.name)
+        METRICS.remove_gauge("kvlend_locked_pages", self.name)
+
+    # ------------------------------------------------------------------ loop
+    def _busy(self) -> float | None:
+        return _TARGET_PROGRESS if self.lender.active_leases else None
+
+    def _feed(self, accepted, up, data, gone, now: float) -> None:
+        for sock in accepted:
+            self._next_conn += 1
+            self._sockets.adopt(self._next_conn, sock)
+            self.session.accept(self._next_conn, now)
+        for conn, chunk in data:
+            self.session.receive(conn, chunk, now)
+        for conn, why in gone:
+            self.session.closed(conn, now, why)
+
+    def _completed(self, completion, now: float) -> None:
+        pass  # a prefill posts nothing
+
+    def _completed_error(self, tag: bytes, error) -> None:
+        pass
+
+    def _deliver(self, events: list) -> None:
+        for event in events:
+            if isinstance(event, LeaseEnded):
+                if event.reason == "expired":
+                    METRICS.inc("kvlend_expired_leases_total")
+                try:
+                    self.on_release(event.lease, event.reason)
+                except Exception:
+                    log.exception("prefill %s: on_release failed for lease %s", self.name, event.lease.hex)
+            elif isinstance(event, PeerReady):
+                log.info("prefill %s: decode rank %s ready", self.name, event.peer)
+            elif isinstance(event, PeerGone):
+                log.debug("prefill %s: connection %d gone: %s", self.name, event.conn, event.reason)

@@ -1,0 +1,206 @@
+"""The event loop both nodes share: sockets and backend progress in, session actions out.
+
+One loop iteration: wait on every socket (without the lock), progress the
+backend, feed what arrived to the session under the lock, then perform the
+session's actions and hand its events to the engine *outside* the lock, so
+a slow send, a synchronous copy inside a post or an engine callback never
+holds up another thread's call.  Only the loop's thread touches sockets and
+the backend; engine threads touch the session, under the lock, and wake the
+loop.  Without ``start()`` the engine's own calls drive the loop.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Callable
+
+from ..errors import KvlendError, TransferTimeout
+from ..protocol.actions import AddPeer, Cancel, Close, Connect, Post, RemovePeer, Send
+from ..transport import TransferBackend
+from .sockets import Sockets
+
+log = logging.getLogger("kvlend.node")
+
+IDLE_WAIT = 0.05  # seconds a loop with nothing in flight sleeps between checks
+_BACKOFF = (20e-6, 1e-3)  # polling with reads in flight: from 20 us up to 1 ms while nothing completes
+
+
+class Shell:
+    """The loop, the lock and the thread; subclasses feed their own session."""
+
+    def __init__(self, session, backend: TransferBackend, name: str, clock: Callable[[], float]) -> None:
+        self.session = session
+        self.backend = backend
+        self.name = name
+        self.clock = clock
+        self._lock = threading.RLock()  # the session's
+        self._changed = threading.Condition(self._lock)
+        self._turn = threading.RLock()  # one thread at a time runs the loop (sockets and backend)
+        self._sockets = Sockets()
+        self._agents: dict[int, str] = {}  # connection -> backend peer
+        self._tags: set[bytes] = set()  # posted, not yet reported
+        self._thread: threading.Thread | None = None
+        self._stop = threading.Event()
+        self._idle = 0.0
+        self._closed = False
+
+    # --------------------------------------------------------------- thread
+    def start(self) -> None:
+        """Run the loop on a background thread (the usual way: engine calls then never do I/O)."""
+        if self._thread is not None:
+            return
+
+        def loop() -> None:
+            while not self._stop.is_set():
+                try:
+                    self.step(IDLE_WAIT)
+                except Exception:  # keep serving the other requests; the engine sees it in the log
+                    log.exception("%s: loop iteration failed", self.name)
+                    self._stop.wait(0.01)
+
+        self._thread = threading.Thread(target=loop, name=f"kvlend-{self.name}", daemon=True)
+        self._thread.start()
+
+    @property
+    def threaded(self) -> bool:
+        return self._thread is not None
+
+    def _wake(self) -> None:
+        if self._thread is not None:
+            self._sockets.wake()
+
+    # ----------------------------------------------------------------- loop
+    def step(self, timeout: float = 0.0) -> None:
+        """One iteration: wait up to ``timeout`` s for something to happen, then handle it."""
+        with self._turn:
+            self._step(timeout)
+
+    def _step(self, timeout: float) -> None:
+        with self._lock:
+            wait = self._wait(timeout)
+        accepted, up, data, gone = self._sockets.poll(wait)
+        completions = self.backend.poll() if not self._closed else []
+        with self._lock:
+            now = self.clock()
+            for c in completions:  # first: a read that landed before its link died still counts
+                self._tags.discard(c.tag)
+                self._completed(c, now)
+            self._feed(accepted, up, data, gone, now)
+            self.session.tick(now)
+        self._idle = 0.0 if (completions or data) else min(max(self._idle * 2, _BACKOFF[0]), _BACKOFF[1])
+        self._flush()
+
+    def flush(self) -> None:
+        """Perform the session's actions and deliver its events (outside the session's lock)."""
+        with self._turn:
+            self._flush()
+
+    def _flush(self) -> None:
+        while True:
+            with self._lock:
+                actions = self.session.take_actions()
+                events = self.session.take_events()
+                if events:
+                    self._changed.notify_all()
+            if not actions and not events:
+                return
+            self._deliver(events)  # first: the engine hears of a release before the peer's done ack goes
+            for action in actions:
+                self._perform(action)
+
+    def _wait(self, timeout: float) -> float:
+        """How long the next poll may sleep: ``timeout``, cut short by deadlines and reads in flight."""
+        limit = timeout
+        deadline = self.session.next_deadline()
+        if deadline is not None:
+            limit = min(limit, max(0.0, deadline - self.clock()))
+        busy = self._busy()
+        if busy is not None:
+            limit = min(limit, busy)
+        return limit
+
+    def _busy(self) -> float | None:
+        """How often the backend must be progressed now (None: only on deadlines)."""
+        return self._idle if self._tags else None
+
+    def _perform(self, action) -> None:
+        if isinstance(action, Send):
+            self._sockets.send(action.conn, action.data)
+        elif isinstance(action, Close):
+            self._sockets.close(action.conn)
+        elif isinstance(action, Connect):
+            error = self._sockets.connect(action.conn, action.host, action.port)
+            if error is not None:
+                self._report_closed(action.conn, error)
+        elif isinstance(action, AddPeer):
+            try:
+                self._agents[action.conn] = self.backend.add_peer(action.metadata)
+            except KvlendError as exc:
+                self._report_closed(action.conn, f"loading its backend metadata failed: {exc}")
+        elif isinstance(action, RemovePeer):
+            agent = self._agents.pop(action.conn, None)
+            if agent is not None:
+                try:
+                    self.backend.remove_peer(agent)
+                except KvlendError as exc:
+                    log.info("removing backend peer %s: %s", agent, exc)
+        elif isinstance(action, Post):
+            self._tags.add(action.tag)
+            agent = self._agents.get(action.conn)
+            try:
+                if agent is None:
+                    raise KvlendError(f"link {action.conn} has no backend peer")
+                self.backend.post_read(agent, action.batches, action.tag)
+            except KvlendError as exc:  # refused before anything moved: nothing is in flight
+                self._tags.discard(action.tag)
+                with self._lock:
+                    self._completed_error(action.tag, exc)
+        elif isinstance(action, Cancel):
+            if action.tag in self._tags:
+                self.backend.cancel(action.tag)
+        self._idle = 0.0
+
+    def _report_closed(self, conn: int, why: str) -> None:
+        with self._lock:
+            self.session.closed(conn, self.clock(), why)
+
+    # ------------------------------------------------------------ for waits
+    def _wait_until(self, done: Callable[[], bool], timeout: float, what: str) -> None:
+        """Block until ``done()`` (checked under the lock) or ``TransferTimeout`` after ``timeout`` s."""
+        deadline = time.monotonic() + timeout
+        while True:
+            with self._lock:
+                if done():
+                    return
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise TransferTimeout(f"{what} within {timeout:.3g} s")
+                if self._thread is not None:
+                    self._changed.wait(min(remaining, IDLE_WAIT))
+                    continue
+            self.step(min(remaining, IDLE_WAIT))
+
+    # ---------------------------------------------------------- subclasses
+    def _feed(self, accepted, up, data, gone, now: float) -> None:
+        raise NotImplementedError
+
+    def _completed(self, completion, now: float) -> None:
+        raise NotImplementedError
+
+    def _completed_error(self, tag: bytes, error: KvlendError) -> None:
+        raise NotImplementedError
+
+    def _deliver(self, events: list) -> None:
+        raise NotImplementedError
+
+    def _shutdown(self) -> None:
+        """Stop the thread and close every socket (the session said its goodbyes first)."""
+        self._stop.set()
+        self._sockets.wake()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(5.0)
+        self.flush()
+        self._closed = True
+        self._sockets.close_all()
