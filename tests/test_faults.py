@@ -33,7 +33,7 @@ from test_node import (
 from kvlend.errors import KvlendError, PeerLost, TransferTimeout
 from kvlend.runtime import DecodeNode, NodeConfig
 from kvlend.runtime.secret import SECRET_ENV, generate_secret
-from kvlend.protocol.wire import Done, DoneAck, Heartbeat, encode_frame
+from kvlend.protocol.wire import Done, DoneAck, Heartbeat, Renewed, encode_frame
 
 TESTS = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(os.path.dirname(TESTS), "examples"))
@@ -222,6 +222,14 @@ def test_sigkill_decode_mid_transfer_frees_locks_within_ttl_and_a_new_decode_ser
 
 
 # -------------------------------------------------------- prefill dies
+def wait_trusted(node: DecodeNode, link, offer) -> None:
+    """Until a heartbeat renewal confirmed the pushed offer: only then do reads count without a done ack."""
+    end = time.monotonic() + DEADLINE
+    while offer.id not in node.session._links[link.id].sure:
+        assert time.monotonic() < end, "the offer was never renewed"
+        node.step(0.01)
+
+
 class KillAfterFirstChunk:
     """Wraps the decode's real NIXL backend: once the first read has landed, SIGKILL the prefill.
 
@@ -270,6 +278,7 @@ def test_sigkill_prefill_mid_transfer_resumes_from_the_bound_and_matches_the_ref
     try:
         old_agent = node._agents[node.connect(*first.listening()).id]
         peer, offer = node.next_offer(DEADLINE)
+        wait_trusted(node, peer, offer)
         table = cache.alloc(-(-prompt_len // tpp))
         hook = KillAfterFirstChunk(node.backend, first)
         node.backend = hook
@@ -351,6 +360,8 @@ def test_wrong_secret_replayed_frame_and_another_decodes_lease_are_refused(caplo
             before = r.prefill.lender.get(lease.id, time.monotonic()).expires_at
             time.sleep(0.05)  # so a renewal would move the expiry
             b.send(Heartbeat((lease.id,)), Done(lease.id, 50))
+            renewed = b.recv(DEADLINE)
+            assert isinstance(renewed, Renewed) and renewed.leases == ()  # answered, but nothing renewed
             ack = b.recv(DEADLINE)
             assert isinstance(ack, DoneAck) and ack.lease == lease.id
             assert not ack.ok and ack.error.startswith("LeaseDenied")
@@ -402,7 +413,8 @@ def test_without_a_done_ack_only_reads_made_while_the_lease_was_surely_valid_cou
     """The prefill vanishes between the last read and the done ack: nobody confirms the lease.
 
     Read promptly, every page counts.  Read after sitting on the offer past
-    its TTL (the prefill may have expired it and reused the pages), none do.
+    its TTL with no heartbeat getting through (the prefill may have expired it
+    and reused the pages), none do.
     """
     offset = [0.0]
     with rig() as r:
@@ -418,8 +430,9 @@ def test_without_a_done_ack_only_reads_made_while_the_lease_was_surely_valid_cou
             tables = prefill_request(r.layout, r.src, free_lists(r.layout, SRC_PAGES, 71), 48, seed=71)
             r.prefill.offer("slow", "unconfirmed", 48, tables, r.layout.full_selection(), meta={"seed": 71})
             link, offer = decode.next_offer(DEADLINE)
-            if late:
-                offset[0] += 2 * offer.ttl  # on the decode's own clock: the TTL ran out since the offer came
+            if late:  # no heartbeat gets through any more, and on the decode's clock the TTL runs out
+                decode.session._renewable = lambda link: []
+                offset[0] += 2 * offer.ttl
 
             def vanish(message):
                 if isinstance(message, Done):

@@ -16,7 +16,7 @@ from kvlend.errors import AuthError, ProtocolError
 from kvlend.core.layout import RowSelection
 from kvlend.core.pages import GroupPages
 from kvlend.protocol.wire import (
-    MAC_BYTES, MAX_FRAME_BYTES, MESSAGES, PROTOCOL_VERSION, Abort, Bye, Claim, Done, DoneAck, FrameDecoder,
+    MAC_BYTES, MAX_FRAME_BYTES, MESSAGES, PROTOCOL_VERSION, Abort, Bye, Claim, Renewed, Done, DoneAck, FrameDecoder,
     Handshake, Heartbeat, Hello, HelloAck, HelloConfirm, LeaseOffer, Offer, encode_frame,
     message_from_wire, session_key,
 )
@@ -49,6 +49,7 @@ SAMPLES = [
     Offer(lease(RowSelection.named("L0.K", "L0.V"), META, n_full=5000)),
     Heartbeat((LID, LID2)),
     Heartbeat(()),
+    Renewed((LID,)),
     Done(LID, 300),
     DoneAck(LID, True, ""),
     DoneAck(LID2, False, "LeaseExpired: gone"),

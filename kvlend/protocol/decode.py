@@ -20,21 +20,22 @@ from __future__ import annotations
 
 import logging
 import math
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any, Mapping
 
 import numpy as np
 
-from ..core.fetchplan import needed_pages, skip_below, split_chunks
+from ..core.fetchplan import destination_pages, needed_pages, skip_below, split_chunks
 from ..core.layout import PageLayout
 from ..core.negotiate import TransferPlan, negotiate
+from ..core.pages import int_array
 from ..core.plan import plan_reads
 from ..core.reads import ReadBatch
 from ..core.tracker import DeliveryTracker
 from ..errors import (
-    IncompleteFetch, KvlendError, LeaseDenied, LeaseExpired, LeaseUnknown, PageRangeError, PeerLost,
+    ConfigError, IncompleteFetch, KvlendError, LeaseDenied, LeaseExpired, LeaseUnknown, PageRangeError, PeerLost,
     ProtocolError, TransferCancelled, TransferTimeout,
 )
 from .actions import AddPeer, Cancel, Close, Connect, FetchFinished, Offered, PeerGone, PeerReady, Post, RemovePeer, Send
@@ -42,7 +43,7 @@ from .config import NodeConfig
 from .connection import Connection
 from .prefill import peer_layout
 from .ticket import Ticket
-from .wire import Abort, Bye, Claim, Done, DoneAck, Handshake, Heartbeat, LeaseOffer, Message, Offer
+from .wire import Abort, Bye, Claim, Done, DoneAck, Handshake, Heartbeat, LeaseOffer, Message, Offer, Renewed
 
 log = logging.getLogger("kvlend.session")
 _REASON = 4000
@@ -125,8 +126,8 @@ class _Link:
     backend_peer: bool = False  # AddPeer was asked for
     handshake_ms: float = 0.0
     offers: dict = field(default_factory=dict)  # pushed, not yet fetched or declined: lease id -> offer
-    lent_after: dict = field(default_factory=dict)  # lease id -> drained_at when its offer was read
-    drained_at: float = 0.0  # last time everything received so far was handled
+    sure: dict = field(default_factory=dict)  # lease id -> valid at least until then (offers not yet fetched)
+    beats: deque = field(default_factory=deque)  # (sent at, lease ids) of heartbeats not yet answered
     next_beat: float = 0.0
     waiting: list = field(default_factory=list)  # fetch ids to claim once READY
     abandoned: set = field(default_factory=set)  # leases whose claim we gave up on: their offer is stale
@@ -189,12 +190,10 @@ class DecodeSession:
                 link.peer = link.conn.peer
                 link.conn.send(Handshake(self.layout.encode(), self._kind, self._metadata))
                 link.state = _LinkState.HANDSHAKE
-            drained = link.drained_at
             for message in messages:
                 if conn not in self._links:
                     return
-                self._handle(conn, link, message, drained, now)
-            link.drained_at = now
+                self._handle(conn, link, message, now)
         except KvlendError as exc:
             if link.state is not _LinkState.READY or isinstance(exc, PeerLost):
                 lost = exc  # a refused handshake says why (LayoutMismatch, AuthError, ...)
@@ -240,33 +239,42 @@ class DecodeSession:
 
     # --------------------------------------------------------------- fetches
     def fetch_offer(self, conn: int, offer: LeaseOffer, dst: Mapping[str, Any], now: float,
-                    resume_from: int = 0) -> Fetch:
+                    resume_from: int = 0, timeout: float | None = None) -> Fetch:
         """Start reading a pushed ``offer`` into ``dst`` (local group -> slot per local token page).
 
-        Bad arguments raise before anything changes or is posted.
+        ``timeout`` (default the config's ``transfer_timeout``) bounds the fetch up to the
+        done ack.  Bad arguments raise before anything changes or is posted.
         """
+        timeout = _timeout(timeout, self.config.transfer_timeout)
         link = self._ready_link(conn)
         if not isinstance(offer, LeaseOffer):
             raise ProtocolError(f"expected a LeaseOffer, got {type(offer).__name__}")
         self._check_not_fetching(offer.id)
         resume_from = _resume_point(resume_from, offer.num_tokens)
         work = self._work(link.plan, offer, dst, resume_from)  # may raise: nothing changed yet
+        fetch = self._new_fetch(conn, offer.id, offer.num_tokens, dst, resume_from, now, timeout, FetchState.READING)
+        fetch.sure_until = link.sure.get(offer.id, -math.inf)
+        self._begin(fetch, offer, work, now, created=True)
         link.offers.pop(offer.id, None)
-        fetch = self._new_fetch(conn, offer.id, offer.num_tokens, dst, resume_from, now, FetchState.READING)
-        fetch.sure_until = link.lent_after.pop(offer.id, -math.inf) + offer.ttl - self.config.heartbeat
-        self._begin(fetch, offer, work, now)
+        link.sure.pop(offer.id, None)
         return fetch
 
-    def fetch_ticket(self, ticket: Ticket, dst: Mapping[str, Any], now: float, resume_from: int = 0) -> Fetch:
+    def fetch_ticket(self, ticket: Ticket, dst: Mapping[str, Any], now: float, resume_from: int = 0,
+                     timeout: float | None = None) -> Fetch:
         """Redeem ``ticket``: connect to its prefill if no link is open, claim the lease, read it."""
+        timeout = _timeout(timeout, self.config.transfer_timeout)
         if not isinstance(ticket, Ticket):
             raise ProtocolError(f"expected a Ticket, got {type(ticket).__name__}")
         resume_from = _resume_point(resume_from, ticket.num_tokens)
         if not isinstance(dst, Mapping):
             raise PageRangeError(f"dst: must map local groups to page tables, got {type(dst).__name__}")
         self._check_not_fetching(ticket.lease)
+        known = self._by_endpoint.get(ticket.endpoint)
+        if known is not None and self._links[known].plan is not None:
+            check_destination(self._links[known].plan, dst, ticket.num_tokens)
         conn = self.link_to(ticket.host, ticket.port, now)
-        fetch = self._new_fetch(conn, ticket.lease, ticket.num_tokens, dst, resume_from, now, FetchState.CLAIMING)
+        fetch = self._new_fetch(conn, ticket.lease, ticket.num_tokens, dst, resume_from, now, timeout,
+                                FetchState.CLAIMING)
         link = self._links[conn]
         if link.state is _LinkState.READY:
             self._claim(link, fetch, now)
@@ -277,8 +285,10 @@ class DecodeSession:
     def decline(self, conn: int, offer: LeaseOffer, reason: str) -> None:
         """Tell the prefill this rank will not read ``offer``: it releases the lease at once."""
         link = self._ready_link(conn)
+        if any(f.lease == offer.id and not f.done for f in self._fetches.values()):
+            raise ProtocolError(f"lease {offer.id.hex()} is being fetched: cancel the fetch instead")
         link.offers.pop(offer.id, None)
-        link.lent_after.pop(offer.id, None)
+        link.sure.pop(offer.id, None)
         link.conn.send(Abort(offer.id, reason[:_REASON]))
 
     def cancel(self, fetch_id: int, now: float) -> None:
@@ -340,12 +350,13 @@ class DecodeSession:
                 what = "no done ack" if fetch.state is FetchState.ACKING else "reads not finished"
                 self._fail(fetch, TransferTimeout(
                     f"request {fetch.request or fetch.lease.hex()}: {what} within "
-                    f"{self.config.transfer_timeout:.3g} s"), now)
+                    f"{fetch.deadline - fetch.started:.3g} s"), now)
         for link in self._links.values():
             if link.state is _LinkState.READY and now >= link.next_beat:
                 leases = self._renewable(link)
                 if leases:
                     link.conn.send(Heartbeat(tuple(leases)))
+                    link.beats.append((now, frozenset(leases)))
                 link.next_beat = now + self.config.heartbeat
 
     def next_deadline(self) -> float | None:
@@ -375,11 +386,13 @@ class DecodeSession:
         return out
 
     # -------------------------------------------------------------- messages
-    def _handle(self, conn: int, link: _Link, message: Message, drained: float, now: float) -> None:
+    def _handle(self, conn: int, link: _Link, message: Message, now: float) -> None:
         if link.state is _LinkState.HANDSHAKE:
             self._handshake(conn, link, message, now)
         elif isinstance(message, Offer):
-            self._offer(conn, link, message.lease, drained, now)
+            self._offer(conn, link, message.lease, now)
+        elif isinstance(message, Renewed):
+            self._renewed(conn, link, message)
         elif isinstance(message, DoneAck):
             fetch = self._fetch_of(conn, message.lease, FetchState.ACKING)
             if fetch is not None:
@@ -419,35 +432,53 @@ class DecodeSession:
             if fetch is not None and fetch.state is FetchState.CLAIMING:
                 self._claim(link, fetch, now)
 
-    def _offer(self, conn: int, link: _Link, offer: LeaseOffer, drained: float, now: float) -> None:
+    def _offer(self, conn: int, link: _Link, offer: LeaseOffer, now: float) -> None:
         if offer.id in link.abandoned:  # the answer to a claim we gave up on (and aborted)
             link.abandoned.discard(offer.id)
             return
         fetch = self._fetch_of(conn, offer.id, FetchState.CLAIMING)
-        if fetch is None:  # pushed
+        if fetch is None:  # pushed: trusted once a heartbeat renewal confirms it, which we ask for now
             link.offers[offer.id] = offer
-            link.lent_after[offer.id] = drained
+            link.next_beat = now
             self._events.append(Offered(conn, offer))
             return
         if offer.num_tokens != fetch.num_tokens:
             self._fail(fetch, ProtocolError(f"lease {offer.id.hex()} has {offer.num_tokens} tokens, its ticket "
                                             f"said {fetch.num_tokens}"), now)
             return
-        try:
-            work = self._work(link.plan, offer, fetch.dst, fetch.resume_from)
-        except KvlendError as exc:
-            fetch.request = offer.request
-            self._fail(fetch, exc, now)
-            return
+        fetch.request = offer.request
         # The prefill renewed the lease when the claim arrived, which was after we sent it.
         fetch.sure_until = fetch.claimed_at + offer.ttl - self.config.heartbeat
-        fetch.state = FetchState.READING
-        self._begin(fetch, offer, work, now)
+        try:
+            work = self._work(link.plan, offer, fetch.dst, fetch.resume_from)
+            fetch.state = FetchState.READING
+            self._begin(fetch, offer, work, now, created=False)
+        except Exception as exc:  # the engine's bad table, or a bug: this fetch fails, the link and lease stay
+            error = exc if isinstance(exc, KvlendError) else KvlendError(
+                f"request {offer.request}: starting the reads failed: {type(exc).__name__}: {exc}")
+            fetch.state = FetchState.CLAIMING
+            fetch.claimed_at = None  # nothing was posted: the lease stays ours to claim again, or to expire
+            self._fail(fetch, error, now)
+
+    def _renewed(self, conn: int, link: _Link, message: Renewed) -> None:
+        """A heartbeat's answer: its leases were renewed after we sent it, so they hold a TTL from then."""
+        if not link.beats:
+            raise ProtocolError(f"prefill {link.peer} answered a heartbeat that was never sent")
+        sent, asked = link.beats.popleft()
+        if not set(message.leases) <= asked:
+            raise ProtocolError(f"prefill {link.peer} renewed leases the heartbeat did not name")
+        for lease in message.leases:
+            offer = link.offers.get(lease)
+            if offer is not None:
+                link.sure[lease] = max(link.sure.get(lease, -math.inf), sent + offer.ttl - self.config.heartbeat)
+        for fetch in self._fetches.values():
+            if fetch.link == conn and fetch.lease in message.leases and fetch.offer is not None and not fetch.done:
+                fetch.sure_until = max(fetch.sure_until, sent + fetch.offer.ttl - self.config.heartbeat)
 
     def _withdrawn(self, conn: int, link: _Link, message: Abort, now: float) -> None:
         """The prefill refused a claim or ended the lease: nothing read under it may be used."""
         link.offers.pop(message.lease, None)
-        link.lent_after.pop(message.lease, None)
+        link.sure.pop(message.lease, None)
         link.abandoned.discard(message.lease)
         for fetch in self._fetches.values():
             if fetch.link == conn and fetch.lease == message.lease and not fetch.done:
@@ -487,10 +518,10 @@ class DecodeSession:
         return link
 
     def _new_fetch(self, conn: int, lease: bytes, num_tokens: int, dst, resume_from: int, now: float,
-                   state: FetchState) -> Fetch:
+                   timeout: float, state: FetchState) -> Fetch:
         self._next_fetch += 1
         fetch = Fetch(self._next_fetch, conn, lease, num_tokens, dst, resume_from, now,
-                      now + self.config.transfer_timeout, state, bound=resume_from)
+                      now + timeout, state, bound=resume_from)
         self._fetches[fetch.id] = fetch
         return fetch
 
@@ -509,8 +540,12 @@ class DecodeSession:
         needed = needed_pages(plan, offer.pages, offer.num_tokens)
         return chunks, kept, needed
 
-    def _begin(self, fetch: Fetch, offer: LeaseOffer, work, now: float) -> None:
-        """Track the fetch and post its chunks; all or nothing."""
+    def _begin(self, fetch: Fetch, offer: LeaseOffer, work, now: float, created: bool) -> None:
+        """Track the fetch and post its chunks; all or nothing.
+
+        On failure everything is undone and the exception propagates; a fetch ``created`` for
+        this call is forgotten too (its caller never saw it).
+        """
         chunks, kept, needed = work
         fetch.offer, fetch.request = offer, offer.request
         mark = len(self._actions)
@@ -534,7 +569,10 @@ class DecodeSession:
             for tag in tags:
                 self._tags.pop(tag, None)
             self._forget_tracking(fetch)
-            del self._fetches[fetch.id]
+            fetch.bytes = fetch.descriptors = 0
+            fetch.offer = None
+            if created:
+                del self._fetches[fetch.id]
             raise
         fetch.tags.update(tags)
         if now < fetch.sure_until:
@@ -639,6 +677,17 @@ class DecodeSession:
         return ids + [i for i in link.offers if i not in ids]
 
 
+def check_destination(plan: TransferPlan, dst: Any, num_tokens: int) -> None:
+    """Refuse a destination table that cannot hold a lease of ``num_tokens`` (before anything is sent)."""
+    if not isinstance(dst, Mapping) or set(dst) != set(plan.local.groups):
+        have = sorted(map(str, dst)) if isinstance(dst, Mapping) else type(dst).__name__
+        raise PageRangeError(f"dst: must map every local group {sorted(plan.local.groups)}, got {have}")
+    for group, need in destination_pages(plan, num_tokens).items():
+        table = int_array(f"dst[{group!r}]", dst[group])
+        if table.size < need:
+            raise PageRangeError(f"dst[{group!r}]: {table.size} entries, a lease of {num_tokens} tokens needs {need}")
+
+
 def clone_error(error: KvlendError) -> KvlendError:
     """A copy of ``error`` (its fields too), so each fetch carries its own ``.request`` and ``.bound``."""
     clone = error.__class__.__new__(error.__class__)
@@ -661,6 +710,14 @@ def _resume_point(resume_from: Any, num_tokens: int) -> int:
             or not 0 <= resume_from <= num_tokens:
         raise PageRangeError(f"resume_from: must be an int in [0, {num_tokens}], got {resume_from!r}")
     return int(resume_from)
+
+
+def _timeout(value: Any, default: float) -> float:
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
+        raise ConfigError(f"timeout: must be a positive number of seconds, got {value!r}")
+    return float(value)
 
 
 def _error_text(exc: KvlendError | None) -> str:

@@ -19,13 +19,13 @@ from typing import Any, Mapping
 from ..core.layout import PageLayout, RowSelection
 from ..core.lender import Lease, Lender
 from ..core.negotiate import negotiate
-from ..errors import KvlendError, LayoutMismatch, LeaseUnknown, PeerLost, ProtocolError
+from ..errors import KvlendError, LayoutMismatch, PeerLost, ProtocolError
 from .actions import Close, LeaseEnded, PeerGone, PeerReady, Send
 from .config import NodeConfig
 from .connection import HELLO_TIMEOUT, Connection
 from .ticket import Ticket
 from .wire import (
-    Abort, Bye, Claim, Done, DoneAck, Handshake, Heartbeat, LeaseOffer, Message, Offer, check_offer,
+    Abort, Bye, Claim, Done, DoneAck, Handshake, Heartbeat, LeaseOffer, Message, Offer, Renewed, check_offer,
 )
 
 log = logging.getLogger("kvlend.session")
@@ -202,12 +202,15 @@ class PrefillSession:
         if peer.layout is None:
             self._handshake(conn, peer, message)
         elif isinstance(message, Heartbeat):
+            renewed = []
             for lease_id in message.leases:
                 try:
                     self.lender.check_read(lease_id, name, now)
                     self.lender.renew(lease_id, now)
+                    renewed.append(lease_id)
                 except KvlendError as exc:
                     log.info("heartbeat for lease %s from %s: %s", lease_id.hex(), name, exc)
+            peer.conn.send(Renewed(tuple(renewed)))
         elif isinstance(message, Claim):
             self._claim(peer, message.lease, now)
         elif isinstance(message, Done):
@@ -246,9 +249,7 @@ class PrefillSession:
     def _claim(self, peer: _Peer, lease_id: bytes, now: float) -> None:
         """Bind a ticket's lease to this peer and send its offer, renewed from now."""
         try:
-            if lease_id not in self._loans:
-                raise LeaseUnknown(f"lease {lease_id.hex()} is not lent here")
-            self.lender.bind(lease_id, peer.name, now)
+            self.lender.bind(lease_id, peer.name, now)  # LeaseExpired, LeaseUnknown or LeaseDenied
             lease = self.lender.renew(lease_id, now)
         except KvlendError as exc:
             peer.conn.send(Abort(lease_id, _error_text(exc)))

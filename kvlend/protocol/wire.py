@@ -242,6 +242,18 @@ class Heartbeat(Message):
 
 
 @dataclass(frozen=True)
+class Renewed(Message):
+    """Prefill -> decode, answering a heartbeat: these of its leases were renewed when it arrived.
+
+    The decode sent the heartbeat earlier, so each lease stays valid for a TTL
+    from then: reads landing before that count for the bound without a done ack.
+    """
+    TYPE: ClassVar[str] = "renewed"
+    SCHEMA: ClassVar = {"leases": _lease_ids}
+    leases: tuple[bytes, ...]
+
+
+@dataclass(frozen=True)
 class Done(Message):
     """Decode -> prefill: reading finished up to ``bound`` tokens; release the lease."""
     TYPE: ClassVar[str] = "done"
@@ -294,7 +306,7 @@ class Bye(Message):
 
 
 MESSAGES: dict[str, type[Message]] = {
-    m.TYPE: m for m in (Hello, HelloAck, HelloConfirm, Handshake, Offer, Heartbeat, Done, DoneAck, Abort, Claim, Bye)
+    m.TYPE: m for m in (Hello, HelloAck, HelloConfirm, Handshake, Offer, Heartbeat, Renewed, Done, DoneAck, Abort, Claim, Bye)
 }
 
 

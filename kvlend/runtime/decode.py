@@ -174,11 +174,12 @@ class DecodeNode(Shell):
 
     # --------------------------------------------------------------- fetches
     def start_fetch(self, source: Ticket | str | bytes | LeaseOffer, dst: Mapping[str, Any], *,
-                    link: Link | None = None, resume_from: int = 0) -> FetchHandle:
+                    link: Link | None = None, resume_from: int = 0, timeout: float | None = None) -> FetchHandle:
         """Start reading ``source`` into ``dst`` (local group -> slot per local token page); never blocks.
 
         ``source`` is a ticket (object, bytes or text: the prefill is connected on first use) or an
-        offer pushed over ``link``.  Bad arguments raise here, before anything changes.
+        offer pushed over ``link``.  ``timeout`` (default ``config.transfer_timeout``) bounds the
+        fetch up to the prefill's done ack.  Bad arguments raise here, before anything changes.
         """
         started = time.perf_counter()
         with self._lock:
@@ -186,9 +187,9 @@ class DecodeNode(Shell):
             if isinstance(source, LeaseOffer) or link is not None:
                 if link is None:
                     raise ProtocolError("a pushed offer needs the link it came over")
-                fetch = self.session.fetch_offer(link.id, source, dst, now, resume_from)
+                fetch = self.session.fetch_offer(link.id, source, dst, now, resume_from, timeout)
             else:
-                fetch = self.session.fetch_ticket(_ticket(source), dst, now, resume_from)
+                fetch = self.session.fetch_ticket(_ticket(source), dst, now, resume_from, timeout)
             handle = self._handles[fetch.id] = FetchHandle(self, fetch)
         self._wake()
         if not self.threaded:
@@ -215,14 +216,16 @@ class DecodeNode(Shell):
             self.session.cancel(handle.id, self.clock())
         self._wake()
 
-    def fetch(self, link: Link, offer: LeaseOffer, dst: Mapping[str, Any], *, resume_from: int = 0) -> FetchResult:
+    def fetch(self, link: Link, offer: LeaseOffer, dst: Mapping[str, Any], *, resume_from: int = 0,
+              timeout: float | None = None) -> FetchResult:
         """Read a pushed offer and wait: the result, or raise (``.request`` and ``.bound`` set).
 
-        The blocking form of ``start_fetch``; it never waits past the config's ``transfer_timeout``
-        plus ``cancel_grace`` (the session's own deadlines end the fetch first).
+        The blocking form of ``start_fetch``; it never waits much past ``timeout`` plus
+        ``cancel_grace`` (the session's own deadlines end the fetch first).
         """
-        handle = self.start_fetch(offer, dst, link=link, resume_from=resume_from)
-        self.wait([handle], self.config.transfer_timeout + self.config.cancel_grace + 1.0)
+        handle = self.start_fetch(offer, dst, link=link, resume_from=resume_from, timeout=timeout)
+        limit = timeout or self.config.transfer_timeout
+        self.wait([handle], limit + self.config.cancel_grace + 1.0)
         return handle.result()
 
     @property

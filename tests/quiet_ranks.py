@@ -1,0 +1,217 @@
+"""The two ranks of ``test_quiet_fetch``: spawned processes that run over ``UCX_TLS=tcp``.
+
+Imports nothing that loads NIXL at module level, so a spawned child can set
+``UCX_TLS`` before its first agent exists.  A lent token page ``t`` holds
+``page_words(t)`` wherever a prefill placed it, so a restarted prefill lends
+the same bytes from other slots and the decode can check any page.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import signal
+import time
+
+import numpy as np
+
+PAGES = 1024  # token pages of 4 tokens: 128 MiB, a few hundred ms over tcp on a 2-vCPU host
+HEADS, HEAD_DIM, TPP = 16, 256, 4
+TOKENS = PAGES * TPP
+SENTINEL = 0xA5
+WATCH = 1.0  # seconds the destination must stay unchanged after a fetch reports quiet
+
+
+def pools(num_pages: int = PAGES) -> list[np.ndarray]:
+    return [np.zeros((num_pages, 2, HEADS, TPP, HEAD_DIM), dtype=np.uint16)]
+
+
+def layout(p: list[np.ndarray]):
+    from kvlend.core.layout import layout_from_pools
+
+    return layout_from_pools(kv=p, kept_window=1 << 20)
+
+
+def page_words(token_pages: np.ndarray, words: int) -> np.ndarray:
+    """What token pages hold: distinct uint64 words, cheap to make and to check."""
+    base = token_pages.astype(np.uint64)[:, None] * np.uint64(words) + np.arange(words, dtype=np.uint64)[None, :]
+    return base * np.uint64(0x9E3779B97F4A7C15) + np.uint64(12345)
+
+
+def as_words(pool: np.ndarray) -> np.ndarray:
+    return pool.view(np.uint64).reshape(pool.shape[0], -1)
+
+
+# ------------------------------------------------------------------ prefill
+def prefill_main(conn, secret: bytes, gen: int) -> None:
+    """Serve one pool until ``stop``: ``lend`` answers a ticket's text, ``offer`` pushes a lease to the decode."""
+    from kvlend.runtime import PrefillNode
+    from kvlend.transport import load_backend
+
+    p = pools()
+    lay = layout(p)
+    slot_of = np.random.default_rng(gen).permutation(PAGES)  # token page t lives in slot slot_of[t]
+    view = as_words(p[0])
+    view[slot_of] = page_words(np.arange(PAGES), view.shape[1])
+    node = PrefillNode(lay, load_backend("nixl", name=f"quiet-prefill-{gen}-{os.getpid()}", timeout=60.0),
+                       secret, name=f"prefill-{gen}")
+    node.start()
+    conn.send(node.address)
+    served = 0
+    try:
+        while True:
+            if not conn.poll(60.0):
+                return
+            command = conn.recv()
+            if command == "stop":
+                return
+            served += 1
+            request = f"req-{gen}-{served}"
+            if command == "offer":
+                node.offer(node.wait_for_peer(30.0), request, TOKENS, {"full": slot_of}, lay.full_selection())
+                conn.send("offered")
+            else:
+                conn.send(node.lend(request, TOKENS, {"full": slot_of}, lay.full_selection()).to_text())
+    finally:
+        node.close()
+        node.backend.close()
+
+
+class Prefill:
+    """A prefill process as the decode side drives it."""
+
+    def __init__(self, secret: bytes, gen: int) -> None:
+        ctx = multiprocessing.get_context("spawn")
+        self.conn, child = ctx.Pipe()
+        self.proc = ctx.Process(target=prefill_main, args=(child, secret, gen), daemon=True)
+        self.proc.start()
+        child.close()
+        if not self.conn.poll(60.0):
+            raise TimeoutError("prefill did not start")
+        self.address = self.conn.recv()
+
+    def ticket(self) -> str:
+        return self._ask("lend")
+
+    def offer(self) -> None:
+        self._ask("offer")
+
+    def _ask(self, command: str):
+        self.conn.send(command)
+        if not self.conn.poll(30.0):
+            raise TimeoutError(f"prefill did not {command}")
+        return self.conn.recv()
+
+    def kill(self) -> None:
+        os.kill(self.proc.pid, signal.SIGKILL)
+        self.proc.join(10.0)
+
+    def stop(self) -> None:
+        if self.proc.is_alive():
+            try:
+                self.conn.send("stop")
+            except (BrokenPipeError, OSError):
+                pass
+            self.proc.join(10.0)
+        if self.proc.is_alive():
+            self.kill()
+
+
+# ------------------------------------------------------------------- decode
+def decode_main(conn) -> None:
+    """Run both scenarios over tcp and send back one report per scenario."""
+    os.environ["UCX_TLS"] = "tcp"  # before any agent exists; the prefills inherit it
+    os.environ.setdefault("UCX_NET_DEVICES", "lo")
+    try:
+        conn.send(_scenarios())
+    except Exception as exc:  # the test shows what went wrong
+        import traceback
+
+        conn.send({"crash": f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"})
+
+
+def _scenarios() -> dict:
+    from kvlend.runtime import DecodeNode, NodeConfig
+    from kvlend.runtime.secret import generate_secret
+    from kvlend.transport import load_backend
+
+    secret = generate_secret()
+    dst = pools()
+    view = as_words(dst[0])
+    expected = page_words(np.arange(PAGES), view.shape[1])
+    table = np.random.default_rng(99).permutation(PAGES)  # decode slot of token page t
+    node = DecodeNode(layout(dst), load_backend("nixl", name=f"quiet-decode-{os.getpid()}", timeout=60.0), secret,
+                      config=NodeConfig(chunk_pages=256, transfer_timeout=30.0))
+    node.start()
+    reports, prefills = {}, []
+    try:
+        first = Prefill(secret, 1)
+        prefills.append(first)
+        node.connect(*first.address)  # a pushed offer: its reads are posted at once, no claim to wait for
+        first.offer()
+        link, offer = node.next_offer(30.0)
+        reports["timeout"] = _fail_then_resume(node, view, table, expected, (offer, link), first,
+                                               lambda handle: _past_deadline(node, handle, 0.02), timeout=0.02)
+        second = Prefill(secret, 2)
+        prefills.append(second)
+        third = Prefill(secret, 3)
+        prefills.append(third)
+        reports["peer_lost"] = _fail_then_resume(node, view, table, expected, second, third,
+                                                 lambda handle: _kill_when_reading(node, handle, second), timeout=30.0)
+    finally:
+        node.close()
+        node.backend.close()
+        for p in prefills:
+            p.stop()
+    return reports
+
+
+def _past_deadline(node, handle, timeout: float) -> dict:
+    """Just after the fetch's deadline: its reads must still be in flight for the test to mean anything."""
+    time.sleep(timeout * 1.5)
+    return {"state_after_deadline": handle.state.value, "reads_in_flight": node.backend.in_flight}
+
+
+def _kill_when_reading(node, handle, prefill: Prefill) -> dict:
+    end = time.monotonic() + 10.0
+    while handle.state.value == "claiming" and time.monotonic() < end:
+        time.sleep(0.001)
+    time.sleep(0.02)  # the reads are posted: let them get going
+    seen = {"state_after_deadline": handle.state.value, "reads_in_flight": node.backend.in_flight}
+    prefill.kill()
+    return seen
+
+
+def _fail_then_resume(node, view, table, expected, source, replacement, act, timeout: float) -> dict:
+    """Fail a fetch with its reads in flight; watch the destination once quiet; resume into it.
+
+    ``source`` is a prefill (fetch a ticket of it) or a pushed (offer, link).
+    """
+    view[:] = np.uint64(int.from_bytes(bytes([SENTINEL]) * 8, "little"))
+    start = time.monotonic()
+    if isinstance(source, Prefill):
+        handle = node.start_fetch(source.ticket(), {"full": table}, timeout=timeout)
+    else:
+        handle = node.start_fetch(source[0], {"full": table}, link=source[1], timeout=timeout)
+    seen = act(handle)
+    node.wait([handle], 60.0)
+    quiet_after = time.monotonic() - start
+    error = handle.error
+    snapshot = view.copy()
+    still_reading = bool((snapshot[table] != expected).any())  # what the failure left unwritten
+    time.sleep(WATCH)  # the node's thread keeps progressing NIXL meanwhile
+    changed = int((view != snapshot).sum()) * 8
+    resumed = node.start_fetch(replacement.ticket(), {"full": table}, resume_from=error.bound if error else 0)
+    node.wait([resumed], 60.0)
+    return {
+        **seen,  # what was in flight when the failure struck
+        "error": type(error).__name__ if error else None,
+        "quiet": handle.quiet,
+        "bound": getattr(error, "bound", None),
+        "seconds_to_quiet": quiet_after,
+        "left_unwritten": still_reading,
+        "changed_after_quiet": changed,
+        "resume_error": repr(resumed.error) if resumed.error else None,
+        "resumed_from": resumed.result().resumed_from if resumed.ok else None,
+        "exact": bool(np.array_equal(view[table], expected)),
+    }

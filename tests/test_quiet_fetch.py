@@ -1,0 +1,49 @@
+"""A failed fetch is reported only once nothing can land: real ranks over ``UCX_TLS=tcp``.
+
+Over tcp a NIXL READ is really in flight after it is posted (over cma on one
+host the copy happens inside ``transfer()``).  A decode rank and its prefill
+ranks run as spawned processes (``quiet_ranks``) over tcp on loopback.  A
+fetch of a 128 MiB lease fails while its reads are in flight, by its
+deadline and by the prefill being SIGKILLed; once the fetch reports
+failed (and quiet), its destination must not change while the node keeps
+running, and a resume from the error's bound into the same destination must
+end byte-exact.  On the code before the sessions issue the failure was
+reported while GETs still wrote into the destination.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+
+import pytest
+import quiet_ranks
+
+
+@pytest.fixture(scope="module")
+def reports() -> dict:
+    ctx = multiprocessing.get_context("spawn")
+    here, there = ctx.Pipe()
+    proc = ctx.Process(target=quiet_ranks.decode_main, args=(there,))
+    proc.start()
+    there.close()
+    try:
+        assert here.poll(240.0), "the decode rank did not report"
+        out = here.recv()
+    finally:
+        proc.join(30.0)
+        if proc.is_alive():
+            proc.kill()
+    assert "crash" not in out, out.get("crash")
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("scenario, error", [("timeout", "TransferTimeout"), ("peer_lost", "PeerLost")])
+def test_nothing_lands_after_a_failed_fetch_is_quiet_and_a_resume_is_exact(reports, scenario, error):
+    r = reports[scenario]
+    assert r["reads_in_flight"] > 0, f"no read was in flight when the failure struck: {r}"
+    assert r["state_after_deadline"] in ("reading", "cancelling"), r
+    assert r["error"] == error and r["quiet"], r
+    assert r["changed_after_quiet"] == 0, f"{r['changed_after_quiet']} bytes landed after the fetch was quiet: {r}"
+    assert r["resume_error"] is None and r["exact"], r
+    assert r["resumed_from"] == r["bound"], r
