@@ -19,7 +19,7 @@ PAGES = 1024  # token pages of 4 tokens: 128 MiB, a few hundred ms over tcp on a
 HEADS, HEAD_DIM, TPP = 16, 256, 4
 TOKENS = PAGES * TPP
 SENTINEL = 0xA5
-WATCH = 1.0  # seconds the destination must stay unchanged after a fetch reports quiet
+WATCH = 0.5  # seconds the destination must stay unchanged after a fetch reports quiet
 
 
 def pools(num_pages: int = PAGES) -> list[np.ndarray]:

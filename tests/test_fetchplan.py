@@ -105,7 +105,7 @@ def fetches(draw):
     return plan, n, offer, full, draw(st.integers(0, n)), draw(st.integers(1, 4))
 
 
-SETTINGS = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+SETTINGS = settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 
 @SETTINGS

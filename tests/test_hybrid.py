@@ -31,7 +31,8 @@ NEW_TOKENS = 8
 
 
 def pair(*args: str) -> dict:
-    report = run_json([sys.executable, str(EXAMPLES / "pair.py"), "--json", "--timeout", "30", *args])
+    """The example pair with one prefill rank (two are the pair tests' business: one spawn less here)."""
+    report = run_json([sys.executable, str(EXAMPLES / "pair.py"), "--json", "--timeout", "30", "--prefills", "1", *args])
     assert report["verified"] is True, report
     assert report["mismatched"] == [] and report["prefill_exit"] == 0
     return report

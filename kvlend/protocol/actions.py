@@ -7,7 +7,7 @@ events to the engine; neither side decides anything from them.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
 from ..core.reads import ReadBatch
 
@@ -96,3 +96,28 @@ class Offered:
 class FetchFinished:
     """Decode: a fetch reached ``done`` or ``failed``; nothing can still land in its destination."""
     fetch: Any
+
+
+class Outbox:
+    """What a session queued: actions (bytes each connection's framing produced go first as
+    ``Send``) and events, handed over in order by ``take_actions`` and ``take_events``."""
+
+    def __init__(self) -> None:
+        self._actions: list = []
+        self._events: list = []
+
+    def _connections(self) -> Iterator[tuple[int, Any]]:
+        """(connection id, ``Connection``) of every open connection."""
+        raise NotImplementedError
+
+    def take_actions(self) -> list:
+        for conn, connection in self._connections():
+            data = connection.data_to_send()
+            if data:
+                self._actions.append(Send(conn, data))
+        out, self._actions = self._actions, []
+        return out
+
+    def take_events(self) -> list:
+        out, self._events = self._events, []
+        return out

@@ -38,7 +38,9 @@ from ..errors import (
     ConfigError, IncompleteFetch, KvlendError, LeaseDenied, LeaseExpired, LeaseUnknown, PageRangeError, PeerLost,
     ProtocolError, TransferCancelled, TransferTimeout,
 )
-from .actions import AddPeer, Cancel, Close, Connect, FetchFinished, Offered, PeerGone, PeerReady, Post, RemovePeer, Send
+from .actions import (
+    AddPeer, Cancel, Close, Connect, FetchFinished, Offered, Outbox, PeerGone, PeerReady, Post, RemovePeer, Send,
+)
 from .config import NodeConfig
 from .connection import Connection
 from .prefill import peer_layout
@@ -48,6 +50,7 @@ from .wire import Abort, Bye, Claim, Done, DoneAck, Handshake, Heartbeat, LeaseO
 log = logging.getLogger("kvlend.session")
 _REASON = 4000
 _PLAN_CACHE = 64
+_BEATS_KEPT = 64  # unanswered heartbeats remembered per link (a prefill that stalls costs no more)
 _REFUSALS = {cls.__name__: cls for cls in (LeaseExpired, LeaseUnknown, LeaseDenied)}
 
 
@@ -128,12 +131,13 @@ class _Link:
     offers: dict = field(default_factory=dict)  # pushed, not yet fetched or declined: lease id -> offer
     sure: dict = field(default_factory=dict)  # lease id -> valid at least until then (offers not yet fetched)
     beats: deque = field(default_factory=deque)  # (sent at, lease ids) of heartbeats not yet answered
+    blind: int = 0  # unanswered heartbeats sent after ``beats`` was full (answered after those in it)
     next_beat: float = 0.0
     waiting: list = field(default_factory=list)  # fetch ids to claim once READY
     abandoned: set = field(default_factory=set)  # leases whose claim we gave up on: their offer is stale
 
 
-class DecodeSession:
+class DecodeSession(Outbox):
     """Reads leases from any number of prefill ranks into ``layout``'s pages."""
 
     def __init__(self, layout: PageLayout, backend_kind: str, metadata: bytes, secret: bytes, *,
@@ -152,8 +156,7 @@ class DecodeSession:
         self._plans: dict[tuple, TransferPlan] = {}
         self._next_conn = self._next_fetch = self._seq = 0
         self._gone: OrderedDict[int, KvlendError] = OrderedDict()  # why recent links closed
-        self._actions: list = []
-        self._events: list = []
+        super().__init__()
 
     # ------------------------------------------------------------------ links
     def open(self, host: str, port: int, now: float) -> int:
@@ -250,6 +253,9 @@ class DecodeSession:
         if not isinstance(offer, LeaseOffer):
             raise ProtocolError(f"expected a LeaseOffer, got {type(offer).__name__}")
         self._check_not_fetching(offer.id)
+        if offer.id not in link.offers:
+            raise ProtocolError(f"lease {offer.id.hex()} is no longer offered on this link "
+                                "(fetched, declined or withdrawn): ask the prefill to lend it again")
         resume_from = _resume_point(resume_from, offer.num_tokens)
         work = self._work(link.plan, offer, dst, resume_from)  # may raise: nothing changed yet
         fetch = self._new_fetch(conn, offer.id, offer.num_tokens, dst, resume_from, now, timeout, FetchState.READING)
@@ -325,7 +331,7 @@ class DecodeSession:
             if error is None:
                 self.tracker.done(fetch.key, entry[1])
                 if now < fetch.sure_until:
-                    fetch.bound = self.tracker.bound(fetch.key)
+                    fetch.bound = max(fetch.resume_from, self.tracker.bound(fetch.key))
             else:
                 self.tracker.fail(fetch.key, entry[1], error)
                 if isinstance(error, PeerLost) and fetch.link in self._links:
@@ -351,12 +357,15 @@ class DecodeSession:
                 self._fail(fetch, TransferTimeout(
                     f"request {fetch.request or fetch.lease.hex()}: {what} within "
                     f"{fetch.deadline - fetch.started:.3g} s"), now)
-        for link in self._links.values():
+        for link in list(self._links.values()):
             if link.state is _LinkState.READY and now >= link.next_beat:
                 leases = self._renewable(link)
                 if leases:
                     link.conn.send(Heartbeat(tuple(leases)))
-                    link.beats.append((now, frozenset(leases)))
+                    if link.blind or len(link.beats) >= _BEATS_KEPT:
+                        link.blind += 1  # its answer will confirm nothing
+                    else:
+                        link.beats.append((now, frozenset(leases)))
                 link.next_beat = now + self.config.heartbeat
 
     def next_deadline(self) -> float | None:
@@ -372,18 +381,8 @@ class DecodeSession:
         return min(times) if times else None
 
     # --------------------------------------------------------------- outputs
-    def take_actions(self) -> list:
-        for conn, link in self._links.items():
-            if link.conn is not None:
-                data = link.conn.data_to_send()
-                if data:
-                    self._actions.append(Send(conn, data))
-        out, self._actions = self._actions, []
-        return out
-
-    def take_events(self) -> list:
-        out, self._events = self._events, []
-        return out
+    def _connections(self):
+        return ((conn, link.conn) for conn, link in self._links.items() if link.conn is not None)
 
     # -------------------------------------------------------------- messages
     def _handle(self, conn: int, link: _Link, message: Message, now: float) -> None:
@@ -463,7 +462,10 @@ class DecodeSession:
     def _renewed(self, conn: int, link: _Link, message: Renewed) -> None:
         """A heartbeat's answer: its leases were renewed after we sent it, so they hold a TTL from then."""
         if not link.beats:
-            raise ProtocolError(f"prefill {link.peer} answered a heartbeat that was never sent")
+            if not link.blind:
+                raise ProtocolError(f"prefill {link.peer} answered a heartbeat that was never sent")
+            link.blind -= 1  # not remembered: trust nothing from it
+            return
         sent, asked = link.beats.popleft()
         if not set(message.leases) <= asked:
             raise ProtocolError(f"prefill {link.peer} renewed leases the heartbeat did not name")
@@ -576,7 +578,7 @@ class DecodeSession:
             raise
         fetch.tags.update(tags)
         if now < fetch.sure_until:
-            fetch.bound = self.tracker.bound(fetch.key)
+            fetch.bound = max(fetch.resume_from, self.tracker.bound(fetch.key))
         self._progress(fetch, now)
 
     def _progress(self, fetch: Fetch, now: float) -> None:

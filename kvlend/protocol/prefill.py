@@ -20,7 +20,7 @@ from ..core.layout import PageLayout, RowSelection
 from ..core.lender import Lease, Lender
 from ..core.negotiate import negotiate
 from ..errors import KvlendError, LayoutMismatch, PeerLost, ProtocolError
-from .actions import Close, LeaseEnded, PeerGone, PeerReady, Send
+from .actions import Close, LeaseEnded, Outbox, PeerGone, PeerReady, Send
 from .config import NodeConfig
 from .connection import HELLO_TIMEOUT, Connection
 from .ticket import Ticket
@@ -49,7 +49,7 @@ class _Loaned:
     meta: Mapping[str, Any] = field(default_factory=dict)
 
 
-class PrefillSession:
+class PrefillSession(Outbox):
     """Lends ``layout``'s pages to authenticated decode ranks."""
 
     def __init__(self, layout: PageLayout, backend_kind: str, metadata: bytes, secret: bytes, *,
@@ -64,8 +64,7 @@ class PrefillSession:
         self._peers: dict[int, _Peer] = {}
         self._by_name: dict[str, int] = {}  # ready peers
         self._loans: dict[bytes, _Loaned] = {}
-        self._actions: list = []
-        self._events: list = []
+        super().__init__()
 
     # ----------------------------------------------------------- connections
     def accept(self, conn: int, now: float) -> None:
@@ -176,17 +175,8 @@ class PrefillSession:
         return min(times) if times else None
 
     # --------------------------------------------------------------- outputs
-    def take_actions(self) -> list:
-        for conn, peer in self._peers.items():
-            data = peer.conn.data_to_send()
-            if data:
-                self._actions.append(Send(conn, data))
-        out, self._actions = self._actions, []
-        return out
-
-    def take_events(self) -> list:
-        out, self._events = self._events, []
-        return out
+    def _connections(self):
+        return ((conn, peer.conn) for conn, peer in self._peers.items())
 
     # -------------------------------------------------------------- handling
     def _authenticated(self, conn: int, peer: _Peer) -> None:
@@ -257,8 +247,9 @@ class PrefillSession:
         peer.conn.send(Offer(self._offer_of(lease)))
 
     def _offer_of(self, lease: Lease) -> LeaseOffer:
+        loaned = self._loans.get(lease.id)  # a lease lent through a shared lender has no meta of ours
         return LeaseOffer(lease.id, lease.request, lease.num_tokens, lease.pages, lease.selection, lease.ttl,
-                          self._loans[lease.id].meta)
+                          loaned.meta if loaned is not None else {})
 
     def _end(self, lease_id: bytes, reason: str) -> None:
         lease = self.lender.release(lease_id)

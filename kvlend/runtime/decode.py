@@ -133,7 +133,6 @@ class DecodeNode(Shell):
         self._handles: dict[int, FetchHandle] = {}
         self._finished: list[FetchHandle] = []
         self._offers: deque[tuple[Link, LeaseOffer]] = deque()
-        self._recorded: set[int] = set()
 
     # ----------------------------------------------------------------- links
     def connect(self, host: str, port: int, timeout: float | None = None) -> Link:

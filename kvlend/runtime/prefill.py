@@ -20,7 +20,7 @@ from ..protocol.config import NodeConfig
 from ..protocol.prefill import PrefillSession
 from ..protocol.ticket import Ticket
 from ..transport import TransferBackend
-DEFAULT_HOST = "127.0.0.1"  #
+DEFAULT_HOST = "127.0.0.1"  # listen on loopback unless told otherwise
 from .shell import Shell, log
 
 _TARGET_PROGRESS = 0.002  # seconds between backend polls while leases are live (a reader's first read needs it)
