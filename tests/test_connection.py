@@ -14,7 +14,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 from test_wire import LID, SAMPLES, wire_bytes
 
 from kvlend.errors import AuthError, ProtocolError
-from kvlend.protocol.connection import HELLO_TIMEOUT, Connection, ack_key
+from kvlend.protocol.connection import HELLO_FRAME_BYTES, HELLO_TIMEOUT, Connection, ack_key
 from kvlend.protocol.wire import (
     MAC_BYTES, MAX_FRAME_BYTES, NONCE_BYTES, Bye, FrameDecoder, Handshake, Heartbeat, Hello, HelloAck,
     HelloConfirm, encode_frame, session_key,
@@ -463,6 +463,15 @@ def test_a_length_too_short_to_hold_a_mac_is_refused():
     _, s = pair()
     with pytest.raises(ProtocolError, match="outside"):
         s.receive(struct.pack(">I", MAC_BYTES) + b"\x00" * MAC_BYTES)
+
+
+@pytest.mark.parametrize("make", [server, client])
+def test_before_the_hello_completes_frames_are_capped_at_a_few_kib(make):
+    """A peer that has proved nothing gets no megabyte buffers: 256 of them cost at most a few MiB."""
+    c = make()
+    with pytest.raises(ProtocolError, match="outside"):
+        c.receive(struct.pack(">I", HELLO_FRAME_BYTES + 1))
+    assert make().receive(struct.pack(">I", HELLO_FRAME_BYTES) + b"\x00" * 10) == []
 
 
 def test_a_length_at_the_cap_is_buffered_not_refused():

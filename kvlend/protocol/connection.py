@@ -16,9 +16,12 @@ import hmac
 import secrets
 
 from ..errors import ProtocolError
-from .wire import NONCE_BYTES, FrameDecoder, Hello, HelloAck, HelloConfirm, Message, encode_frame, session_key
+from .wire import (
+    MAX_FRAME_BYTES, NONCE_BYTES, FrameDecoder, Hello, HelloAck, HelloConfirm, Message, encode_frame, session_key,
+)
 
 HELLO_TIMEOUT = 5.0  # seconds a connection may take to authenticate
+HELLO_FRAME_BYTES = 4096  # frame cap until authenticated: a hello frame is under 100 bytes
 
 
 def ack_key(secret: bytes, client_nonce: bytes) -> bytes:
@@ -43,12 +46,12 @@ class Connection:
         if role == "client":
             self._nonce = secrets.token_bytes(NONCE_BYTES)
             self._key = secret
-            self._decoder = FrameDecoder(ack_key(secret, self._nonce))
+            self._decoder = FrameDecoder(ack_key(secret, self._nonce), HELLO_FRAME_BYTES)
             self._frame(Hello(name, self._nonce))
         else:
             self._nonce = b""
             self._key = b""
-            self._decoder = FrameDecoder(secret)
+            self._decoder = FrameDecoder(secret, HELLO_FRAME_BYTES)  # nobody buffers megabytes before proving who they are
 
     def send(self, message: Message) -> None:
         """Queue ``message`` (only once ready: nothing but the hello passes before)."""
@@ -83,6 +86,7 @@ class Connection:
             self._key = session_key(self._secret, self._nonce, message.nonce, "client")
             self._decoder.key = session_key(self._secret, self._nonce, message.nonce, "server")
             self.peer, self.ready = message.peer, True
+            self._decoder.max_frame = MAX_FRAME_BYTES
             self._frame(HelloConfirm())
         elif self.peer is None:
             if not isinstance(message, Hello):
@@ -98,3 +102,4 @@ class Connection:
             if not isinstance(message, HelloConfirm):
                 raise ProtocolError(f"expected hello_confirm, got {message.TYPE}")
             self.ready = True
+            self._decoder.max_frame = MAX_FRAME_BYTES

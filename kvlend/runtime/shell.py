@@ -78,6 +78,7 @@ class Shell:
             self._step(timeout)
 
     def _step(self, timeout: float) -> None:
+        self._flush()  # what engine calls queued since the last turn (a connect, a cancel) goes out first
         with self._lock:
             wait = self._wait(timeout)
         accepted, up, data, gone = self._sockets.poll(wait)
