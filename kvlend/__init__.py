@@ -3,6 +3,7 @@
 from .errors import (
     AuthError, BackendError, ConfigError, KvlendError, LayoutError, LayoutMismatch, LeaseDenied, LeaseError,
     LeaseExpired, LeaseUnknown, PageRangeError, PeerLost, ProtocolError, TrackerError, TransferTimeout,
+    IncompleteFetch, LeaseLifetimeExceeded, NegotiationLimit, QuotaExceeded, TransferCancelled,
 )
 from .core.pages import GroupPages
 from .core.layout import (
@@ -16,6 +17,7 @@ __version__ = "0.1.0"
 __all__ = [
     "AuthError", "BackendError", "ConfigError", "KvlendError", "LayoutError", "LayoutMismatch", "LeaseDenied", "LeaseError",
     "LeaseExpired", "LeaseUnknown", "PageRangeError", "PeerLost", "ProtocolError", "TrackerError", "TransferTimeout",
+    "IncompleteFetch", "LeaseLifetimeExceeded", "NegotiationLimit", "QuotaExceeded", "TransferCancelled",
     "GroupPages",
     "BufferDesc", "HeadGeometry", "HeadOrder", "LayerGroup", "LayerIdentity", "LayerKind", "MemoryKind",
     "MemoryRegion", "PageLayout", "ReplicaRank", "Role", "RowSelection", "SelectionMode", "Sharding",

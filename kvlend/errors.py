@@ -82,3 +82,43 @@ class TransferCancelled(KvlendError):
 
 class IncompleteFetch(KvlendError):
     """Every read of a fetch landed, but they cover fewer tokens than the lease: ``.bound`` says how many."""
+
+
+class QuotaExceeded(KvlendError):
+    """A request went past a configured limit; refused before anything changed.
+
+    ``limit`` names the limit (a ``kvlend.protocol.config.Quotas`` field, such
+    as ``max_leases_per_peer``), ``value`` is what the request would have
+    needed and ``cap`` the limit's configured value.
+    """
+
+    def __init__(self, limit: str, value, cap, what: str = "") -> None:
+        self.limit, self.value, self.cap = limit, value, cap
+        self._what = what
+        super().__init__(f"{limit}: {what + ' ' if what else ''}{value} exceeds the cap of {cap}")
+
+    def __reduce__(self):  # copy and pickle rebuild it from its fields, not from its message
+        return type(self), (self.limit, self.value, self.cap, self._what)
+
+
+class LeaseLifetimeExceeded(QuotaExceeded, LeaseExpired):
+    """A renewal would keep a lease past lend time + ``max_lease_lifetime``: refused, so the
+    lease expires on schedule (no later than that) however often it is renewed."""
+
+
+class NegotiationLimit(QuotaExceeded, LayoutMismatch):
+    """Mapping the two layouts would cost more than a negotiation may compute (page ratio, pieces).
+
+    Both a ``QuotaExceeded`` (``limit``, ``value``, ``cap``) and a ``LayoutMismatch``
+    whose one field names what was too large.
+    """
+
+    def __init__(self, limit: str, value, cap, field: str, local_value, remote_value, what: str = "") -> None:
+        self.limit, self.value, self.cap = limit, value, cap
+        self._what = what
+        LayoutMismatch.__init__(self, [(field, local_value, remote_value,
+                                        f"{limit}: {what + ' ' if what else ''}{value} exceeds the cap of {cap}")])
+
+    def __reduce__(self):
+        (field, local_value, remote_value, _), = self.fields
+        return type(self), (self.limit, self.value, self.cap, field, local_value, remote_value, self._what)

@@ -8,12 +8,13 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from kvlend.errors import (
-    KvlendError, LayoutError, LeaseDenied, LeaseError, LeaseExpired, LeaseUnknown, PageRangeError,
+    KvlendError, LayoutError, LeaseDenied, LeaseError, LeaseExpired, LeaseLifetimeExceeded, LeaseUnknown,
+    PageRangeError, QuotaExceeded,
 )
 from kvlend.core.layout import (
     BufferDesc, LayerIdentity, LayerKind, MemoryKind, MemoryRegion, PageLayout, Role, RowSelection,
 )
-from kvlend.core.lender import Lease, Lender
+from kvlend.core.lender import Lease, LeaseLimits, Lender
 from kvlend.core.locks import PageLocks
 
 ATT, REC = LayerKind.ATTENTION, LayerKind.RECURRENT
@@ -515,3 +516,148 @@ def test_random_lifecycles_keep_locks_equal_to_the_sum_over_live_leases(ops):
                     np.add.at(expect[region], np.unique(gp.ordinals), 1)
         for region, counts in expect.items():
             assert lender.locks.refcounts(region).tolist() == counts.tolist()
+
+
+# ------------------------------------------------------------------- limits
+def test_a_lease_is_never_renewed_past_its_max_lifetime():
+    lender = Lender(hybrid(host=False))
+    lease = lender.lend("r", 161, tables(), ALL, now=100.0, ttl=10, limits=LeaseLimits(max_lease_lifetime=25))
+    assert (lease.lent_at, lease.expires_at, lease.ends_by) == (100.0, 110.0, 125.0)
+    assert lender.renew(lease.id, 109).expires_at == 119
+    assert lender.renew(lease.id, 115).expires_at == 125  # exactly at the cap
+    before = held(lender)
+    with pytest.raises(LeaseLifetimeExceeded) as info:
+        lender.renew(lease.id, 115.5)
+    exc = info.value
+    assert isinstance(exc, LeaseExpired) and isinstance(exc, QuotaExceeded)
+    assert (exc.limit, exc.value, exc.cap) == ("max_lease_lifetime", 25.5, 25.0)
+    assert f"lease {lease.hex} lent at 100.0 would live until 125.5" in str(exc)
+    assert lender.get(lease.id, 115.5).expires_at == 125  # unchanged
+    assert all((held(lender)[r] == before[r]).all() for r in before)
+    # Renewed as often as asked, it still ends at lend time + the lifetime.
+    for t in np.arange(116, 125, 0.5):
+        with pytest.raises(LeaseLifetimeExceeded):
+            lender.renew(lease.id, float(t))
+    assert lender.expire(125) == [] and [x.id for x in lender.expire(125.01)] == [lease.id]
+    with pytest.raises(LeaseExpired):
+        lender.renew(lease.id, 125.01)
+
+
+def test_a_ttl_longer_than_the_lifetime_is_refused():
+    lender = Lender(hybrid(host=False))
+    with pytest.raises(QuotaExceeded, match="max_lease_lifetime: a lease ttl of 30.0 exceeds the cap of 20"):
+        lender.lend("r", 161, tables(), ALL, now=0, ttl=30, limits=LeaseLimits(max_lease_lifetime=20))
+    assert lender.active_leases == 0 and lender.locks.locked_pages() == 0
+
+
+def test_num_tokens_past_the_cap_is_refused_before_anything_changes():
+    lender = Lender(hybrid(host=False))
+    with pytest.raises(QuotaExceeded) as info:
+        lender.lend("r", 161, tables(), ALL, now=0, ttl=5, limits=LeaseLimits(max_num_tokens=160))
+    assert (info.value.limit, info.value.value, info.value.cap) == ("max_num_tokens", 161, 160)
+    assert lender.active_leases == 0 and lender.locks.locked_pages() == 0
+    lender.lend("r", 160, tables(160), ALL, now=0, ttl=5, limits=LeaseLimits(max_num_tokens=160))
+
+
+def test_per_peer_lease_and_page_quotas_count_lent_and_bound_leases():
+    lender = Lender(hybrid(host=False), new_id=ids())
+    two = LeaseLimits(max_leases_per_peer=2)
+    a = lender.lend("a", 161, tables(), ALL, 0, 10, peer="d0", limits=two)
+    t = lender.lend("t", 64, tables(64, offset=30), ALL, 0, 10, limits=two)  # a ticket: nobody's yet
+    assert lender.usage("d0") == (1, a.num_pages) and lender.usage(None) == (1, t.num_pages)
+    lender.lend("b", 10, tables(10, offset=40), ALL, 0, 10, peer="d0", limits=two)
+    before = held(lender)
+    with pytest.raises(QuotaExceeded) as info:
+        lender.lend("c", 10, tables(10, offset=40), ALL, 0, 10, peer="d0", limits=two)
+    assert (info.value.limit, info.value.value, info.value.cap) == ("max_leases_per_peer", 3, 2)
+    for claim in (lender.bind, lender.claim):
+        with pytest.raises(QuotaExceeded, match="max_leases_per_peer: peer 'd0' would hold live leases: 3"):
+            claim(t.id, "d0", 1, limits=two)
+    assert lender.get(t.id, 1).peer is None and lender.get(t.id, 1).expires_at == 10  # not bound, not renewed
+    assert all((held(lender)[r] == before[r]).all() for r in before)
+    lender.lend("c", 10, tables(10, offset=40), ALL, 0, 10, peer="d1", limits=two)  # another peer has its own
+    lender.release(a.id)
+    assert lender.claim(t.id, "d0", 1, limits=two).peer == "d0"
+    assert lender.usage(None) == (0, 0) and lender.usage("d0")[0] == 2
+    # Pages: the lease's rows summed over groups.
+    pages = LeaseLimits(max_locked_pages_per_peer=a.num_pages)
+    lender.lend("a", 161, tables(), ALL, 0, 10, peer="d2", limits=pages)
+    with pytest.raises(QuotaExceeded) as info:
+        lender.lend("x", 1, tables(1), ALL, 0, 10, peer="d2", limits=pages)
+    assert (info.value.limit, info.value.value) == ("max_locked_pages_per_peer", a.num_pages + 3)
+    assert lender.usage("d2") == (1, a.num_pages)
+
+
+def test_leases_past_expiry_do_not_count_against_a_quota_even_before_the_sweep():
+    lender = Lender(hybrid(host=False), new_id=ids())
+    one = LeaseLimits(max_leases_per_peer=1)
+    lender.lend("a", 161, tables(), ALL, 0, 10, peer="d0", limits=one)
+    with pytest.raises(QuotaExceeded):
+        lender.lend("b", 10, tables(10), ALL, 10, 10, peer="d0", limits=one)  # at its expiry: still live
+    lender.lend("b", 10, tables(10), ALL, 10.5, 10, peer="d0", limits=one)
+    assert lender.usage("d0")[0] == 2  # both hold locks until the sweep
+    assert [x.request for x in lender.expire(10.5)] == ["a"] and lender.usage("d0")[0] == 1
+
+
+def test_a_claim_past_the_lifetime_changes_nothing():
+    lender = Lender(hybrid(host=False), new_id=ids())
+    t = lender.lend("t", 161, tables(), ALL, 0, 10, limits=LeaseLimits(max_lease_lifetime=12))
+    with pytest.raises(LeaseLifetimeExceeded):
+        lender.claim(t.id, "d0", 5)  # would renew it to 15 > 12
+    assert lender.get(t.id, 5) == t and lender.usage(None) == (1, t.num_pages) and lender.usage("d0") == (0, 0)
+    claimed = lender.claim(t.id, "d0", 2)
+    assert (claimed.peer, claimed.expires_at) == ("d0", 12)
+    assert lender.claim(t.id, "d0", 2) == claimed  # a repeated claim by its peer is harmless
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(["lend", "bind", "release", "expire", "tick"]),
+                          st.sampled_from([None, "d0", "d1"]), st.integers(1, 30), st.integers(0, 20)),
+                max_size=40))
+def test_random_lifecycles_keep_usage_equal_to_live_leases_and_within_quota(ops):
+    tpp = 4
+    layout = hybrid(tpp=tpp, pages=12, states=4, host=False, window=8, sinks=1)
+    lender = Lender(layout, new_id=ids())
+    limits = LeaseLimits(max_leases_per_peer=3, max_locked_pages_per_peer=10)
+    live: dict[bytes, Lease] = {}
+    granted: list[bytes] = []
+    now = 0.0
+    for i, (kind, peer, n, pick) in enumerate(ops):
+        if kind == "lend":
+            pages = -(-n // tpp)
+            t = {"full": np.arange(pages) % 12, "swa": np.arange(pages)[::-1] % 12, "ssm": np.array([pick % 4])}
+            mine = [x for x in live.values() if x.peer == peer and now <= x.expires_at]
+            try:
+                lease = lender.lend(f"r{i}", n, t, ALL, now, 3, peer, limits=limits)
+            except QuotaExceeded as exc:
+                assert peer is not None
+                if exc.limit == "max_leases_per_peer":
+                    assert exc.value == len(mine) + 1 > 3
+                else:
+                    assert exc.limit == "max_locked_pages_per_peer" and len(mine) + 1 <= 3
+                    assert exc.value > 10 and exc.value > sum(x.num_pages for x in mine)
+            else:
+                live[lease.id] = lease
+                granted.append(lease.id)
+                if peer is not None:
+                    assert len(mine) + 1 <= 3 and sum(x.num_pages for x in mine) + lease.num_pages <= 10
+        elif kind == "bind" and granted and peer is not None:
+            lease_id = granted[pick % len(granted)]
+            try:
+                live[lease_id] = lender.bind(lease_id, peer, now, limits=limits)
+            except (QuotaExceeded, LeaseError):
+                pass
+        elif kind == "release" and granted:
+            lender.release(granted[pick % len(granted)])
+            live.pop(granted[pick % len(granted)], None)
+        elif kind == "expire":
+            for x in lender.expire(now):
+                del live[x.id]
+        elif kind == "tick":
+            now += pick % 3
+        for who in (None, "d0", "d1"):
+            mine = [x for x in live.values() if x.peer == who]
+            assert lender.usage(who) == (len(mine), sum(x.num_pages for x in mine))
+            if who is not None:
+                fresh = [x for x in lender.leases_of(who) if now <= x.expires_at]
+                assert len(fresh) <= 3 and sum(x.num_pages for x in fresh) <= 10

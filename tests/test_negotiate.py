@@ -9,12 +9,15 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvlend.errors import LayoutMismatch
+import time
+
+import kvlend.core.negotiate as negotiate_mod
+from kvlend.errors import LayoutMismatch, NegotiationLimit, QuotaExceeded
 from kvlend.core.layout import (
     BufferDesc, HeadGeometry, HeadOrder, LayerIdentity, LayerKind, MemoryKind, MemoryRegion, PageLayout,
     ReplicaRank, Role, Sharding, layout_from_pools,
 )
-from kvlend.core.negotiate import IDENTITY, MAPPED, Piece, negotiate
+from kvlend.core.negotiate import IDENTITY, MAX_PAGE_RATIO, MAX_PIECES, MAPPED, Piece, negotiate
 
 BPH = 8  # bytes per head and token
 
@@ -395,3 +398,94 @@ def test_a_plan_exists_exactly_when_every_position_is_covered(base, ratio, windo
         bad = [n for n in uncovered if n <= lendable]
         assert not bad, f"planned although positions {bad[:5]} are not covered"
         assert full or not uncovered
+
+
+# ------------------------------------------------------- what negotiate computes
+def test_an_enormous_page_ratio_is_refused_in_under_10ms_before_any_work():
+    """A peer claiming 2^20 times our tokens per page: ~6 s and 776 MiB under the prefill's lock without the cap."""
+    small = attention(tpp=16)
+    big = attention(tpp=16 << 20, num_pages=1)
+    for local, remote in ((big, small), (small, big)):
+        best = float("inf")
+        for _ in range(5):
+            start = time.perf_counter()
+            with pytest.raises(NegotiationLimit) as err:
+                negotiate(local, remote)
+            best = min(best, time.perf_counter() - start)
+        assert best < 0.010, f"refused in {best * 1e3:.2f} ms"
+        exc = err.value
+        assert (exc.limit, exc.value, exc.cap) == ("max_page_ratio", 1 << 20, MAX_PAGE_RATIO)
+        assert isinstance(exc, QuotaExceeded) and isinstance(exc, LayoutMismatch)
+        assert fields(exc) == ["tokens_per_page"]
+        assert "max_page_ratio: a tokens-per-page ratio of 1048576 exceeds the cap of 64" in str(exc)
+
+
+@pytest.mark.parametrize("big", ["local", "remote"])
+def test_the_page_ratio_cap_is_inclusive_and_configurable(big):
+    def pair(ratio):
+        a, b = attention(tpp=16 * ratio, kept=4096 + 16 * ratio), attention(tpp=16, kept=4096 + 16 * ratio)
+        return (a, b) if big == "local" else (b, a)
+
+    assert negotiate(*pair(MAX_PAGE_RATIO)).kind == MAPPED
+    with pytest.raises(NegotiationLimit, match="max_page_ratio"):
+        negotiate(*pair(2 * MAX_PAGE_RATIO))
+    assert negotiate(*pair(4), max_page_ratio=4).kind == MAPPED
+    with pytest.raises(NegotiationLimit) as err:
+        negotiate(*pair(8), max_page_ratio=4)
+    assert (err.value.value, err.value.cap) == (8, 4)
+    # A non-integer ratio is refused as before, whatever its size; recurrent-only layouts have no ratio.
+    with pytest.raises(LayoutMismatch) as err:
+        negotiate(attention(tpp=16 * 1000 + 1), attention(tpp=16))
+    assert not isinstance(err.value, NegotiationLimit) and fields(err.value) == ["tokens_per_page"]
+
+
+def _raw_pieces(monkeypatch, local, remote) -> int:
+    """Pieces ``negotiate`` builds before merging, counted as they are built."""
+    built = []
+    real = negotiate_mod.merge_pieces
+    monkeypatch.setattr(negotiate_mod, "merge_pieces", lambda pieces: built.append(len(pieces)) or real(pieces))
+    negotiate(local, remote, max_pieces=1 << 30)
+    monkeypatch.setattr(negotiate_mod, "merge_pieces", real)
+    return sum(built)
+
+
+CASES = {
+    "identity": (attention(), attention()),
+    "hnd split": (attention(tpp=16), attention(tpp=64)),
+    "hnd fill": (attention(tpp=64), attention(tpp=16, kept=4096 + 64)),
+    "nhd split": (attention(tpp=16, order=HeadOrder.NHD), attention(tpp=64, order=HeadOrder.NHD)),
+    "tp slices and pages": (attention(heads=2, tp=(2, 1), tpp=16), attention(heads=4, tpp=32)),
+    "state": (with_state(attention(tpp=16)), with_state(attention(tpp=32))),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_pieces_are_counted_exactly_and_capped_before_any_is_built(monkeypatch, case):
+    local, remote = CASES[case]
+    count = _raw_pieces(monkeypatch, local, remote)
+    assert count > 1
+    plan = negotiate(local, remote, max_pieces=count)  # at the cap: planned
+    assert plan.pairs
+    monkeypatch.setattr(negotiate_mod, "_slices", lambda *a: pytest.fail("built pieces past the cap"))
+    with pytest.raises(NegotiationLimit) as err:
+        negotiate(local, remote, max_pieces=count - 1)
+    assert (err.value.limit, err.value.value, err.value.cap) == ("max_pieces", count, count - 1)
+    assert fields(err.value) == ["pieces"]
+
+
+def test_too_many_pieces_are_refused_fast():
+    # 256 layers x K and V x ratio 64 x 32 heads: 2^20 pieces, 4 times the default cap.
+    layers = tuple(range(256))
+    local, remote = attention(layers=layers, heads=32, tpp=16 * 64), attention(layers=layers, heads=32, tpp=16)
+    start = time.perf_counter()
+    with pytest.raises(NegotiationLimit) as err:
+        negotiate(local, remote)
+    elapsed = time.perf_counter() - start
+    assert (err.value.limit, err.value.value, err.value.cap) == ("max_pieces", 1 << 20, MAX_PIECES)
+    assert elapsed < 0.1, f"{elapsed * 1e3:.1f} ms"
+
+
+def test_bad_caps_are_refused():
+    for kw in ({"max_page_ratio": 0}, {"max_pieces": True}, {"max_pieces": 2.0}):
+        with pytest.raises(ValueError):
+            negotiate(attention(), attention(), **kw)

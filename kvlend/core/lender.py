@@ -19,6 +19,14 @@ Decisions:
   capability); otherwise only by that peer.
 - A NAMED selection lends only the groups that hold a named buffer; every group
   must still be given a page table.
+- ``LeaseLimits`` (default: none) caps what one lend or bind may take, each refused
+  with a ``QuotaExceeded`` naming the limit before anything changes: tokens per
+  lease, live leases and locked pages per peer (counted when the lease is lent
+  to a peer, or bound to one), and a lease's whole lifetime: it never expires
+  later than lend time + ``max_lease_lifetime``; a renewal that would push it
+  past that is refused (``LeaseLifetimeExceeded``) and leaves it as it was.
+  Leases past their expiry that ``expire`` has not yet ended do not count
+  against a peer's quota.
 """
 
 from __future__ import annotations
@@ -33,7 +41,10 @@ from typing import Any, Callable, Mapping
 
 import numpy as np
 
-from ..errors import LayoutError, LeaseDenied, LeaseError, LeaseExpired, LeaseUnknown, PageRangeError
+from ..errors import (
+    LayoutError, LeaseDenied, LeaseError, LeaseExpired, LeaseLifetimeExceeded, LeaseUnknown, PageRangeError,
+    QuotaExceeded,
+)
 from .layout import PageLayout, RowSelection
 from .locks import PageLocks
 from .pages import GroupPages, int_array
@@ -55,6 +66,8 @@ class Lease:
     peer: str | None
     ttl: float
     expires_at: float
+    lent_at: float = -math.inf
+    ends_by: float = math.inf  # lent_at + the lifetime cap: no renewal pushes expires_at past it
 
     def __hash__(self) -> int:
         return hash(self.id)
@@ -67,6 +80,19 @@ class Lease:
     def num_pages(self) -> int:
         """Rows lent, summed over groups."""
         return sum(len(g) for g in self.pages.values())
+
+
+@dataclass(frozen=True)
+class LeaseLimits:
+    """Caps a lend or bind must fit (named as the ``Quotas`` fields they come from); default: none."""
+
+    max_leases_per_peer: float = math.inf
+    max_locked_pages_per_peer: float = math.inf
+    max_lease_lifetime: float = math.inf
+    max_num_tokens: float = math.inf
+
+
+NO_LIMITS = LeaseLimits()
 
 
 @dataclass(frozen=True)
@@ -113,6 +139,8 @@ class Lender:
         self._remember = remember
         self._live: dict[bytes, _Loan] = {}
         self._by_key: dict[tuple[str, str | None], bytes] = {}
+        self._of_peer: dict[str | None, dict[bytes, int]] = {}  # live lease ids -> pages, per peer (None: tickets)
+        self._peer_pages: dict[str | None, int] = {}
         self._ended: OrderedDict[bytes, str] = OrderedDict()
         self._deadlines: list[tuple[float, int, bytes]] = []  # lazy heap; stale entries skipped
         self._seq = 0
@@ -129,18 +157,23 @@ class Lender:
         now: float,
         ttl: float,
         peer: str | None = None,
+        limits: LeaseLimits = NO_LIMITS,
     ) -> Lease:
         """Lend what a decoder at ``num_tokens`` reads; validates everything first.
 
         ``pages[group]`` is the request's page table: one slot ordinal per token
         page (``ceil(num_tokens / tokens_per_page)`` entries), or one entry (the
         state slot) for a recurrent group.  Only rows that are lent are range
-        checked, so stale rows of a windowed group may hold -1.
+        checked, so stale rows of a windowed group may hold -1.  ``limits``: see the module doc.
         """
         if not isinstance(request, str) or not request:
             raise LeaseError(f"request: must be a non-empty str, got {request!r}")
         if isinstance(num_tokens, bool) or not isinstance(num_tokens, int) or num_tokens <= 0:
             raise PageRangeError(f"num_tokens: must be an int > 0, got {num_tokens!r}")
+        if not isinstance(limits, LeaseLimits):
+            raise LeaseError(f"limits: must be a LeaseLimits, got {type(limits).__name__}")
+        if num_tokens > limits.max_num_tokens:
+            raise QuotaExceeded("max_num_tokens", num_tokens, limits.max_num_tokens, "a lease of num_tokens")
         if num_tokens > self.layout.kept_window:  # readers rely on it: a full group then lends every page
             raise PageRangeError(f"num_tokens: {num_tokens} exceeds the layout's kept window of "
                                  f"{self.layout.kept_window} tokens")
@@ -151,8 +184,12 @@ class Lender:
         ttl = _time("ttl", ttl)
         if ttl <= 0 or not math.isfinite(now + ttl):
             raise LeaseError(f"ttl: must be > 0 with a finite now + ttl, got now={now} ttl={ttl}")
+        if ttl > limits.max_lease_lifetime:
+            raise QuotaExceeded("max_lease_lifetime", ttl, limits.max_lease_lifetime, "a lease ttl of")
         peer = _peer(peer)
         lent, locked = self._plan(num_tokens, pages, targets)
+        num_pages = sum(len(g) for g in lent.values())
+        self._check_quota(peer, num_pages, now, limits)
         key = (request, peer)
         other = self._live.get(self._by_key.get(key, b""))
         if other is not None and now <= other.lease.expires_at:
@@ -169,11 +206,48 @@ class Lender:
         lease = Lease(
             id=lease_id, request=request, num_tokens=num_tokens, pages=MappingProxyType(lent),
             selection=selection, peer=peer, ttl=ttl, expires_at=now + ttl,
+            lent_at=now, ends_by=now + limits.max_lease_lifetime,
         )
         self._live[lease_id] = _Loan(lease, locked)
         self._by_key[key] = lease_id
+        self._count(peer, lease_id, num_pages)
         self._push(lease)
         return lease
+
+    def _check_quota(self, peer: str | None, num_pages: int, now: float, limits: LeaseLimits) -> None:
+        """Refuse one more lease of ``num_pages`` for ``peer`` past its lease or page quota."""
+        if peer is None:
+            return
+        ids = self._of_peer.get(peer, {})
+        leases, pages = len(ids) + 1, self._peer_pages.get(peer, 0) + num_pages
+        if leases > limits.max_leases_per_peer or pages > limits.max_locked_pages_per_peer:
+            # Only now look closer: leases past their expiry that no sweep ended yet do not count.
+            live = [n for i, n in ids.items() if now <= self._live[i].lease.expires_at]
+            leases, pages = len(live) + 1, sum(live) + num_pages
+        if leases > limits.max_leases_per_peer:
+            raise QuotaExceeded("max_leases_per_peer", leases, limits.max_leases_per_peer,
+                                f"peer {_show_peer(peer)} would hold live leases:")
+        if pages > limits.max_locked_pages_per_peer:
+            raise QuotaExceeded("max_locked_pages_per_peer", pages, limits.max_locked_pages_per_peer,
+                                f"peer {_show_peer(peer)} would hold locked pages:")
+
+    def _count(self, peer: str | None, lease_id: bytes, num_pages: int) -> None:
+        self._of_peer.setdefault(peer, {})[lease_id] = num_pages
+        self._peer_pages[peer] = self._peer_pages.get(peer, 0) + num_pages
+
+    def _uncount(self, peer: str | None, lease_id: bytes) -> None:
+        ids = self._of_peer[peer]
+        pages = ids.pop(lease_id)
+        if ids:
+            self._peer_pages[peer] -= pages
+        else:
+            del self._of_peer[peer], self._peer_pages[peer]
+
+    def usage(self, peer: str | None) -> tuple[int, int]:
+        """(leases, pages) held for ``peer`` (None: tickets not yet claimed), including any past
+        expiry that ``expire`` has not yet ended."""
+        peer = _peer(peer)
+        return len(self._of_peer.get(peer, ())), self._peer_pages.get(peer, 0)
 
     def _targets(self, selection: RowSelection) -> dict[str, tuple[tuple[str, ...], int]]:
         """Per group, the regions ``selection`` lends from (layout order) and their fewest pages.
@@ -270,21 +344,44 @@ class Lender:
             raise LeaseDenied(f"lease {lease.hex} is not offered to peer {peer!r}")
         return lease
 
-    def bind(self, lease_id: bytes, peer: str, now: float) -> Lease:
-        """Give a lease lent to any peer (a ticket's) to ``peer``, which alone may read it from now on."""
+    def bind(self, lease_id: bytes, peer: str, now: float, limits: LeaseLimits = NO_LIMITS) -> Lease:
+        """Give a lease lent to any peer (a ticket's) to ``peer``, which alone may read it from now on.
+
+        Checked against ``peer``'s quotas in ``limits`` first (a lease already its own is not counted twice).
+        """
         peer = _peer(peer)
         lease = self.check_read(lease_id, peer, now)
         if lease.peer == peer:
             return lease
-        key = (lease.request, peer)
-        other = self._live.get(self._by_key.get(key, b""))
+        self._check_bind(lease, peer, now, limits)
+        return self._bind(lease, peer)
+
+    def claim(self, lease_id: bytes, peer: str, now: float, limits: LeaseLimits = NO_LIMITS) -> Lease:
+        """``bind`` then ``renew``, every check of both made before either changes anything."""
+        peer = _peer(peer)
+        lease = self.check_read(lease_id, peer, now)
+        expires_at = self._renewal(lease, now)
+        if lease.peer != peer:
+            self._check_bind(lease, peer, now, limits)
+            lease = self._bind(lease, peer)
+        return self._renew_to(lease, expires_at)
+
+    def _check_bind(self, lease: Lease, peer: str, now: float, limits: LeaseLimits) -> None:
+        if not isinstance(limits, LeaseLimits):
+            raise LeaseError(f"limits: must be a LeaseLimits, got {type(limits).__name__}")
+        other = self._live.get(self._by_key.get((lease.request, peer), b""))
         if other is not None and now <= other.lease.expires_at:
             raise LeaseError(f"request {lease.request!r} already has live lease {other.lease.hex} for peer {peer!r}")
+        self._check_quota(peer, lease.num_pages, now, limits)
+
+    def _bind(self, lease: Lease, peer: str) -> Lease:
         bound = replace(lease, peer=peer)
-        self._live[lease_id] = replace(self._live[lease_id], lease=bound)
-        if self._by_key.get((lease.request, None)) == lease_id:
-            del self._by_key[(lease.request, None)]
-        self._by_key[key] = lease_id
+        self._live[lease.id] = replace(self._live[lease.id], lease=bound)
+        if self._by_key.get((lease.request, lease.peer)) == lease.id:
+            del self._by_key[(lease.request, lease.peer)]
+        self._by_key[(lease.request, peer)] = lease.id
+        self._uncount(lease.peer, lease.id)
+        self._count(peer, lease.id, lease.num_pages)
         return bound
 
     def next_expiry(self) -> float | None:
@@ -294,12 +391,29 @@ class Lender:
         return self._deadlines[0][0] if self._deadlines else None
 
     def renew(self, lease_id: bytes, now: float) -> Lease:
-        """Push the expiry to ``now + ttl`` (never earlier than it was)."""
+        """Push the expiry to ``now + ttl`` (never earlier than it was).
+
+        ``LeaseLifetimeExceeded`` (changing nothing) if that is past the lease's ``ends_by``.
+        """
         lease = self.get(lease_id, now)
-        renewed = replace(lease, expires_at=max(lease.expires_at, float(now) + lease.ttl))
-        if renewed.expires_at != lease.expires_at:
-            self._live[lease_id] = replace(self._live[lease_id], lease=renewed)
-            self._push(renewed)
+        return self._renew_to(lease, self._renewal(lease, now))
+
+    def _renewal(self, lease: Lease, now: float) -> float:
+        """The expiry a renewal at ``now`` gives ``lease``, or ``LeaseLifetimeExceeded``."""
+        want = float(now) + lease.ttl
+        if want > lease.ends_by:
+            cap = lease.ends_by - lease.lent_at
+            raise LeaseLifetimeExceeded(
+                "max_lease_lifetime", want - lease.lent_at, cap,
+                f"lease {lease.hex} lent at {lease.lent_at} would live until {want}, a lifetime of")
+        return max(lease.expires_at, want)
+
+    def _renew_to(self, lease: Lease, expires_at: float) -> Lease:
+        if expires_at == lease.expires_at:
+            return lease
+        renewed = replace(lease, expires_at=expires_at)
+        self._live[lease.id] = replace(self._live[lease.id], lease=renewed)
+        self._push(renewed)
         return renewed
 
     def release(self, lease_id: bytes) -> Lease | None:
@@ -347,10 +461,15 @@ class Lender:
         key = (loan.lease.request, loan.lease.peer)
         if self._by_key.get(key) == lease_id:
             del self._by_key[key]
+        self._uncount(loan.lease.peer, lease_id)
         self._ended[lease_id] = why
         while len(self._ended) > self._remember:
             self._ended.popitem(last=False)
         return loan.lease
+
+
+def _show_peer(peer: str) -> str:
+    return repr(peer if len(peer) <= 200 else peer[:200] + "...")
 
 
 def _check_id(lease_id: Any) -> None:

@@ -39,6 +39,13 @@ each side, that holds exactly when
 
 Recurrent groups are one row, read whole.  A lease that holds more than the
 local group reads is fine: ``fetchplan`` reads only what the local group needs.
+
+A peer chooses the layout it claims, and a plan's size grows with the page
+ratio (and the heads sliced per page), so ``negotiate`` caps what it will
+compute: a tokens-per-page ratio above ``max_page_ratio``, or more than
+``max_pieces`` pieces (counted from the layouts before any is built, before
+merging), is refused at once with a ``NegotiationLimit`` (a ``LayoutMismatch``
+and a ``QuotaExceeded`` naming the limit), alone, without the other checks.
 """
 
 from __future__ import annotations
@@ -47,11 +54,13 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Iterator, Mapping
 
-from ..errors import LayoutMismatch
+from ..errors import LayoutMismatch, NegotiationLimit
 from .layout import BufferDesc, HeadOrder, PageLayout, Role, Sharding
 
 IDENTITY = "identity"
 MAPPED = "mapped"
+MAX_PAGE_RATIO = 64  # tokens-per-page ratio negotiate maps by default (e.g. 1 vs 64, 16 vs 1024)
+MAX_PIECES = 1 << 18  # pieces per plan by default: 128 layers x K and V x ratio 64 x 16 heads
 
 
 @dataclass(frozen=True)
@@ -133,15 +142,22 @@ class TransferPlan:
         return "\n".join(lines)
 
 
-def negotiate(local: PageLayout, remote: PageLayout) -> TransferPlan:
-    """Derive the plan for decode ``local`` reading prefill ``remote``, or raise ``LayoutMismatch``."""
-    return _Negotiation(local, remote).plan()
+def negotiate(local: PageLayout, remote: PageLayout, *, max_page_ratio: int = MAX_PAGE_RATIO,
+              max_pieces: int = MAX_PIECES) -> TransferPlan:
+    """Derive the plan for decode ``local`` reading prefill ``remote``, or raise ``LayoutMismatch``
+    (``NegotiationLimit`` past ``max_page_ratio`` or ``max_pieces``: see the module doc)."""
+    for name, value in (("max_page_ratio", max_page_ratio), ("max_pieces", max_pieces)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name}: must be an int >= 1, got {value!r}")
+    return _Negotiation(local, remote, max_page_ratio, max_pieces).plan()
 
 
 @dataclass
 class _Negotiation:
     local: PageLayout
     remote: PageLayout
+    max_page_ratio: int = MAX_PAGE_RATIO
+    max_pieces: int = MAX_PIECES
     problems: list[tuple[str, object, object, str]] = field(default_factory=list)
 
     def refuse(self, name: str, local_value: object, remote_value: object, why: str) -> None:
@@ -170,6 +186,11 @@ class _Negotiation:
                 self.refuse("replica.pp_rank", lr.pp_rank, rr.pp_rank, "the two ranks hold no layers in common")
         if self.problems:
             raise LayoutMismatch(self.problems)
+        count = sum(job.count for _, _, job in matched)
+        if count > self.max_pieces:
+            raise NegotiationLimit("max_pieces", count, self.max_pieces, "pieces", None, None,
+                                   "mapping these layouts needs pieces:")
+        matched = [(lb, rb, job.build()) for lb, rb, job in matched]
         return TransferPlan(
             kind=IDENTITY if identity else MAPPED, local=self.local, remote=self.remote,
             group_map=MappingProxyType(group_map), pairs=_pairs(self.local, matched, ratio, identity),
@@ -182,6 +203,10 @@ class _Negotiation:
         tl, tr = self.local.tokens_per_page, self.remote.tokens_per_page
         if tl == tr or all(b.recurrent for b in self.local.buffers):
             return 1, 1
+        ratio = max(tl, tr) // min(tl, tr)
+        if ratio > self.max_page_ratio and max(tl, tr) % min(tl, tr) == 0:
+            raise NegotiationLimit("max_page_ratio", ratio, self.max_page_ratio, "tokens_per_page", tl, tr,
+                                   "a tokens-per-page ratio of")
         if tr % tl == 0:
             return 1, tr // tl
         if tl % tr == 0:
@@ -239,7 +264,7 @@ class _Negotiation:
         remote_by_key = {b.identity.key: b for b in self.remote.buffers}
         local_keys = {b.identity.key for b in self.local.buffers}
         pp_differs = self.local.replica.pp_size != self.remote.replica.pp_size
-        matched: list[tuple[BufferDesc, BufferDesc, list[Piece]]] = []
+        matched: list[tuple[BufferDesc, BufferDesc, _Job]] = []
         uncovered: set[int] = set()
         elsewhere: list[str] = []
         for lb in self.local.buffers:
@@ -271,8 +296,9 @@ class _Negotiation:
         else:
             self.refuse(_where(lb), lb.name, None, "no remote buffer holds this (layer, role)")
 
-    def _pieces(self, lb: BufferDesc, rb: BufferDesc, ratio: tuple[int, int], sources: range) -> list[Piece] | None:
-        """Checked pieces of one buffer pair; [] after a refusal, None when another rank supplies it."""
+    def _pieces(self, lb: BufferDesc, rb: BufferDesc, ratio: tuple[int, int], sources: range) -> _Job | list | None:
+        """How to build the checked pieces of one buffer pair; [] after a refusal, None when another rank
+        supplies it."""
         where = _where(lb)
         lrep, rrep = self.local.replica, self.remote.replica
         tp_differs = lrep.tp_size != rrep.tp_size
@@ -294,7 +320,7 @@ class _Negotiation:
             if self.problems:
                 return []
             # Without geometry a page is opaque token-major bytes: one "head" per token.
-            return _slices(lb, rb, HeadOrder.NHD, parts, (1, 1), per_l[0], (0, 0, 1), (tr, tl), (m, s))
+            return _Job((lb, rb, HeadOrder.NHD, parts, (1, 1), per_l[0], (0, 0, 1), (tr, tl), (m, s)))
         if gl.bytes_per_head != gr.bytes_per_head:
             self.refuse(f"{where}.geometry.bytes_per_head", gl.bytes_per_head, gr.bytes_per_head,
                         "head dimension differs")
@@ -324,7 +350,7 @@ class _Negotiation:
             heads = (g0 - rrep.tp_rank * gr.heads, g0 - lrep.tp_rank * gl.heads, g1 - g0)
         else:
             heads = (0, 0, gl.heads)
-        return _slices(lb, rb, gl.order, parts, (gr.heads, gl.heads), gl.bytes_per_head, heads, (tr, tl), (m, s))
+        return _Job((lb, rb, gl.order, parts, (gr.heads, gl.heads), gl.bytes_per_head, heads, (tr, tl), (m, s)))
 
     def _group_map(self, matched) -> dict[str, str]:
         """Remote group -> local group; refuses a group whose buffers land in two groups."""
@@ -360,6 +386,26 @@ def _pairs(local: PageLayout, matched, ratio: tuple[int, int], identity: bool) -
 def _where(b: BufferDesc) -> str:
     layer, role = b.identity.key
     return f"buffer({layer},{role})"
+
+
+@dataclass(frozen=True, eq=False)
+class _Job:
+    """The arguments of one ``_slices`` call, and how many pieces it makes before merging."""
+
+    args: tuple
+
+    @property
+    def count(self) -> int:
+        _, _, order, parts, (hr, hl), _, (_, _, count), (tr, tl), (m, s) = self.args
+        spans, n = (s, tl) if s > 1 else (m, tr) if m > 1 else (1, tr)
+        if order is HeadOrder.HND:
+            per_span = 1 if n == tr == tl else count
+        else:
+            per_span = 1 if count == hr == hl else n
+        return parts * spans * per_span
+
+    def build(self) -> list[Piece]:
+        return _slices(*self.args)
 
 
 def _slices(lb: BufferDesc, rb: BufferDesc, order: HeadOrder, parts: int, heads: tuple[int, int],

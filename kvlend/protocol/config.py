@@ -1,11 +1,69 @@
-"""``NodeConfig``: the timeouts and sizes both ends' sessions decide with."""
+"""``NodeConfig``: the timeouts and sizes both ends' sessions decide with; ``Quotas``: what one peer may take."""
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
 
+from ..core.lender import LeaseLimits
+from ..core.negotiate import MAX_PAGE_RATIO, MAX_PIECES
 from ..errors import ConfigError
+
+
+@dataclass(frozen=True)
+class Quotas:
+    """Per authenticated decode rank, what a prefill lets it take.  Each is refused with a
+    ``QuotaExceeded`` (``.limit`` is the field's name) before any state changes.
+
+    The defaults are far above what real models need (``models.md``) and exist to bound a
+    faulty or hostile peer, not to shape load; tune the per-peer ones to your pool.
+
+    - ``max_leases_per_peer`` (4096): live leases bound to one decode, pushed (``offer``,
+      ``lend(peer=...)``) or claimed through a ticket.  A lend over it raises; a claim over it
+      is answered with an ``Abort`` naming the limit, and the ticket's lease stays claimable.
+    - ``max_locked_pages_per_peer`` (1 << 20 = 1,048,576): token pages (rows, summed over
+      groups: ``Lease.num_pages``) that one decode's leases hold locked.  With 16 tokens per
+      page that is 256 requests of 64K tokens of a one-group model.
+    - ``max_lease_lifetime`` (600 s): a lease is never renewed past lend time + this, however
+      often it is heartbeated (a renewal past it is refused with ``LeaseLifetimeExceeded``), so
+      it expires by then.  Must be at least ``NodeConfig.ttl``; 20 default TTLs and
+      transfer timeouts.
+    - ``max_heartbeat_ids`` (16384): lease ids one heartbeat may name.  A heartbeat naming more
+      renews nothing (it is answered with an empty ``Renewed``, so the peer's leases run out
+      on schedule) and is logged; the link stays up, so the peer can still say done or abort.
+      Keep it above ``max_leases_per_peer`` plus the claims a decode may have in flight.
+    - ``max_num_tokens`` (1 << 24 = 16,777,216): tokens in one lease, offered or lent;
+      covers 10M-token contexts.
+    - ``max_page_ratio`` (64): tokens-per-page ratio between the two layouts a negotiation
+      will map (e.g. pages of 1 token against pages of 64); refused before any work.
+    - ``max_pieces`` (1 << 18 = 262,144): byte runs per page a negotiation may generate
+      (before merging); 128 layers x K and V x ratio 64 x 16 heads per rank.  Estimated from
+      the layouts and refused before any is built.
+    """
+
+    max_leases_per_peer: int = 4096
+    max_locked_pages_per_peer: int = 1 << 20
+    max_lease_lifetime: float = 600.0
+    max_heartbeat_ids: int = 16384
+    max_num_tokens: int = 1 << 24
+    max_page_ratio: int = MAX_PAGE_RATIO
+    max_pieces: int = MAX_PIECES
+
+    def __post_init__(self) -> None:
+        for name in ("max_leases_per_peer", "max_locked_pages_per_peer", "max_heartbeat_ids", "max_num_tokens",
+                     "max_page_ratio", "max_pieces"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ConfigError(f"Quotas.{name} must be an int >= 1, got {value!r}")
+        value = self.max_lease_lifetime
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
+            raise ConfigError(f"Quotas.max_lease_lifetime must be a positive number of seconds, got {value!r}")
+
+    @property
+    def lease_limits(self) -> LeaseLimits:
+        """What the lender enforces."""
+        return LeaseLimits(self.max_leases_per_peer, self.max_locked_pages_per_peer, float(self.max_lease_lifetime),
+                           self.max_num_tokens)
 
 
 @dataclass(frozen=True)
@@ -18,6 +76,7 @@ class NodeConfig:
     transfer_timeout: float = 30.0  # one fetch, start to the prefill's done ack
     cancel_grace: float = 5.0  # a cancelled read may take this long to go quiet before its link is torn down
     chunk_pages: int = 256  # remote token pages per posted chunk
+    quotas: Quotas = Quotas()  # what one peer may take (enforced by the prefill)
 
     def __post_init__(self) -> None:
         for name in ("ttl", "heartbeat", "handshake_timeout", "transfer_timeout", "cancel_grace"):
@@ -28,3 +87,8 @@ class NodeConfig:
             raise ConfigError(f"NodeConfig.heartbeat {self.heartbeat} must be shorter than ttl {self.ttl}")
         if isinstance(self.chunk_pages, bool) or not isinstance(self.chunk_pages, int) or self.chunk_pages < 1:
             raise ConfigError(f"NodeConfig.chunk_pages must be an int >= 1, got {self.chunk_pages!r}")
+        if not isinstance(self.quotas, Quotas):
+            raise ConfigError(f"NodeConfig.quotas must be a Quotas, got {type(self.quotas).__name__}")
+        if self.quotas.max_lease_lifetime < self.ttl:
+            raise ConfigError(f"NodeConfig.quotas.max_lease_lifetime {self.quotas.max_lease_lifetime} must be at "
+                              f"least ttl {self.ttl}")

@@ -32,10 +32,11 @@ from ..core.layout import PageLayout
 from ..core.negotiate import TransferPlan, negotiate
 from ..core.pages import int_array
 from ..core.plan import plan_reads
+from ..core.text import printable
 from ..core.reads import ReadBatch
 from ..core.tracker import DeliveryTracker
 from ..errors import (
-    ConfigError, IncompleteFetch, KvlendError, LeaseDenied, LeaseExpired, LeaseUnknown, PageRangeError, PeerLost,
+    ConfigError, IncompleteFetch, QuotaExceeded, KvlendError, LeaseDenied, LeaseExpired, LeaseUnknown, PageRangeError, PeerLost,
     ProtocolError, TransferCancelled, TransferTimeout,
 )
 from .actions import (
@@ -271,6 +272,7 @@ class DecodeSession(Outbox):
         timeout = _timeout(timeout, self.config.transfer_timeout)
         if not isinstance(ticket, Ticket):
             raise ProtocolError(f"expected a Ticket, got {type(ticket).__name__}")
+        self._check_size(ticket.num_tokens)
         resume_from = _resume_point(resume_from, ticket.num_tokens)
         if not isinstance(dst, Mapping):
             raise PageRangeError(f"dst: must map local groups to page tables, got {type(dst).__name__}")
@@ -414,7 +416,9 @@ class DecodeSession(Outbox):
         if plan is None:
             if len(self._plans) >= _PLAN_CACHE:
                 self._plans.clear()
-            plan = self._plans[key] = negotiate(self.layout, remote)
+            quotas = self.config.quotas
+            plan = self._plans[key] = negotiate(self.layout, remote, max_page_ratio=quotas.max_page_ratio,
+                                                max_pieces=quotas.max_pieces)
         if not message.metadata:
             raise ProtocolError(f"prefill {link.peer} sent no backend metadata")
         link.plan = plan
@@ -424,7 +428,7 @@ class DecodeSession(Outbox):
         link.backend_peer = True
         self._actions.append(AddPeer(conn, message.metadata))
         self._events.append(PeerReady(conn, link.peer))
-        log.info("handshake with %s: %s", link.peer, plan.summary().splitlines()[0])
+        log.info("handshake with %s: %s", printable(link.peer), plan.summary().splitlines()[0])
         waiting, link.waiting = link.waiting, []
         for fid in waiting:
             fetch = self._fetches.get(fid)
@@ -437,6 +441,12 @@ class DecodeSession(Outbox):
             return
         fetch = self._fetch_of(conn, offer.id, FetchState.CLAIMING)
         if fetch is None:  # pushed: trusted once a heartbeat renewal confirms it, which we ask for now
+            try:
+                self._check_size(offer.num_tokens)
+            except QuotaExceeded as exc:  # tracking it would cost memory in proportion: decline at once
+                link.conn.send(Abort(offer.id, _error_text(exc)))
+                log.warning("prefill %s offered a lease too large to read: %s", printable(link.peer), exc)
+                return
             link.offers[offer.id] = offer
             link.next_beat = now
             self._events.append(Offered(conn, offer))
@@ -488,7 +498,7 @@ class DecodeSession(Outbox):
                 kind = _REFUSALS.get(message.reason.partition(":")[0], LeaseUnknown)
                 self._fail(fetch, kind(f"prefill {link.peer} refused lease {message.lease.hex()}: "
                                        f"{message.reason}"), now, tell_prefill=False)
-        log.info("prefill %s withdrew lease %s: %s", link.peer, message.lease.hex(), message.reason)
+        log.info("prefill %s withdrew lease %s: %s", printable(link.peer), message.lease.hex(), printable(message.reason))
 
     def _acked(self, fetch: Fetch, ack: DoneAck, now: float) -> None:
         if not ack.ok:
@@ -507,6 +517,11 @@ class DecodeSession(Outbox):
             self._finish(fetch, None, now)
 
     # -------------------------------------------------------------- internals
+    def _check_size(self, num_tokens: int) -> None:
+        cap = self.config.quotas.max_num_tokens
+        if num_tokens > cap:
+            raise QuotaExceeded("max_num_tokens", num_tokens, cap, "a lease of")
+
     def _check_not_fetching(self, lease: bytes) -> None:
         if any(f.lease == lease and not f.done for f in self._fetches.values()):
             raise ProtocolError(f"lease {lease.hex()} is already being fetched")
@@ -628,8 +643,8 @@ class DecodeSession(Outbox):
         else:
             error.request, error.bound = fetch.request, fetch.bound
             level = logging.INFO if isinstance(error, TransferCancelled) else logging.WARNING
-            log.log(level, "request %s (lease %s) failed at bound %d: %s", fetch.request or "?",
-                    fetch.lease.hex(), fetch.bound, error)
+            log.log(level, "request %s (lease %s) failed at bound %d: %s", printable(fetch.request or "?"),
+                    fetch.lease.hex(), fetch.bound, printable(error))
         fetch.error = error
         self._forget_tracking(fetch)
         self._events.append(FetchFinished(fetch))
@@ -664,7 +679,7 @@ class DecodeSession(Outbox):
         self._actions.append(Close(conn, str(error)))
         self._events.append(PeerGone(conn, link.peer, str(error)))
         log.log(logging.WARNING if busy and not send_bye else logging.INFO, "link to %s closed: %s",
-                _where(link), error)
+                printable(_where(link)), printable(error))
 
     def _fetch_of(self, conn: int, lease: bytes, state: FetchState) -> Fetch | None:
         for fetch in self._fetches.values():

@@ -8,6 +8,13 @@ peer's name, checks each peer's layout before it sees a lease, lends pages
 renews leases on heartbeats, answers claims and dones, and expires leases
 whose reader went quiet.  Every timing decision is made here with the time
 passed in.
+
+Each peer is held to ``config.quotas`` (see ``Quotas``): a lend or offer over
+one raises ``QuotaExceeded`` to the engine, a claim over one is answered with an
+``Abort`` naming the limit, a heartbeat naming too many ids renews nothing, and
+a layout that would cost too much to negotiate is refused with a ``Bye``.
+Every string a peer chose (its name, request ids, reasons) is escaped in log
+lines (``printable``).
 """
 
 from __future__ import annotations
@@ -19,7 +26,8 @@ from typing import Any, Mapping
 from ..core.layout import PageLayout, RowSelection
 from ..core.lender import Lease, Lender
 from ..core.negotiate import negotiate
-from ..errors import KvlendError, LayoutMismatch, PeerLost, ProtocolError
+from ..core.text import printable
+from ..errors import KvlendError, LayoutMismatch, PeerLost, ProtocolError, QuotaExceeded
 from .actions import Close, LeaseEnded, Outbox, PeerGone, PeerReady, Send
 from .config import NodeConfig
 from .connection import HELLO_TIMEOUT, Connection
@@ -58,6 +66,7 @@ class PrefillSession(Outbox):
         self.name = name
         self.config = config
         self.lender = lender or Lender(layout)
+        self._limits = config.quotas.lease_limits
         self._kind = backend_kind
         self._metadata = metadata
         self._secret = secret
@@ -106,9 +115,13 @@ class PrefillSession(Outbox):
     # ---------------------------------------------------------------- engine
     def lend(self, request: str, num_tokens: int, pages: Mapping[str, Any], selection: RowSelection,
              now: float, *, meta: Mapping[str, Any] | None = None, peer: str | None = None) -> Lease:
-        """Lend ``request``'s pages; with ``peer`` None any decode may claim it through a ticket."""
+        """Lend ``request``'s pages; with ``peer`` None any decode may claim it through a ticket.
+
+        ``QuotaExceeded`` (nothing lent) past ``max_num_tokens``, or past ``peer``'s lease or page quota.
+        """
         meta = check_offer(request, meta or {})  # what the decode would refuse must not take locks
-        lease = self.lender.lend(request, num_tokens, pages, selection, now, self.config.ttl, peer=peer)
+        lease = self.lender.lend(request, num_tokens, pages, selection, now, self.config.ttl, peer=peer,
+                                 limits=self._limits)
         self._loans[lease.id] = _Loaned(meta)
         return lease
 
@@ -162,7 +175,8 @@ class PrefillSession(Outbox):
             if not peer.conn.ready and now > peer.conn.deadline:
                 self._drop(conn, f"no complete hello within {HELLO_TIMEOUT:.3g} s", notify=False)
         for lease in self.lender.expire(now):
-            log.warning("lease %s of request %s expired (peer %s)", lease.hex, lease.request, lease.peer)
+            log.warning("lease %s of request %s expired (peer %s)", lease.hex, printable(lease.request),
+                        printable(lease.peer))
             self._loans.pop(lease.id, None)
             self._events.append(LeaseEnded(lease, "expired"))
 
@@ -185,22 +199,14 @@ class PrefillSession(Outbox):
             # Never a replacement: the live peer keeps its link; a restarted one waits for it to drop.
             raise ProtocolError(f"a decode rank named {name!r} is already connected")
         self._by_name[name] = conn
-        log.info("control: connection %d authenticated as %r", conn, name)
+        log.info("control: connection %d authenticated as %s", conn, printable(name))
 
     def _handle(self, conn: int, peer: _Peer, message: Message, now: float) -> None:
         name = peer.name
         if peer.layout is None:
             self._handshake(conn, peer, message)
         elif isinstance(message, Heartbeat):
-            renewed = []
-            for lease_id in message.leases:
-                try:
-                    self.lender.check_read(lease_id, name, now)
-                    self.lender.renew(lease_id, now)
-                    renewed.append(lease_id)
-                except KvlendError as exc:
-                    log.info("heartbeat for lease %s from %s: %s", lease_id.hex(), name, exc)
-            peer.conn.send(Renewed(tuple(renewed)))
+            peer.conn.send(Renewed(self._heartbeat(name, message.leases, now)))
         elif isinstance(message, Claim):
             self._claim(peer, message.lease, now)
         elif isinstance(message, Done):
@@ -216,32 +222,54 @@ class PrefillSession(Outbox):
                 self.lender.check_read(message.lease, name, now)
             except KvlendError:
                 return
-            log.info("lease %s aborted by %s: %s", message.lease.hex(), name, message.reason)
+            log.info("lease %s aborted by %s: %s", message.lease.hex(), printable(name), printable(message.reason))
             self._end(message.lease, "aborted")
         elif isinstance(message, Bye):
             raise _Goodbye(message.reason)
         else:
             raise ProtocolError(f"unexpected {message.TYPE} from decode rank {name}")
 
+    def _heartbeat(self, name: str, leases: tuple[bytes, ...], now: float) -> tuple[bytes, ...]:
+        """Renew what ``name`` may renew of ``leases``; nothing if it names more than ``max_heartbeat_ids``."""
+        cap = self.config.quotas.max_heartbeat_ids
+        if len(leases) > cap:
+            exc = QuotaExceeded("max_heartbeat_ids", len(leases), cap, "a heartbeat naming lease ids:")
+            log.warning("heartbeat from %s refused, nothing renewed: %s", printable(name), exc)
+            return ()
+        renewed = []
+        for lease_id in leases:
+            try:
+                self.lender.check_read(lease_id, name, now)
+                self.lender.renew(lease_id, now)  # LeaseLifetimeExceeded past max_lease_lifetime
+                renewed.append(lease_id)
+            except KvlendError as exc:
+                log.info("heartbeat for lease %s from %s: %s", lease_id.hex(), printable(name), printable(exc))
+        return tuple(renewed)
+
     def _handshake(self, conn: int, peer: _Peer, message: Message) -> None:
         layout = peer_layout(message, self._kind)
+        quotas = self.config.quotas
         try:
-            plan = negotiate(layout, self.layout)  # refuse a decode we cannot serve before it sees a lease
+            # Refuse a decode we cannot serve before it sees a lease; what it costs is capped (we hold the lock).
+            plan = negotiate(layout, self.layout, max_page_ratio=quotas.max_page_ratio, max_pieces=quotas.max_pieces)
+        except QuotaExceeded:
+            raise  # only the Bye: the decode's own caps may differ, so our layout would not tell it why
         except LayoutMismatch:
             # Our layout without backend metadata: the decode negotiates too and names every field.
             peer.conn.send(Handshake(self.layout.encode(), self._kind, b""))
             raise
         peer.conn.send(Handshake(self.layout.encode(), self._kind, self._metadata))
         peer.layout = layout
-        log.info("handshake with %s: %s", peer.name, plan.summary().splitlines()[0])
+        log.info("handshake with %s: %s", printable(peer.name), plan.summary().splitlines()[0])
         self._events.append(PeerReady(conn, peer.name))
 
     def _claim(self, peer: _Peer, lease_id: bytes, now: float) -> None:
         """Bind a ticket's lease to this peer and send its offer, renewed from now."""
         try:
-            self.lender.bind(lease_id, peer.name, now)  # LeaseExpired, LeaseUnknown or LeaseDenied
-            lease = self.lender.renew(lease_id, now)
+            # LeaseExpired, LeaseUnknown, LeaseDenied, or QuotaExceeded (the peer's, or the lease's lifetime)
+            lease = self.lender.claim(lease_id, peer.name, now, self._limits)
         except KvlendError as exc:
+            log.info("claim of lease %s by %s refused: %s", lease_id.hex(), printable(peer.name), printable(exc))
             peer.conn.send(Abort(lease_id, _error_text(exc)))
             return
         peer.conn.send(Offer(self._offer_of(lease)))
@@ -263,7 +291,8 @@ class PrefillSession(Outbox):
         name = peer.name
         if name is not None and self._by_name.get(name) == conn:
             del self._by_name[name]
-        log.log(level, "dropped decode rank %s: %s", name or f"connection {conn}", why)
+        log.log(level, "dropped decode rank %s: %s", printable(name) if name is not None else f"connection {conn}",
+                printable(why, _REASON))
         if notify and peer.conn.ready and peer.layout is None:
             peer.conn.send(Bye(why[:_REASON]))  # tell a refused peer why (shutdown said bye already)
         data = peer.conn.data_to_send()

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Mapping
 
 from ..core.negotiate import TransferPlan
+from ..core.text import printable
 from ..errors import KvlendError, PeerLost, ProtocolError, TransferTimeout
 from ..metrics import METRICS
 from ..protocol.actions import FetchFinished, Offered, PeerReady
@@ -263,7 +264,7 @@ class DecodeNode(Shell):
         try:  # let cancelled reads go quiet before the agent goes
             self._wait_until(lambda: not self.session.in_flight, self.config.cancel_grace, "fetches still in flight")
         except TransferTimeout as exc:
-            log.warning("decode %s closing: %s", self.name, exc)
+            log.warning("decode %s closing: %s", self.name, printable(exc))
         self._shutdown()
 
     # ------------------------------------------------------------------ loop

@@ -14,6 +14,7 @@ from typing import Any, Callable, Mapping
 
 from ..core.layout import PageLayout, RowSelection
 from ..core.lender import Lease
+from ..core.text import printable
 from ..metrics import METRICS
 from ..protocol.actions import LeaseEnded, PeerGone, PeerReady
 from ..protocol.config import NodeConfig
@@ -68,7 +69,8 @@ class PrefillNode(Shell):
         with self._lock:
             lease = self.session.offer(peer, request, num_tokens, pages, selection, self.clock(), meta=meta)
         METRICS.inc("kvlend_leases_total")
-        log.debug("lease %s: offered request %s (%d pages) to %s", lease.hex, request, lease.num_pages, peer)
+        log.debug("lease %s: offered request %s (%d pages) to %s", lease.hex, printable(request), lease.num_pages,
+                  printable(peer))
         self._wake()
         return lease
 
@@ -153,6 +155,6 @@ class PrefillNode(Shell):
                 except Exception:
                     log.exception("prefill %s: on_release failed for lease %s", self.name, event.lease.hex)
             elif isinstance(event, PeerReady):
-                log.info("prefill %s: decode rank %s ready", self.name, event.peer)
+                log.info("prefill %s: decode rank %s ready", self.name, printable(event.peer))
             elif isinstance(event, PeerGone):
-                log.debug("prefill %s: connection %d gone: %s", self.name, event.conn, event.reason)
+                log.debug("prefill %s: connection %d gone: %s", self.name, event.conn, printable(event.reason))

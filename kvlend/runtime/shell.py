@@ -16,6 +16,7 @@ import threading
 import time
 from typing import Callable
 
+from ..core.text import printable
 from ..errors import KvlendError, TransferTimeout
 from ..protocol.actions import AddPeer, Cancel, Close, Connect, Post, RemovePeer, Send
 from ..transport import TransferBackend
@@ -146,7 +147,7 @@ class Shell:
                 try:
                     self.backend.remove_peer(agent)
                 except KvlendError as exc:
-                    log.info("removing backend peer %s: %s", agent, exc)
+                    log.info("removing backend peer %s: %s", printable(agent), printable(exc))
         elif isinstance(action, Post):
             self._tags.add(action.tag)
             agent = self._agents.get(action.conn)
