@@ -19,7 +19,7 @@ PAGES = 1024  # token pages of 4 tokens: 128 MiB, a few hundred ms over tcp on a
 HEADS, HEAD_DIM, TPP = 16, 256, 4
 TOKENS = PAGES * TPP
 SENTINEL = 0xA5
-WATCH = 0.5  # seconds the destination must stay unchanged after a fetch reports quiet
+WATCH = 0.3  # seconds the destination must stay unchanged after a fetch reports quiet
 
 
 def pools(num_pages: int = PAGES) -> list[np.ndarray]:
@@ -154,9 +154,8 @@ def _scenarios() -> dict:
                                                lambda handle: _past_deadline(node, handle, 0.02), timeout=0.02)
         second = Prefill(secret, 2)
         prefills.append(second)
-        third = Prefill(secret, 3)
-        prefills.append(third)
-        reports["peer_lost"] = _fail_then_resume(node, view, table, expected, second, third,
+        # The first prefill, elsewhere in its pool, stands in for the dead one: same bytes, other slots.
+        reports["peer_lost"] = _fail_then_resume(node, view, table, expected, second, first,
                                                  lambda handle: _kill_when_reading(node, handle, second), timeout=30.0)
     finally:
         node.close()

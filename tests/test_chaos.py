@@ -22,7 +22,7 @@ from test_faults import Rank
 
 from kvlend.runtime.secret import generate_secret
 
-SOAK_S = float(os.environ.get("KVLEND_SOAK_S", "45"))
+SOAK_S = float(os.environ.get("KVLEND_SOAK_S", "30"))
 KILLS = {"decode": 2, "prefill": 2}
 TIMING = ("--ttl", "1.5", "--heartbeat", "0.3", "--chunk-pages", "4", "--deadline", "10")
 

@@ -36,7 +36,7 @@ SENTINEL = 0xA5
 SENTINEL_WORD = np.uint64(int.from_bytes(bytes([SENTINEL]) * 8, "little"))
 TIMEOUT = 0.05  # the backend's per-tag timeout in the scenarios that rely on it
 ABORT_GRACE = 0.5  # how long the hung-lender scenario lets the read try to stop
-WATCH = 0.5  # seconds the destination is watched after the Completion
+WATCH = 0.3  # seconds the destination is watched after the Completion
 DEADLINE = 20.0
 
 EXPECTED = {

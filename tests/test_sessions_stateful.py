@@ -439,12 +439,12 @@ class Sessions(RuleBasedStateMachine):
                                     f"({p.lender.locks.locked_pages()} pages) with nothing reading them")
 
 
-Sessions.TestCase.settings = settings(max_examples=120, stateful_step_count=40, deadline=None,
+Sessions.TestCase.settings = settings(max_examples=80, stateful_step_count=40, deadline=None,
                                       suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
 test_sessions_stateful = Sessions.TestCase
 
 
 @pytest.mark.slow
 class TestSessionsLong(Sessions.TestCase):
-    settings = settings(max_examples=100, stateful_step_count=50, deadline=None,
+    settings = settings(max_examples=40, stateful_step_count=60, deadline=None,
                         suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
