@@ -38,11 +38,14 @@ from .wire import (
 
 log = logging.getLogger("kvlend.session")
 _REASON = 4000  # characters of a reason sent to a peer
+MAX_PENDING = 256  # connections still in the hello, in all
+MAX_PENDING_PER_SOURCE = 32  # ... from one address
 
 
 @dataclass(eq=False)
 class _Peer:
     conn: Connection
+    source: str | None = None  # the address it connected from
     layout: PageLayout | None = None  # set once the layouts were exchanged
 
     @property
@@ -76,11 +79,21 @@ class PrefillSession(Outbox):
         super().__init__()
 
     # ----------------------------------------------------------- connections
-    def accept(self, conn: int, now: float) -> None:
-        """A decode rank connected; it must complete the hello within ``HELLO_TIMEOUT``."""
+    def accept(self, conn: int, now: float, source: str | None = None) -> None:
+        """A decode rank connected (from address ``source``); it must complete the hello within
+        ``HELLO_TIMEOUT``.  Past ``MAX_PENDING_PER_SOURCE`` connections still in the hello from one
+        address, or ``MAX_PENDING`` in all, a new one is closed at once: a flood of half-open
+        connections costs a bounded few KiB each and cannot crowd out a peer's retry for long."""
         if conn in self._peers:
             raise ProtocolError(f"connection {conn} is already open")
-        self._peers[conn] = _Peer(Connection("server", self._secret, self.name, now, HELLO_TIMEOUT))
+        pending = [p for p in self._peers.values() if not p.conn.ready]
+        from_source = sum(p.source == source for p in pending)
+        if len(pending) >= MAX_PENDING or (source is not None and from_source >= MAX_PENDING_PER_SOURCE):
+            log.warning("refused a connection from %s: %d connections in the hello (%d from it)",
+                        printable(source), len(pending), from_source)
+            self._actions.append(Close(conn, "too many connections in the hello"))
+            return
+        self._peers[conn] = _Peer(Connection("server", self._secret, self.name, now, HELLO_TIMEOUT), source)
 
     def receive(self, conn: int, data: bytes, now: float) -> None:
         peer = self._peers.get(conn)

@@ -132,8 +132,12 @@ class PrefillNode(Shell):
     def _feed(self, accepted, up, data, gone, now: float) -> None:
         for sock in accepted:
             self._next_conn += 1
+            try:
+                source = sock.getpeername()[0]
+            except OSError:
+                source = None
             self._sockets.adopt(self._next_conn, sock)
-            self.session.accept(self._next_conn, now)
+            self.session.accept(self._next_conn, now, source)
         for conn, chunk in data:
             self.session.receive(conn, chunk, now)
         for conn, why in gone:
