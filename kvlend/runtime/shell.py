@@ -17,7 +17,7 @@ import time
 from typing import Callable
 
 from ..core.text import printable
-from ..errors import KvlendError, TransferTimeout
+from ..errors import BackendError, KvlendError, TransferTimeout
 from ..protocol.actions import AddPeer, Cancel, Close, Connect, Post, RemovePeer, Send
 from ..transport import TransferBackend
 from .sockets import Sockets
@@ -155,7 +155,9 @@ class Shell:
                 if agent is None:
                     raise KvlendError(f"link {action.conn} has no backend peer")
                 self.backend.post_read(agent, action.batches, action.tag)
-            except KvlendError as exc:  # refused before anything moved: nothing is in flight
+            except Exception as exc:  # refused before anything moved: nothing is in flight
+                if not isinstance(exc, KvlendError):  # a backend bug must still end the fetch, not hang it
+                    exc = BackendError(f"posting read {action.tag!r}: {type(exc).__name__}: {exc}")
                 self._tags.discard(action.tag)
                 with self._lock:
                     self._completed_error(action.tag, exc)
