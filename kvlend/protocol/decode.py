@@ -377,7 +377,8 @@ class DecodeSession(Outbox):
                   if link.state is _LinkState.READY and self._renewable(link)]
         for f in self._fetches.values():
             if f.state is FetchState.CANCELLING:
-                times.append(f.quiet_by)
+                if f.link in self._links:  # once its link is torn down there is nothing left to escalate
+                    times.append(f.quiet_by)
             elif not f.done:
                 times.append(f.deadline)
         return min(times) if times else None
