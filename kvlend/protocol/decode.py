@@ -164,7 +164,7 @@ class DecodeSession(Outbox):
         """Start connecting to a prefill endpoint (a new link); its id."""
         if not isinstance(host, str) or not host or isinstance(port, bool) or not isinstance(port, int) \
                 or not 0 < port < 65536:
-            raise PeerLost(f"bad prefill endpoint {host!r}:{port!r}")
+            raise ConfigError(f"prefill endpoint: expected a host and a port in [1, 65535], got {host!r}:{port!r}")
         self._next_conn += 1
         conn = self._next_conn
         self._links[conn] = _Link(conn, (host, port), now + self.config.handshake_timeout, now)

@@ -278,11 +278,8 @@ class DecodeNode(Shell):
         for conn, why in gone:
             self.session.closed(conn, now, why)
 
-    def _completed(self, completion, now: float) -> None:
-        self.session.completed(completion.tag, completion.error, now)
-
-    def _completed_error(self, tag: bytes, error: KvlendError) -> None:
-        self.session.completed(tag, error, self.clock())
+    def _read_done(self, tag: bytes, error: KvlendError | None, now: float) -> None:
+        self.session.completed(tag, error, now)
 
     def _deliver(self, events: list) -> None:
         with self._lock:

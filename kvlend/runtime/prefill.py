@@ -143,12 +143,6 @@ class PrefillNode(Shell):
         for conn, why in gone:
             self.session.closed(conn, now, why)
 
-    def _completed(self, completion, now: float) -> None:
-        pass  # a prefill posts nothing
-
-    def _completed_error(self, tag: bytes, error) -> None:
-        pass
-
     def _deliver(self, events: list) -> None:
         for event in events:
             if isinstance(event, LeaseEnded):

@@ -88,7 +88,7 @@ class Shell:
             now = self.clock()
             for c in completions:  # first: a read that landed before its link died still counts
                 self._tags.discard(c.tag)
-                self._completed(c, now)
+                self._read_done(c.tag, c.error, now)
             self._feed(accepted, up, data, gone, now)
             self.session.tick(now)
         self._idle = 0.0 if (completions or data) else min(max(self._idle * 2, _BACKOFF[0]), _BACKOFF[1])
@@ -160,7 +160,7 @@ class Shell:
                     exc = BackendError(f"posting read {action.tag!r}: {type(exc).__name__}: {exc}")
                 self._tags.discard(action.tag)
                 with self._lock:
-                    self._completed_error(action.tag, exc)
+                    self._read_done(action.tag, exc, self.clock())
         elif isinstance(action, Cancel):
             if action.tag in self._tags:
                 self.backend.cancel(action.tag)
@@ -190,11 +190,8 @@ class Shell:
     def _feed(self, accepted, up, data, gone, now: float) -> None:
         raise NotImplementedError
 
-    def _completed(self, completion, now: float) -> None:
-        raise NotImplementedError
-
-    def _completed_error(self, tag: bytes, error: KvlendError) -> None:
-        raise NotImplementedError
+    def _read_done(self, tag: bytes, error: KvlendError | None, now: float) -> None:
+        """A posted read is terminal (under the lock); a node that posts nothing ignores it."""
 
     def _deliver(self, events: list) -> None:
         raise NotImplementedError
