@@ -293,13 +293,13 @@ class PrefillEnd:
         return prefill_request(self.layout, self.pools, self.free, num_tokens, seed)
 
     def lend(self, num_tokens: int, seed: int, *, request: str | None = None, peer: str | None = None,
-             selection: RowSelection | None = None):
+             selection: RowSelection | None = None, lease_id: bytes | None = None):
         """Fill and lend a request's pages (to a ticket: ``peer`` None); the lease."""
         tables = self._tables(num_tokens, seed)
         try:
             lease = self.session.lend(request or f"req-{seed}", num_tokens, tables,
                                       selection or self.layout.full_selection(), self.now,
-                                      meta={"seed": seed}, peer=peer)
+                                      meta={"seed": seed}, peer=peer, lease_id=lease_id)
         except BaseException:
             self._free(tables)
             raise

@@ -207,6 +207,73 @@ def test_ticket_claims_wait_for_the_handshake():
     assert r.fetch.state is FetchState.DONE
 
 
+def minted(p, num_tokens: int, lease_id: bytes = b"\x07" * 16) -> Ticket:
+    """A ticket minted before its lease is lent (what a vLLM scheduler hands out)."""
+    return Ticket(lease_id, *p.endpoint, p.name, num_tokens, p.layout.layout_id)
+
+
+WAIT = NodeConfig(ttl=5.0, heartbeat=1.0, handshake_timeout=3.0, transfer_timeout=20.0, cancel_grace=2.0,
+                  chunk_pages=4, claim_wait=2.0)
+
+
+def test_a_claim_before_the_lend_waits_for_it_and_reads_the_lent_bytes():
+    world, p, d, conn = rig(WAIT)
+    t = minted(p, 20)
+    r = d.fetch_ticket(t, seed=6)
+    assert r.fetch.state is FetchState.CLAIMING and p.session.next_deadline() is not None
+    world.advance(WAIT.claim_wait / 2)
+    assert r.fetch.state is FetchState.CLAIMING and locked(p) == 0
+    p.lend(20, seed=6, lease_id=t.lease)
+    world.pump()
+    assert r.fetch.state is FetchState.READING
+    finish_all(world, d)
+    assert r.fetch.state is FetchState.DONE and [r for _, r in p.ended] == ["done"]
+
+
+def test_a_claim_of_a_lease_never_lent_fails_after_claim_wait():
+    world, p, d, conn = rig(WAIT)
+    r = d.fetch_ticket(minted(p, 20), seed=6)
+    world.advance(WAIT.claim_wait - EPS_T)
+    assert r.fetch.state is FetchState.CLAIMING
+    world.advance(2 * EPS_T)
+    assert r.fetch.state is FetchState.FAILED and isinstance(r.fetch.error, LeaseUnknown)
+    assert "claim_wait" in str(r.fetch.error) and p.session.next_deadline() is None
+
+
+def test_without_claim_wait_an_unlent_ticket_is_refused_at_once():
+    world, p, d, conn = rig()
+    r = d.fetch_ticket(minted(p, 20), seed=6)
+    assert r.fetch.state is FetchState.FAILED and isinstance(r.fetch.error, LeaseUnknown)
+
+
+def test_a_waiting_claim_is_forgotten_with_its_connection():
+    world, p, d, conn = rig(WAIT)
+    t = minted(p, 20)
+    d.fetch_ticket(t, seed=6)
+    world.kill_decode(d)
+    assert p.session.next_deadline() is None
+    p.lend(20, seed=6, lease_id=t.lease)  # lent to nobody yet: a later decode may still claim it
+    world.advance(WAIT.claim_wait + EPS_T)
+    assert live(p, t)
+
+
+def test_a_lease_id_already_used_is_refused_before_anything_is_locked():
+    world, p, d, conn = rig(WAIT)
+    lease = p.lend(20, seed=6, lease_id=b"\x01" * 16)
+    before = locked(p)
+    with pytest.raises(KvlendError, match="repeated lease id"):
+        p.lend(12, seed=7, lease_id=lease.id)
+    with pytest.raises(KvlendError, match="lease_id: must be 16 bytes"):
+        p.lend(12, seed=7, lease_id=b"short")
+    assert locked(p) == before
+
+
+def test_claim_wait_must_be_shorter_than_the_ttl():
+    for bad in (-1, 5.0, float("nan"), True):
+        with pytest.raises(ConfigError, match="claim_wait"):
+            NodeConfig(ttl=5.0, claim_wait=bad)
+
+
 def test_no_prefill_at_the_ticket_endpoint():
     world = World(0)
     p = world.add_prefill(config=CFG)

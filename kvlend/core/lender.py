@@ -158,6 +158,7 @@ class Lender:
         ttl: float,
         peer: str | None = None,
         limits: LeaseLimits = NO_LIMITS,
+        lease_id: bytes | None = None,
     ) -> Lease:
         """Lend what a decoder at ``num_tokens`` reads; validates everything first.
 
@@ -165,6 +166,8 @@ class Lender:
         page (``ceil(num_tokens / tokens_per_page)`` entries), or one entry (the
         state slot) for a recurrent group.  Only rows that are lent are range
         checked, so stale rows of a windowed group may hold -1.  ``limits``: see the module doc.
+        ``lease_id`` (default: a fresh random one) lets a caller mint the ticket before the lend,
+        as vLLM's scheduler must; it is a capability, so it must be as unguessable as ours.
         """
         if not isinstance(request, str) or not request:
             raise LeaseError(f"request: must be a non-empty str, got {request!r}")
@@ -197,11 +200,13 @@ class Lender:
                 f"request {request!r} already has live lease {other.lease.hex} for peer {peer!r}; "
                 "release it first"
             )
-        lease_id = self._new_id(LEASE_ID_BYTES)
+        source = "new_id: must return" if lease_id is None else "lease_id: must be"
+        if lease_id is None:
+            lease_id = self._new_id(LEASE_ID_BYTES)
         if not isinstance(lease_id, bytes) or len(lease_id) != LEASE_ID_BYTES:
-            raise LeaseError(f"new_id: must return {LEASE_ID_BYTES} bytes, got {lease_id!r}")
-        if lease_id in self._live or lease_id in self._ended:
-            raise LeaseError(f"new_id: repeated lease id {lease_id.hex()}")
+            raise LeaseError(f"{source} {LEASE_ID_BYTES} bytes, got {lease_id!r}")
+        if self.known(lease_id):
+            raise LeaseError(f"{source.split(':')[0]}: repeated lease id {lease_id.hex()}")
         self.locks.lock_many(locked)
         lease = Lease(
             id=lease_id, request=request, num_tokens=num_tokens, pages=MappingProxyType(lent),
@@ -335,6 +340,10 @@ class Lender:
         if ended == _RELEASED:
             raise LeaseUnknown(f"lease {lease_id.hex()} was released")
         raise LeaseUnknown(f"lease {lease_id.hex()} was never granted (or is long gone)")
+
+    def known(self, lease_id: bytes) -> bool:
+        """Whether ``lease_id`` is live or remembered as ended (not merely never granted)."""
+        return lease_id in self._live or lease_id in self._ended
 
     def check_read(self, lease_id: bytes, peer: str | None, now: float) -> Lease:
         """The lease, if ``peer`` may read it now: live and offered to this peer (or to any)."""

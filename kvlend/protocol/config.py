@@ -76,6 +76,9 @@ class NodeConfig:
     transfer_timeout: float = 30.0  # one fetch, start to the prefill's done ack
     cancel_grace: float = 5.0  # a cancelled read may take this long to go quiet before its link is torn down
     chunk_pages: int = 256  # remote token pages per posted chunk
+    # A claim of a lease not yet lent waits this long for the lend (0: refused at once).  For
+    # tickets minted before the lend, as a vLLM scheduler does while its worker lends a step later.
+    claim_wait: float = 0.0
     quotas: Quotas = Quotas()  # what one peer may take (enforced by the prefill)
 
     def __post_init__(self) -> None:
@@ -83,6 +86,9 @@ class NodeConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
                 raise ConfigError(f"NodeConfig.{name} must be a positive number of seconds, got {value!r}")
+        wait = self.claim_wait
+        if isinstance(wait, bool) or not isinstance(wait, (int, float)) or not 0 <= wait < self.ttl:
+            raise ConfigError(f"NodeConfig.claim_wait must be a number of seconds in [0, ttl), got {wait!r}")
         if self.heartbeat >= self.ttl:
             raise ConfigError(f"NodeConfig.heartbeat {self.heartbeat} must be shorter than ttl {self.ttl}")
         if isinstance(self.chunk_pages, bool) or not isinstance(self.chunk_pages, int) or self.chunk_pages < 1:

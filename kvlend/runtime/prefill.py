@@ -75,10 +75,17 @@ class PrefillNode(Shell):
         return lease
 
     def lend(self, request: str, num_tokens: int, pages: Mapping[str, Any],
-             selection: RowSelection = RowSelection.all(), meta: Mapping[str, Any] | None = None) -> Ticket:
-        """Lend ``request``'s pages to whichever decode redeems the returned ticket."""
+             selection: RowSelection = RowSelection.all(), meta: Mapping[str, Any] | None = None,
+             lease_id: bytes | None = None) -> Ticket:
+        """Lend ``request``'s pages to whichever decode redeems the returned ticket.
+
+        ``lease_id``: lend under the id of a ``Ticket`` minted earlier from this node's ``advertise``,
+        ``port``, name and layout id, for engines whose scheduler answers the client before the
+        process owning the pages can lend (set ``NodeConfig.claim_wait`` so an early claim waits).
+        """
         with self._lock:
-            lease = self.session.lend(request, num_tokens, pages, selection, self.clock(), meta=meta)
+            lease = self.session.lend(request, num_tokens, pages, selection, self.clock(), meta=meta,
+                                      lease_id=lease_id)
             ticket = self.session.ticket(lease, self.advertise, self.port)
         METRICS.inc("kvlend_leases_total")
         self._wake()

@@ -68,6 +68,11 @@ class Shell:
     def threaded(self) -> bool:
         return self._thread is not None
 
+    @property
+    def loop_thread(self) -> threading.Thread | None:
+        """The thread ``start()`` runs the loop on (an engine may set its CPU affinity or priority)."""
+        return self._thread
+
     def _wake(self) -> None:
         if self._thread is not None:
             self._sockets.wake()

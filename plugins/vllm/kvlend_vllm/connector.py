@@ -1,0 +1,172 @@
+"""``KvlendConnector``: kvlend as a vLLM v1 KV connector.
+
+Load it with ``--kv-transfer-config '{"kv_connector": "KvlendConnector",
+"kv_connector_module_path": "kvlend_vllm.connector", "kv_role": "kv_producer"
+| "kv_consumer", "kv_load_failure_policy": "recompute", ...}'`` (docs/vllm.md).
+vLLM builds one instance per role: the scheduler side (``scheduler.py``) in
+EngineCore and the worker side (``worker.py``) in the process owning the KV
+tensors.  This class only routes vLLM's hooks to whichever side it is.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1, KVConnectorHandshakeMetadata, KVConnectorMetadata, KVConnectorRole,
+    KVConnectorTransferResults,
+)
+
+from kvlend.protocol.config import NodeConfig
+
+from .layout import layout_from_kv_caches, model_digest, scope_of
+from .scheduler import ConsumerScheduler, Endpoint, ProducerScheduler, StepPlan
+from .worker import ConsumerWorker, ProducerWorker, WorkerSettings
+
+log = logging.getLogger("kvlend.vllm")
+
+
+def _show_kvlend_logs() -> None:
+    """vLLM configures only its own loggers: without this, kvlend's warnings would vanish."""
+    root = logging.getLogger("kvlend")
+    if not root.handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter(f"(kvlend pid={os.getpid()}) %(levelname)s %(asctime)s "
+                                               "[%(name)s] %(message)s", "%m-%d %H:%M:%S"))
+        root.addHandler(handler)
+        root.setLevel(os.environ.get("KVLEND_LOG", "INFO"))
+
+# kv_connector_extra_config keys and defaults (seconds): docs/vllm.md.
+DEFAULTS = {"host": "127.0.0.1", "port": 0, "advertise": None, "ttl": 30.0, "heartbeat": 1.0,
+            "claim_wait": 5.0, "transfer_timeout": 30.0, "stats_path": None}
+
+
+@dataclass
+class KvlendMetadata(KVConnectorMetadata):
+    plan: StepPlan = field(default_factory=StepPlan)
+
+
+@dataclass
+class KvlendHandshake(KVConnectorHandshakeMetadata):
+    endpoint: Endpoint | None = None
+
+
+class KvlendConnector(KVConnectorBase_V1):
+    def __init__(self, vllm_config, role: KVConnectorRole, kv_cache_config=None) -> None:
+        super().__init__(vllm_config, role, kv_cache_config)
+        _show_kvlend_logs()
+        transfer = self._kv_transfer_config
+        if transfer.kv_role not in ("kv_producer", "kv_consumer"):
+            raise ValueError(f"KvlendConnector: kv_role must be kv_producer or kv_consumer, got {transfer.kv_role!r}")
+        self.producer = transfer.kv_role == "kv_producer"
+        extra = {**DEFAULTS, **(transfer.kv_connector_extra_config or {})}
+        unknown = sorted(set(extra) - set(DEFAULTS))
+        if unknown:
+            raise ValueError(f"KvlendConnector: unknown kv_connector_extra_config keys {unknown}; "
+                             f"known: {sorted(DEFAULTS)}")
+        self.block_size = vllm_config.cache_config.block_size
+        self.extra = extra
+        self.scheduler = self.worker = None
+        if role == KVConnectorRole.SCHEDULER:
+            self.scheduler = (ProducerScheduler if self.producer else ConsumerScheduler)(self.block_size)
+        else:
+            config = NodeConfig(ttl=float(extra["ttl"]), heartbeat=float(extra["heartbeat"]),
+                                claim_wait=float(extra["claim_wait"]) if self.producer else 0.0,
+                                transfer_timeout=float(extra["transfer_timeout"]))
+            side = "prefill" if self.producer else "decode"
+            name = f"vllm-{side}-{socket.gethostname()}-{os.getpid()}-{transfer.engine_id}"[:200]
+            settings = WorkerSettings(name, extra["host"], int(extra["port"]), extra["advertise"], config,
+                                      extra["stats_path"])
+            self.worker = ProducerWorker(settings) if self.producer else ConsumerWorker(settings, self.block_size)
+        self._endpoint: Endpoint | None = None
+
+    # ------------------------------------------------------------ scheduler
+    def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int | None, bool]:
+        if self.producer:
+            return 0, False
+        return self.scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
+        if not self.producer:
+            self.scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output) -> KVConnectorMetadata:
+        return KvlendMetadata(self.scheduler.take_plan())
+
+    def request_finished(self, request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        if self.producer:
+            return self.scheduler.request_finished(request, block_ids)
+        self.scheduler.request_finished(request)
+        return False, None
+
+    def update_connector_output(self, connector_output) -> None:
+        if self.producer:
+            self.scheduler.finished_sending(connector_output.finished_sending)
+        else:
+            self.scheduler.finished_recving(connector_output.finished_recving)
+
+    def has_pending_block_frees(self) -> bool:
+        # Lent blocks come back when their lease ends: wait for them rather than preempt.
+        return self.producer and self.scheduler.holding > 0
+
+    def set_xfer_handshake_metadata(self, metadata: dict[int, KVConnectorHandshakeMetadata]) -> None:
+        if self.producer:
+            if len(metadata) != 1:
+                raise ValueError(f"KvlendConnector supports one worker per engine (TP 1), got {len(metadata)}")
+            self.scheduler.set_endpoint(next(iter(metadata.values())).endpoint)
+
+    # --------------------------------------------------------------- worker
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        first = next(iter(kv_caches.values()))
+        dtype = str(first.dtype).removeprefix("torch.")
+        config = self._vllm_config
+        on_device = first.device.type != "cpu"
+        kernel = (f"CPU_ATTN-{torch.backends.cpu.get_cpu_capability()}" if not on_device
+                  else f"{first.device.type}-sm{''.join(map(str, torch.cuda.get_device_capability(first.device)))}")
+        scope = scope_of(platform=first.device.type, kernel=kernel, dtype=dtype, block_size=self.block_size,
+                         cache_layout=str(getattr(self._kv_cache_config, "kv_cache_layout", "default")),
+                         model=model_digest(config.model_config.hf_config.to_dict()))
+        layout = layout_from_kv_caches(kv_caches, block_size=self.block_size, dtype=dtype, scope=scope,
+                                       device_id=first.device.index or 0, on_device=on_device)
+        if self.producer:
+            self._endpoint = self.worker.register(layout)
+        else:
+            self.worker.register(layout)
+
+    def get_handshake_metadata(self) -> KVConnectorHandshakeMetadata | None:
+        return KvlendHandshake(self._endpoint) if self.producer else None
+
+    def start_load_kv(self, forward_context, **kwargs) -> None:
+        meta = self._get_connector_metadata()
+        if isinstance(meta, KvlendMetadata):
+            self.worker.start(meta.plan)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        pass  # loads are whole-request and asynchronous: a request runs only once its load finished
+
+    def save_kv_layer(self, layer_name: str, kv_layer, attn_metadata, **kwargs) -> None:
+        pass  # lent in place after the request finishes: nothing to save per layer
+
+    def wait_for_save(self) -> None:
+        pass
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        if self.producer:
+            return self.worker.finished_sending(finished_req_ids) or None, None
+        return None, self.worker.finished_recving() or None
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        sending, recving = self.get_finished(finished_req_ids)
+        return KVConnectorTransferResults(sending or set(), recving or set(), set())
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return set() if self.producer else self.worker.load_errors()
+
+    def shutdown(self) -> None:
+        if self.worker is not None:
+            self.worker.close()

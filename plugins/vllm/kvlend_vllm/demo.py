@@ -1,0 +1,302 @@
+"""Disaggregated vLLM demo: prefill server + decode server + router, one workload.
+
+Why: the end-to-end check of a KV connector is what a user would run — two
+`vllm serve` processes joined by a connector, a router in front, and an
+OpenAI client measuring TTFT and throughput.  `--check` also boots one plain
+server and compares greedy tokens, so a connector that moves wrong KV fails.
+
+    python -m kvlend_vllm.demo --connector kvlend|nixl [--size tiny|large] [--check] ...
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import random
+import re
+import signal
+import sys
+import tempfile
+import time
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+
+from kvlend_vllm import launch, models
+
+HOST = "127.0.0.1"
+DEFAULT_TOKENS = {"tiny": "32,300,1000", "large": "512,2048,8000"}
+# Prometheus counters the decode server exports for each connector, summed
+# over label sets.  NixlConnector's are vLLM's; kvlend's are defined by
+# kvlend_vllm.connector (names here must follow it).
+KV_METRICS = {
+    "nixl": {"kv_bytes": "vllm:nixl_bytes_transferred_sum",
+             "kv_xfer_s": "vllm:nixl_xfer_time_seconds_sum",
+             "kv_transfers": "vllm:nixl_xfer_time_seconds_count",
+             "kv_failed": "vllm:nixl_num_failed_transfers_total"},
+    "kvlend": {"kv_bytes": "vllm:kvlend_bytes_transferred_total",
+               "kv_xfer_s": "vllm:kvlend_xfer_time_seconds_sum",
+               "kv_transfers": "vllm:kvlend_xfer_time_seconds_count",
+               "kv_failed": "vllm:kvlend_failed_transfers_total"},
+}
+
+
+def kvlend_transfer_config(role: str, extra: dict | None = None) -> dict:
+    """kv_transfer_config of kvlend's connector for role kv_producer|kv_consumer."""
+    return {"kv_connector": "KvlendConnector",
+            "kv_connector_module_path": "kvlend_vllm.connector",
+            "kv_role": role, "kv_buffer_device": "cpu",
+            "kv_load_failure_policy": "recompute",
+            "kv_connector_extra_config": dict(extra or {})}
+
+
+def nixl_transfer_config(role: str) -> dict:
+    """kv_transfer_config of vLLM's own NixlConnector, host memory."""
+    return {"kv_connector": "NixlConnector", "kv_role": role, "kv_buffer_device": "cpu",
+            "kv_load_failure_policy": "recompute"}
+
+
+def make_prompts(n: int, lengths: list[int], seed: int = 0) -> list[list[int]]:
+    """n token-id prompts cycling over lengths; ids 4.. skip the specials."""
+    rng = random.Random(seed)
+    return [[rng.randrange(4, models.VOCAB) for _ in range(lengths[i % len(lengths)])]
+            for i in range(n)]
+
+
+def pct(xs: list[float], q: float) -> float | None:
+    if not xs:
+        return None
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, round(q / 100 * (len(xs) - 1)))]
+
+
+def scrape(url: str, names: dict[str, str]) -> dict[str, float]:
+    """Sum each named Prometheus sample of url/metrics over its label sets."""
+    try:
+        with urllib.request.urlopen(url + "/metrics", timeout=10) as r:
+            text = r.read().decode()
+    except OSError:
+        return {}
+    out = {}
+    for key, name in names.items():
+        vals = [float(m.group(1)) for m in
+                re.finditer(rf"^{re.escape(name)}(?:{{[^}}]*}})? (\S+)$", text, re.M)]
+        if vals:
+            out[key] = sum(vals)
+    return out
+
+
+def group_rss_gib(servers: list[launch.Server]) -> dict[str, float]:
+    """RSS of each server's whole process group."""
+    import psutil
+    rss = {s.name: 0 for s in servers}
+    pgids = {s.proc.pid: s.name for s in servers if s.proc}
+    for p in psutil.process_iter(["pid", "memory_info"]):
+        with contextlib.suppress(psutil.Error, OSError):
+            name = pgids.get(os.getpgid(p.info["pid"]))
+            if name and p.info["memory_info"]:
+                rss[name] += p.info["memory_info"].rss
+    return {k: round(v / 2**30, 2) for k, v in rss.items()}
+
+
+def boot(servers: list[launch.Server], timeout: float) -> None:
+    """Wait for all servers together, printing a progress line every 5 s."""
+    t0 = time.monotonic()
+    last = 0.0
+    announced: set[str] = set()
+    while not all([s.check() for s in servers]):
+        for s in servers:
+            if s.boot_s is not None and s.name not in announced:
+                announced.add(s.name)
+                print(f"demo: {s.name} ready in {s.boot_s:.1f}s", flush=True)
+        now = time.monotonic() - t0
+        if now > timeout:
+            raise TimeoutError("not ready after %.0fs: %s" % (now, ", ".join(
+                f"{s.name} (log {s.log_path})" for s in servers if s.boot_s is None)))
+        if now - last >= 5:
+            last = now
+            print("demo: booting %3.0fs  " % now + "  ".join(
+                f"{s.name}={'ready' if s.boot_s is not None else '...'}" for s in servers),
+                flush=True)
+        time.sleep(0.5)
+
+
+async def one_request(client, model: str, prompt: list[int], max_tokens: int) -> dict:
+    """One streamed greedy completion; TTFT is time to the first non-empty chunk."""
+    t0 = time.perf_counter()
+    raw = await client.completions.with_raw_response.create(
+        model=model, prompt=prompt, max_tokens=max_tokens, temperature=0, stream=True,
+        extra_body={"ignore_eos": True, "return_token_ids": True})
+    ttft, ids, text = None, [], []
+    async for chunk in raw.parse():
+        c = chunk.choices[0] if chunk.choices else None
+        if c is None:
+            continue
+        new = getattr(c, "token_ids", None) or (c.model_extra or {}).get("token_ids") or []
+        if (new or c.text) and ttft is None:
+            ttft = time.perf_counter() - t0
+        ids.extend(new)
+        text.append(c.text or "")
+    prefill_ms = raw.headers.get("x-kvlend-prefill-ms")
+    return {"ttft_s": ttft, "latency_s": time.perf_counter() - t0, "token_ids": ids,
+            "text": "".join(text), "prefill_ms": float(prefill_ms) if prefill_ms else None}
+
+
+async def workload(base_url: str, model: str, prompts: list[list[int]], max_tokens: int,
+                   concurrency: int, timeout: float) -> tuple[list[dict], float]:
+    """All prompts through base_url with at most `concurrency` in flight."""
+    import openai
+    client = openai.AsyncOpenAI(base_url=base_url + "/v1", api_key="none",
+                                timeout=timeout, max_retries=0)
+    sem = asyncio.Semaphore(concurrency)
+    results: list[dict | None] = [None] * len(prompts)
+
+    async def run(i: int) -> None:
+        async with sem:
+            try:
+                results[i] = await one_request(client, model, prompts[i], max_tokens)
+            except Exception as e:                      # reported, not fatal
+                results[i] = {"error": f"{type(e).__name__}: {e}"[:500]}
+
+    async def progress(t0: float) -> None:
+        while True:
+            await asyncio.sleep(5)
+            done = [r for r in results if r is not None]
+            print(f"demo: running {time.monotonic() - t0:4.0f}s  {len(done)}/{len(prompts)} done, "
+                  f"{sum('error' in r for r in done)} errors", flush=True)
+
+    t0 = time.monotonic()
+    ticker = asyncio.create_task(progress(t0))
+    try:
+        await asyncio.gather(*(run(i) for i in range(len(prompts))))
+    finally:
+        ticker.cancel()
+        await client.close()
+    return results, time.monotonic() - t0
+
+
+def report(args, results: list[dict], wall_s: float, boot_s: dict, rss: dict,
+           kv: dict, mismatches: list[int] | None) -> dict:
+    ok = [r for r in results if "error" not in r]
+    ttft = [r["ttft_s"] for r in ok if r["ttft_s"] is not None]
+    pre = [r["prefill_ms"] for r in ok if r["prefill_ms"] is not None]
+    toks = sum(len(r["token_ids"]) for r in ok)
+    rep = {"connector": args.connector, "size": args.size, "requests": len(results),
+           "ok": len(ok), "errors": len(results) - len(ok),
+           "first_errors": [r["error"] for r in results if "error" in r][:3],
+           "prompt_tokens": args.prompt_tokens, "max_tokens": args.max_tokens,
+           "concurrency": args.concurrency,
+           "ttft_p50_s": pct(ttft, 50), "ttft_p99_s": pct(ttft, 99),
+           "prefill_ms_p50": pct(pre, 50), "output_tokens": toks,
+           "tokens_per_s": toks / wall_s if wall_s else None, "run_s": wall_s,
+           "boot_s": boot_s, "rss_gib": rss, **kv}
+    if mismatches is not None:
+        rep["check_vs_single_server"] = "match" if not mismatches else f"MISMATCH at {mismatches}"
+    return rep
+
+
+def print_report(rep: dict) -> None:
+    f = lambda v: "-" if v is None else (f"{v:.3f}" if isinstance(v, float) else str(v))
+    print("\n== kvlend vLLM demo ==")
+    for k, v in rep.items():
+        if isinstance(v, dict):
+            v = "  ".join(f"{a}={f(b)}" for a, b in v.items()) or "-"
+        print(f"  {k:24} {f(v) if not isinstance(v, str) else v}")
+
+
+def _interrupt(*_) -> None:
+    raise KeyboardInterrupt
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--connector", choices=("kvlend", "nixl"), default="kvlend")
+    ap.add_argument("--size", choices=sorted(models.SIZES), default="tiny")
+    ap.add_argument("--prompts", type=int, default=12)
+    ap.add_argument("--prompt-tokens", help="comma-separated prompt lengths, cycled "
+                    "(default tiny %s, large %s)" % (DEFAULT_TOKENS["tiny"], DEFAULT_TOKENS["large"]))
+    ap.add_argument("--max-tokens", type=int, default=16)
+    ap.add_argument("--concurrency", type=int, default=4)
+    ap.add_argument("--kv-cache-gib", type=int, help="per server (default tiny 1, large 4)")
+    ap.add_argument("--check", action="store_true",
+                    help="also boot one plain server and compare greedy tokens")
+    ap.add_argument("--boot-timeout", type=float, default=300.0)
+    ap.add_argument("--request-timeout", type=float, default=300.0)
+    ap.add_argument("--log-dir", help="server logs (default: a new temp dir)")
+    ap.add_argument("--json", help="also write the report here")
+    args = ap.parse_args(argv)
+    args.prompt_tokens = args.prompt_tokens or DEFAULT_TOKENS[args.size]
+    lengths = [int(x) for x in args.prompt_tokens.split(",")]
+    max_len = models.SIZES[args.size]["max_position_embeddings"]
+    if max(lengths) + args.max_tokens > max_len:
+        ap.error(f"prompt + max tokens exceed the {args.size} model's {max_len} positions")
+    kv_gib = args.kv_cache_gib or (1 if args.size == "tiny" else 4)
+    log_dir = args.log_dir or tempfile.mkdtemp(prefix="kvlend-vllm-demo-")
+    os.makedirs(log_dir, exist_ok=True)
+
+    # SIGTERM as well as Ctrl-C must reach the finally below, which kills groups.
+    signal.signal(signal.SIGTERM, _interrupt)
+    model = models.ensure_model(args.size)
+    print(f"demo: model {model}, logs in {log_dir}", flush=True)
+
+    def engine(name: str, role: str | None) -> launch.Server:
+        port, extra_env = launch.free_port(), {}
+        if role is None:
+            cfg = None
+        elif args.connector == "nixl":
+            cfg = nixl_transfer_config(role)
+            extra_env = {"VLLM_NIXL_SIDE_CHANNEL_HOST": HOST,
+                         "VLLM_NIXL_SIDE_CHANNEL_PORT": str(launch.free_port())}
+        else:
+            cfg = kvlend_transfer_config(role)
+        return launch.Server(name, f"http://{HOST}:{port}").start(
+            launch.vllm_serve_argv(model, port, kv_transfer_config=cfg, max_model_len=max_len),
+            launch.vllm_env(kv_gib, extra_env), os.path.join(log_dir, f"{name}.log"))
+
+    servers: list[launch.Server] = []
+    try:
+        prefill = engine("prefill", "kv_producer")
+        servers.append(prefill)
+        decode = engine("decode", "kv_consumer")
+        servers.append(decode)
+        single = engine("single", None) if args.check else None
+        servers += [single] if single else []
+        rport = launch.free_port()
+        router = launch.Server("router", f"http://{HOST}:{rport}", ("/health",)).start(
+            [sys.executable, "-m", "kvlend_vllm.router", "--port", str(rport),
+             "--prefill", prefill.url, "--decode", decode.url,
+             "--timeout", str(args.request_timeout)],
+            None, os.path.join(log_dir, "router.log"))
+        servers.append(router)
+        boot(servers, args.boot_timeout)
+        boot_s = {s.name: round(s.boot_s, 1) for s in servers}
+        print("demo: ready  " + "  ".join(f"{k}={v}s" for k, v in boot_s.items()), flush=True)
+
+        prompts = make_prompts(args.prompts, lengths)
+        results, wall = asyncio.run(workload(router.url, model, prompts, args.max_tokens,
+                                             args.concurrency, args.request_timeout))
+        rss = group_rss_gib(servers)
+        kv = scrape(decode.url, KV_METRICS[args.connector])
+        mismatches = None
+        if single:
+            print("demo: checking against the single server", flush=True)
+            base, _ = asyncio.run(workload(single.url, model, prompts, args.max_tokens,
+                                           args.concurrency, args.request_timeout))
+            mismatches = [i for i, (a, b) in enumerate(zip(results, base))
+                          if "error" in a or "error" in b or a["token_ids"] != b["token_ids"]]
+    finally:
+        print("demo: stopping servers", flush=True)
+        with ThreadPoolExecutor(max(1, len(servers))) as pool:   # in parallel: each may take 15 s
+            list(pool.map(launch.Server.stop, servers))
+    rep = report(args, results, wall, boot_s, rss, kv, mismatches)
+    print_report(rep)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rep, f, indent=1)
+    return 0 if rep["errors"] == 0 and not mismatches else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

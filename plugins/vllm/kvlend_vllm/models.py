@@ -1,0 +1,148 @@
+"""Local Llama test models (random weights, locally trained BPE tokenizer).
+
+Why: tests and demos need a model vLLM loads offline, deterministically, with
+known KV geometry, and without a hub.  ``ensure_model`` builds one once per
+(size, seed) and caches it; a rebuild gives byte-identical files.
+
+    python -m kvlend_vllm.models --size tiny|large [--out DIR] [--seed N] [--force]
+
+Sizes:
+    tiny  : hidden 256, 2 layers, 4 heads, 2 KV heads, head_dim 64, vocab 1024,
+            2048 positions
+    large : hidden 256, 8 layers, 8 heads, 8 KV heads, head_dim 128, vocab 1024,
+            16384 positions (for ~8k-token prompts; fp32 KV is 64 KiB per token)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+import tempfile
+import time
+
+SIZES = {
+    "tiny": dict(hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                 num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+                 max_position_embeddings=2048),
+    "large": dict(hidden_size=256, intermediate_size=512, num_hidden_layers=8,
+                  num_attention_heads=8, num_key_value_heads=8, head_dim=128,
+                  max_position_embeddings=16384),
+}
+# With the default 0.02 the 8-layer model's greedy output is one token repeated
+# (a weak check); 0.1 gives 16 distinct tokens out of 16.  Tiny keeps 0.02.
+INIT_RANGE = {"tiny": 0.02, "large": 0.1}
+VOCAB = 1024
+SPECIALS = ["<unk>", "<s>", "</s>", "<pad>"]   # ids 0..3
+NEEDED = ("config.json", "model.safetensors", "tokenizer.json")
+
+
+def default_root() -> str:
+    return os.environ.get("KVLEND_MODEL_DIR") or os.path.expanduser("~/.cache/kvlend/models")
+
+
+def _corpus() -> list[str]:
+    """Deterministic training text: this Python's stdlib sources plus a few sentences."""
+    import importlib
+    import inspect
+    lines: list[str] = []
+    for name in ("argparse", "collections", "json", "textwrap",
+                 "string", "inspect", "functools", "random"):
+        lines.extend(inspect.getsource(importlib.import_module(name)).splitlines())
+    extra = ("The quick brown fox jumps over the lazy dog. "
+             "Hello, my name is Alice and I live in Paris. "
+             "The capital of France is Paris. One two three four five six seven.")
+    lines.extend([extra] * 50)
+    return [ln for ln in lines if ln.strip()]
+
+
+def _write_tokenizer(out: str, max_len: int) -> None:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=VOCAB, special_tokens=SPECIALS, show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(_corpus(), trainer=trainer)
+    assert tok.get_vocab_size() <= VOCAB, tok.get_vocab_size()
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, unk_token="<unk>", bos_token="<s>",
+        eos_token="</s>", pad_token="<pad>")
+    fast.model_max_length = max_len
+    fast.save_pretrained(out)
+
+
+def _write_model(out: str, size: str, seed: int) -> None:
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(
+        vocab_size=VOCAB, rms_norm_eps=1e-5, rope_theta=10000.0,
+        tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, pad_token_id=3,
+        initializer_range=INIT_RANGE[size], dtype="float32", **SIZES[size])
+    LlamaForCausalLM(cfg).to(torch.float32).save_pretrained(out, safe_serialization=True)
+
+
+def _complete(path: str) -> bool:
+    return all(os.path.exists(os.path.join(path, f)) for f in NEEDED)
+
+
+def build(size: str, out: str, seed: int = 0, force: bool = False) -> str:
+    """Build into ``out`` unless complete there; atomic (temp dir, then rename)."""
+    if size not in SIZES:
+        raise ValueError(f"unknown size {size!r}; choose from {sorted(SIZES)}")
+    out = os.path.abspath(out)
+    if not force and _complete(out):
+        return out
+    parent = os.path.dirname(out)
+    os.makedirs(parent, exist_ok=True)
+    t = time.monotonic()
+    tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(out)}.", dir=parent)
+    os.chmod(tmp, 0o755)                         # mkdtemp makes it 0700
+    try:
+        _write_model(tmp, size, seed)
+        _write_tokenizer(tmp, SIZES[size]["max_position_embeddings"])
+        with open(os.path.join(tmp, "kvlend_model.json"), "w") as f:
+            json.dump({"size": size, "seed": seed, "vocab": VOCAB,
+                       "initializer_range": INIT_RANGE[size], **SIZES[size]}, f)
+        if os.path.exists(out):
+            if not force and _complete(out):   # another process won the race
+                return out
+            old = tempfile.mkdtemp(prefix=f".{os.path.basename(out)}.old.", dir=parent)
+            os.rename(out, os.path.join(old, "m"))
+            shutil.rmtree(old)
+        try:
+            os.rename(tmp, out)
+        except OSError:                          # lost a race between the check and here
+            if not _complete(out):
+                raise
+        print(f"kvlend models: built {out} in {time.monotonic() - t:.1f}s", file=sys.stderr)
+        return out
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def ensure_model(size: str, root: str | None = None, seed: int = 0) -> str:
+    """Path of the cached model ``<root>/llama-<size>-s<seed>``, built on first use."""
+    return build(size, os.path.join(root or default_root(), f"llama-{size}-s{seed}"), seed)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--size", choices=sorted(SIZES), default="tiny")
+    ap.add_argument("--out", help="model directory (default: <root>/llama-<size>-s<seed>)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--force", action="store_true", help="rebuild even if cached")
+    a = ap.parse_args()
+    out = a.out or os.path.join(default_root(), f"llama-{a.size}-s{a.seed}")
+    print(build(a.size, out, a.seed, a.force))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,152 @@
+"""Prefill-then-decode HTTP router for disaggregated vLLM serving.
+
+Why: with a KV connector, a request must first run on a prefill server as a
+one-token request that keeps its KV (``do_remote_decode``), then on a decode
+server with the ``kv_transfer_params`` the prefill returned.  This speaks the
+same protocol as vLLM's toy proxy for NixlConnector, so it drives vLLM's
+NixlConnector and kvlend's connector alike.
+
+    python -m kvlend_vllm.router --port P --prefill URL [--prefill URL ...] --decode URL [...]
+
+Each response carries ``x-kvlend-prefill-ms`` (time in the prefill call) and
+``x-kvlend-prefill``/``x-kvlend-decode`` (the upstreams used), for measurement.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import itertools
+import logging
+import time
+import uuid
+
+import httpx
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+log = logging.getLogger("kvlend_vllm.router")
+
+PREFILL_PARAMS = {"do_remote_decode": True, "do_remote_prefill": False,
+                  "remote_engine_id": None, "remote_block_ids": None,
+                  "remote_host": None, "remote_port": None}
+
+
+def prefill_request(body: dict) -> dict:
+    """The prefill's version of a request: one token, not streamed, KV kept."""
+    req = dict(body, stream=False, max_tokens=1, kv_transfer_params=dict(PREFILL_PARAMS))
+    if "max_completion_tokens" in req:
+        req["max_completion_tokens"] = 1
+    req.pop("stream_options", None)
+    return req
+
+
+def build_app(prefill: list[str], decode: list[str], *, timeout_s: float = 600.0,
+              connect_timeout_s: float = 10.0) -> FastAPI:
+    """The router app; round-robins over the prefill and the decode URLs."""
+    if not prefill or not decode:
+        raise ValueError("need at least one prefill and one decode URL")
+    prefills = itertools.cycle([u.rstrip("/") for u in prefill])
+    decodes = itertools.cycle([u.rstrip("/") for u in decode])
+    timeout = httpx.Timeout(timeout_s, connect=connect_timeout_s)
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=64)
+    state: dict[str, httpx.AsyncClient] = {}
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_app):
+        state["client"] = httpx.AsyncClient(timeout=timeout, limits=limits)
+        try:
+            yield
+        finally:
+            await state["client"].aclose()
+
+    app = FastAPI(lifespan=lifespan)
+
+    @app.get("/health")
+    async def health():
+        return {"status": "ok"}
+
+    async def route(api: str, request: Request):
+        body = await request.json()
+        client = state["client"]
+        rid = request.headers.get("x-request-id") or str(uuid.uuid4())
+        headers = {"X-Request-Id": rid}
+        if "authorization" in request.headers:
+            headers["Authorization"] = request.headers["authorization"]
+        p_url, d_url = next(prefills), next(decodes)
+
+        t0 = time.perf_counter()
+        try:
+            p = await client.post(p_url + api, json=prefill_request(body), headers=headers)
+        except httpx.HTTPError as e:
+            log.warning("prefill %s unreachable: %r", p_url, e)
+            return JSONResponse({"error": {"message": f"prefill {p_url} unreachable: {e!r}",
+                                           "type": "upstream_error"}}, status_code=502)
+        prefill_ms = (time.perf_counter() - t0) * 1000
+        if p.status_code != 200:
+            return JSONResponse(_json_or_text(p), status_code=p.status_code)
+        kv_params = _json_or_text(p).get("kv_transfer_params") or None
+        if kv_params is None:
+            log.warning("prefill %s returned no kv_transfer_params (rid %s)", p_url, rid)
+        d_body = dict(body, kv_transfer_params=kv_params) if kv_params else body
+        meta = {"x-kvlend-prefill-ms": f"{prefill_ms:.1f}", "x-kvlend-prefill": p_url,
+                "x-kvlend-decode": d_url, "x-request-id": rid}
+
+        try:
+            d = await client.send(client.build_request("POST", d_url + api, json=d_body,
+                                                       headers=headers), stream=True)
+        except httpx.HTTPError as e:
+            log.warning("decode %s unreachable: %r", d_url, e)
+            return JSONResponse({"error": {"message": f"decode {d_url} unreachable: {e!r}",
+                                           "type": "upstream_error"}}, status_code=502,
+                                headers=meta)
+
+        async def relay():
+            try:
+                async for chunk in d.aiter_raw():
+                    yield chunk
+            except httpx.HTTPError as e:   # headers are gone: all we can do is log and end
+                log.warning("decode %s broke mid-stream: %r", d_url, e)
+            finally:
+                await d.aclose()
+
+        log.info("rid %s prefill %s %.1f ms -> decode %s", rid, p_url, prefill_ms, d_url)
+        return StreamingResponse(relay(), status_code=d.status_code, headers=meta,
+                                 media_type=d.headers.get("content-type"))
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        return await route("/v1/completions", request)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        return await route("/v1/chat/completions", request)
+
+    return app
+
+
+def _json_or_text(r: httpx.Response) -> dict:
+    try:
+        out = r.json()
+        return out if isinstance(out, dict) else {"response": out}
+    except ValueError:
+        return {"error": {"message": r.text[:2000], "type": "upstream_error"}}
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description="prefill-then-decode router for vLLM")
+    ap.add_argument("--host", default="127.0.0.1")
+    ap.add_argument("--port", type=int, required=True)
+    ap.add_argument("--prefill", action="append", required=True, help="prefill base URL")
+    ap.add_argument("--decode", action="append", required=True, help="decode base URL")
+    ap.add_argument("--timeout", type=float, default=600.0, help="per upstream call, seconds")
+    ap.add_argument("--log-level", default="info")
+    a = ap.parse_args(argv)
+    logging.basicConfig(level=a.log_level.upper(), format="%(asctime)s router %(message)s")
+    import uvicorn
+    uvicorn.run(build_app(a.prefill, a.decode, timeout_s=a.timeout), host=a.host, port=a.port,
+                log_level=a.log_level, access_log=False)
+
+
+if __name__ == "__main__":
+    main()

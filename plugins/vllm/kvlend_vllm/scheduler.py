@@ -1,0 +1,168 @@
+"""The connector's scheduler side: which requests to lend or load, and the tickets.
+
+It runs in vLLM's EngineCore process, which owns no KV memory: the worker
+process lends and fetches.  So the prefill scheduler *mints* the ticket
+itself (a fresh random lease id plus the worker's endpoint, name and layout
+id, sent once through vLLM's handshake metadata) and tells its worker to lend
+under that id on the next step; a claim that arrives first waits for the lend
+(``NodeConfig.claim_wait``).  Nothing here blocks, raises into vLLM on a bad
+ticket, or touches NIXL.  vLLM objects are read duck-typed (``request``,
+``blocks``), so the logic is tested without an engine.
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvlend.core.lender import LEASE_ID_BYTES
+from kvlend.errors import KvlendError
+from kvlend.protocol.ticket import Ticket
+
+log = logging.getLogger("kvlend.vllm")
+
+TICKET_KEY = "kvlend_ticket"  # in kv_transfer_params, next to the do_remote_* flags routers already set
+_LENT_STATUSES = ("FINISHED_STOPPED", "FINISHED_LENGTH_CAPPED")  # an abort or error frees at once
+
+
+@dataclass(frozen=True)
+class Endpoint:
+    """What a producer worker tells its scheduler once, so the scheduler can mint tickets."""
+
+    host: str
+    port: int
+    name: str
+    layout_id: str
+
+
+@dataclass(frozen=True)
+class Lend:
+    request: str
+    lease: bytes
+    num_tokens: int
+    blocks: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class Load:
+    request: str
+    ticket: str
+    blocks: tuple[int, ...]
+    resume_from: int  # tokens vLLM already holds locally (block-aligned): not fetched
+
+
+@dataclass
+class StepPlan:
+    """What one engine step asks of the worker (the connector metadata's contents)."""
+
+    lends: list[Lend] = field(default_factory=list)
+    loads: list[Load] = field(default_factory=list)
+    cancels: list[str] = field(default_factory=list)
+
+
+def pages_for(num_tokens: int, block_size: int) -> int:
+    return -(-num_tokens // block_size)
+
+
+class ProducerScheduler:
+    """Prefill: lend a finished request's blocks in place and hand back its ticket."""
+
+    def __init__(self, block_size: int) -> None:
+        self.block_size = block_size
+        self.endpoint: Endpoint | None = None
+        self._plan = StepPlan()
+        self._held: set[str] = set()  # requests whose blocks wait for finished_sending
+
+    def set_endpoint(self, endpoint: Endpoint) -> None:
+        self.endpoint = endpoint
+
+    def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict | None]:
+        params = request.kv_transfer_params
+        if not params or not params.get("do_remote_decode"):
+            return False, None
+        status = getattr(request.status, "name", str(request.status))
+        num_tokens = request.num_computed_tokens
+        if status not in _LENT_STATUSES or not block_ids or num_tokens <= 0:
+            return False, None
+        if self.endpoint is None:
+            log.warning("request %s: no kvlend endpoint from the worker yet; not lent", request.request_id)
+            return False, None
+        blocks = tuple(block_ids[:pages_for(num_tokens, self.block_size)])
+        lease = secrets.token_bytes(LEASE_ID_BYTES)
+        e = self.endpoint
+        ticket = Ticket(lease, e.host, e.port, e.name, num_tokens, e.layout_id)
+        self._plan.lends.append(Lend(request.request_id, lease, num_tokens, blocks))
+        self._held.add(request.request_id)
+        return True, {"do_remote_prefill": True, "do_remote_decode": False, TICKET_KEY: ticket.to_text(),
+                      "remote_num_tokens": num_tokens}
+
+    def finished_sending(self, request_ids) -> None:
+        self._held.difference_update(request_ids or ())
+
+    @property
+    def holding(self) -> int:
+        """Requests whose blocks are lent and not yet given back."""
+        return len(self._held)
+
+    def take_plan(self) -> StepPlan:
+        plan, self._plan = self._plan, StepPlan()
+        return plan
+
+
+class ConsumerScheduler:
+    """Decode: load a ticket's KV into the blocks vLLM allocated, once per request."""
+
+    def __init__(self, block_size: int) -> None:
+        self.block_size = block_size
+        self._plan = StepPlan()
+        self._loading: set[str] = set()
+
+    def ticket_of(self, request: Any) -> Ticket | None:
+        """The request's ticket, if it still has one to redeem and it fits the prompt; never raises."""
+        params = request.kv_transfer_params
+        if not params or not params.get("do_remote_prefill") or TICKET_KEY not in params:
+            return None
+        try:
+            ticket = Ticket.from_text(params[TICKET_KEY])
+        except KvlendError as exc:
+            log.warning("request %s: bad kvlend ticket, computing locally: %s", request.request_id, exc)
+            return None
+        prompt = len(request.prompt_token_ids or ())
+        if ticket.num_tokens != prompt:
+            log.warning("request %s: ticket covers %d tokens but the prompt has %d; computing locally",
+                        request.request_id, ticket.num_tokens, prompt)
+            return None
+        return ticket
+
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
+        ticket = self.ticket_of(request)
+        if ticket is None:
+            return 0, False
+        count = ticket.num_tokens - num_computed_tokens
+        return (count, True) if count > 0 else (0, False)
+
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        ticket = self.ticket_of(request)
+        if ticket is None:
+            return
+        request.kv_transfer_params["do_remote_prefill"] = False  # one load per request, even if rescheduled
+        if num_external_tokens <= 0:
+            return  # all local: the prefill's lease expires by its TTL
+        table = tuple(blocks.get_block_ids()[0][:pages_for(ticket.num_tokens, self.block_size)])
+        resume = request.num_computed_tokens
+        self._plan.loads.append(Load(request.request_id, request.kv_transfer_params[TICKET_KEY], table, resume))
+        self._loading.add(request.request_id)
+
+    def request_finished(self, request: Any) -> None:
+        """A request ended (an abort, typically while its KV was still loading): stop its fetch."""
+        if request.request_id in self._loading:
+            self._plan.cancels.append(request.request_id)
+
+    def finished_recving(self, request_ids) -> None:
+        self._loading.difference_update(request_ids or ())
+
+    def take_plan(self) -> StepPlan:
+        plan, self._plan = self._plan, StepPlan()
+        return plan

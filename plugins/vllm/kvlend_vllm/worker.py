@@ -1,0 +1,179 @@
+"""The connector's worker side: a kvlend node over the KV tensors vLLM registered.
+
+It runs in vLLM's worker process (the one that owns the KV memory), with the
+node's loop on its own thread so claims, heartbeats and reads progress
+between engine steps.  vLLM's hooks only hand work over and collect results:
+none of them blocks on the network.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from kvlend.errors import KvlendError
+from kvlend.protocol.config import NodeConfig
+from kvlend.runtime import DecodeNode, PrefillNode
+from kvlend.runtime.secret import load_secret
+from kvlend.transport import load_backend
+
+from .scheduler import Endpoint, StepPlan
+
+log = logging.getLogger("kvlend.vllm")
+
+
+@dataclass(frozen=True)
+class WorkerSettings:
+    name: str
+    host: str = "127.0.0.1"
+    port: int = 0
+    advertise: str | None = None
+    config: NodeConfig = NodeConfig()
+    stats_path: str | None = None  # decode: one JSON line per finished fetch
+
+
+def _unpin(node) -> None:
+    """Let the node's loop run on any CPU.
+
+    vLLM's CPU worker pins its process to the cores of its OpenMP threads, which spin
+    between steps: a loop thread left on those cores starves, and with it every claim,
+    heartbeat and NIXL progress (reads measured stuck for 10 s with two engines on one core).
+    """
+    try:
+        os.sched_setaffinity(node.loop_thread.native_id, range(os.cpu_count() or 1))
+    except (AttributeError, OSError) as exc:
+        log.warning("kvlend loop thread keeps vLLM's CPU affinity (%s)", exc)
+
+
+def _backend(name: str):
+    # The progress thread starves under busy polling on small hosts; the node's loop drives NIXL.
+    return load_backend("nixl", name=name, timeout=10.0)
+
+
+class ProducerWorker:
+    """Prefill: lend blocks under the scheduler's lease ids; report them back when their lease ends."""
+
+    def __init__(self, settings: WorkerSettings) -> None:
+        self.settings = settings
+        self.node: PrefillNode | None = None
+        self._lock = threading.Lock()
+        self._ended: set[str] = set()  # leases over (done, aborted, expired, released): blocks may be freed
+        self._finished: set[str] = set()  # requests vLLM said finished (only those may be reported)
+
+    def register(self, layout) -> Endpoint:
+        s = self.settings
+        self.node = PrefillNode(layout, _backend(s.name), load_secret(), name=s.name, host=s.host, port=s.port,
+                                advertise=s.advertise, config=s.config, on_release=self._on_release)
+        self.node.start()
+        _unpin(self.node)
+        log.info("kvlend prefill %s listening on %s:%d (layout %s)", s.name, self.node.host, self.node.port,
+                 layout.layout_id)
+        return Endpoint(self.node.advertise, self.node.port, s.name, layout.layout_id)
+
+    def _on_release(self, lease, reason: str) -> None:
+        with self._lock:
+            self._ended.add(lease.request)
+
+    def start(self, plan: StepPlan) -> None:
+        for lend in plan.lends:
+            try:
+                self.node.lend(lend.request, lend.num_tokens, {"full": list(lend.blocks)},
+                               self.node.layout.full_selection(), lease_id=lend.lease)
+            except KvlendError as exc:  # nothing lent: free the blocks now; a claim is refused after claim_wait
+                log.warning("request %s: not lent (%s); its blocks are freed", lend.request, exc)
+                with self._lock:
+                    self._ended.add(lend.request)
+
+    def finished_sending(self, finished_req_ids: set[str]) -> set[str]:
+        with self._lock:
+            self._finished |= finished_req_ids
+            done = self._ended & self._finished
+            self._ended -= done
+            self._finished -= done
+        return done
+
+    def close(self) -> None:
+        if self.node is not None:
+            backend = self.node.backend
+            self.node.close()
+            backend.close()
+
+
+class ConsumerWorker:
+    """Decode: fetch tickets into vLLM's blocks; failed blocks are reported only once quiet."""
+
+    def __init__(self, settings: WorkerSettings, block_size: int) -> None:
+        self.settings = settings
+        self.block_size = block_size
+        self.node: DecodeNode | None = None
+        self._fetches: dict[str, tuple[Any, tuple[int, ...], float]] = {}  # request -> (handle, blocks, t0)
+        self._by_handle: dict[int, str] = {}
+        self._done: set[str] = set()
+        self._cancelled: set[str] = set()
+        self._invalid: set[int] = set()
+
+    def register(self, layout) -> None:
+        s = self.settings
+        self.node = DecodeNode(layout, _backend(s.name), load_secret(), name=s.name, config=s.config)
+        self.node.start()
+        _unpin(self.node)
+        log.info("kvlend decode %s ready (layout %s)", s.name, layout.layout_id)
+
+    def start(self, plan: StepPlan) -> None:
+        for request in plan.cancels:
+            entry = self._fetches.get(request)
+            if entry is not None:
+                entry[0].cancel()
+                self._cancelled.add(request)
+        for load in plan.loads:
+            try:
+                handle = self.node.start_fetch(load.ticket, {"full": list(load.blocks)},
+                                               resume_from=load.resume_from)
+            except KvlendError as exc:  # nothing was read: every block is recomputed
+                log.warning("request %s: fetch not started (%s); recomputing", load.request, exc)
+                self._invalid.update(load.blocks[load.resume_from // self.block_size:])
+                self._done.add(load.request)
+                continue
+            self._fetches[load.request] = (handle, load.blocks, time.perf_counter())
+            self._by_handle[handle.id] = load.request
+
+    def finished_recving(self) -> set[str]:
+        for handle in self.node.finished():  # each already quiet: nothing can still land
+            request = self._by_handle.pop(handle.id)
+            _, blocks, t0 = self._fetches.pop(request)
+            cancelled = request in self._cancelled
+            self._cancelled.discard(request)
+            if not handle.ok and not cancelled:  # an aborted request's blocks are freed, not recomputed
+                good = handle.bound // self.block_size  # pages below the verified bound landed whole
+                self._invalid.update(blocks[good:])
+                log.warning("request %s: KV fetch failed at token %d (%s); %d blocks recomputed", request,
+                            handle.bound, handle.error, len(blocks) - good)
+            self._record(request, handle, time.perf_counter() - t0)
+            self._done.add(request)
+        done, self._done = self._done, set()
+        return done
+
+    def load_errors(self) -> set[int]:
+        invalid, self._invalid = self._invalid, set()
+        return invalid
+
+    def _record(self, request: str, handle, seconds: float) -> None:
+        if not self.settings.stats_path:
+            return
+        result = handle.result() if handle.ok else None
+        line = {"request": request, "ok": handle.ok, "seconds": round(seconds, 6),
+                "bytes": result.bytes if result else 0, "bound": handle.bound,
+                "error": None if handle.ok else type(handle.error).__name__}
+        with open(self.settings.stats_path, "a") as f:
+            f.write(json.dumps(line) + "\n")
+
+    def close(self) -> None:
+        if self.node is not None:
+            backend = self.node.backend
+            self.node.close()
+            backend.close()

@@ -1,0 +1,186 @@
+"""The vLLM connector's pure parts: KV tensors as a PageLayout, and the scheduler side's decisions.
+
+vLLM itself is not imported (it lives in its own venv, ``scripts/vllm-setup``):
+the layout is derived from real torch tensors shaped as vLLM registers them,
+and the scheduler is fed objects with the attributes vLLM's ``Request`` has.
+The real engines run in ``test_vllm.py``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from types import SimpleNamespace
+
+import pytest
+import torch
+from kvlend_vllm.layout import layout_from_kv_caches, model_digest, scope_of
+from kvlend_vllm.scheduler import TICKET_KEY, ConsumerScheduler, Endpoint, ProducerScheduler
+
+from kvlend.core.layout import HeadOrder, PageLayout, Role
+from kvlend.core.negotiate import negotiate
+from kvlend.errors import LayoutError, LayoutMismatch
+from kvlend.protocol.ticket import Ticket
+
+BS = 16
+
+
+def cpu_caches(layers=2, blocks=8, heads=2, head=8, block_size=BS):
+    flat = torch.zeros(layers * blocks * heads * block_size * 2 * head)
+    per = blocks * heads * block_size * 2 * head
+    return {f"model.layers.{i}.self_attn.attn": flat[i * per:(i + 1) * per].view(blocks, heads, block_size, 2 * head)
+            for i in reversed(range(layers))}  # vLLM's dict order is not promised
+
+
+def layout(caches, scope="s", block_size=BS) -> PageLayout:
+    return layout_from_kv_caches(caches, block_size=block_size, dtype="float32", scope=scope)
+
+
+def test_cpu_layout_is_one_opaque_page_per_block_and_layer_in_layer_order():
+    caches = cpu_caches()
+    lay = layout(caches)
+    assert [r.name for r in lay.regions] == ["L0", "L1"]
+    t0 = caches["model.layers.0.self_attn.attn"]
+    r0 = lay.regions[0]
+    assert (r0.address, r0.page_stride, r0.num_pages) == (t0.data_ptr(), t0.stride(0) * 4, 8)
+    assert lay.regions[1].address == r0.address + r0.size  # back to back in one allocation
+    assert all(b.identity.role is Role.KV and b.geometry is None for b in lay.buffers)
+    assert lay.tokens_per_page == BS and lay.kept_window == 8 * BS
+    plan = negotiate(layout(cpu_caches()), lay)
+    assert plan.summary().startswith("identity plan")
+
+
+def test_a_different_block_size_or_kernel_is_refused_by_scope():
+    a = layout(cpu_caches(), scope=scope_of(platform="cpu", kernel="CPU_ATTN-AVX512", dtype="float32",
+                                            block_size=BS, cache_layout="LBHNC", model="m"))
+    b = layout(cpu_caches(), scope=scope_of(platform="cpu", kernel="CPU_ATTN-AVX2", dtype="float32",
+                                            block_size=BS, cache_layout="LBHNC", model="m"))
+    with pytest.raises(LayoutMismatch, match="scope"):
+        negotiate(b, a)
+
+
+def test_split_kv_planes_are_k_and_v_regions_with_token_major_heads():
+    t = torch.zeros(2, 6, BS, 4, 8)  # [2, blocks, block_size, heads, head_size]
+    lay = layout({"model.layers.0.attn": t})
+    k, v = lay.regions
+    assert (k.address, v.address - k.address, k.page_stride) == (t.data_ptr(), t.stride(0) * 4, t.stride(1) * 4)
+    assert [b.identity.role for b in lay.buffers] == [Role.K, Role.V]
+    g = lay.buffers[0].geometry
+    assert (g.heads, g.bytes_per_head, g.order) == (4, 32, HeadOrder.NHD)
+
+
+@pytest.mark.parametrize("caches, match", [
+    ({}, "no KV cache tensors"),
+    ({"model.layers.0.attn": torch.zeros(8, 2, BS + 1, 16)}, "neither"),
+    ({"model.layers.0.attn": torch.zeros(8, 2, 16, BS).transpose(2, 3)}, "not contiguous"),
+    ({"model.layers.0.attn": torch.zeros(8, 2, BS, 16), "model.layers.1.attn": torch.zeros(4, 2, BS, 16)},
+     "4 blocks, other layers have 8"),
+    ({"lm_head": torch.zeros(8, 2, BS, 16)}, "no layer number"),
+])
+def test_tensors_kvlend_cannot_describe_exactly_are_refused(caches, match):
+    with pytest.raises(LayoutError, match=match):
+        layout(caches)
+
+
+def test_model_digest_ignores_the_path_but_not_the_architecture():
+    base = {"num_hidden_layers": 2, "num_key_value_heads": 2, "_name_or_path": "/a"}
+    assert model_digest(base) == model_digest({**base, "_name_or_path": "/b"})
+    assert model_digest(base) != model_digest({**base, "num_key_value_heads": 4})
+
+
+# ------------------------------------------------------------------ scheduler
+@dataclass
+class Req:
+    request_id: str = "r1"
+    prompt_token_ids: list = field(default_factory=lambda: list(range(40)))
+    num_computed_tokens: int = 40
+    status: object = field(default_factory=lambda: SimpleNamespace(name="FINISHED_LENGTH_CAPPED"))
+    kv_transfer_params: dict | None = field(default_factory=lambda: {"do_remote_decode": True})
+
+
+ENDPOINT = Endpoint("127.0.0.1", 5555, "prefill-a", "ab" * 32)
+
+
+def producer() -> ProducerScheduler:
+    s = ProducerScheduler(BS)
+    s.set_endpoint(ENDPOINT)
+    return s
+
+
+def test_producer_lends_a_finished_request_and_mints_its_ticket():
+    s = producer()
+    delay, params = s.request_finished(Req(), [7, 3, 9, 11])
+    assert delay and params["do_remote_prefill"] and not params["do_remote_decode"]
+    ticket = Ticket.from_text(params[TICKET_KEY])
+    assert (ticket.host, ticket.port, ticket.prefill, ticket.num_tokens) == ("127.0.0.1", 5555, "prefill-a", 40)
+    (lend,) = s.take_plan().lends
+    assert (lend.request, lend.lease, lend.blocks) == ("r1", ticket.lease, (7, 3, 9))  # 40 tokens: 3 blocks
+    assert s.holding == 1 and not s.take_plan().lends
+    s.finished_sending({"r1"})
+    assert s.holding == 0
+
+
+def test_two_tickets_never_share_a_lease_id():
+    s = producer()
+    a = Ticket.from_text(s.request_finished(Req("a"), [1, 2, 3])[1][TICKET_KEY])
+    b = Ticket.from_text(s.request_finished(Req("b"), [4, 5, 6])[1][TICKET_KEY])
+    assert a.lease != b.lease
+
+
+@pytest.mark.parametrize("req, blocks", [
+    (Req(kv_transfer_params=None), [1, 2, 3]),
+    (Req(kv_transfer_params={"do_remote_decode": False}), [1, 2, 3]),
+    (Req(status=SimpleNamespace(name="FINISHED_ABORTED")), [1, 2, 3]),
+    (Req(), []),
+])
+def test_producer_frees_at_once_what_it_must_not_lend(req, blocks):
+    s = producer()
+    assert s.request_finished(req, blocks) == (False, None)
+    assert not s.take_plan().lends and s.holding == 0
+
+
+def test_producer_without_its_workers_endpoint_does_not_lend():
+    assert ProducerScheduler(BS).request_finished(Req(), [1, 2, 3]) == (False, None)
+
+
+def decode_req(ticket_text: str, prompt: int = 40, **kw) -> Req:
+    return Req(prompt_token_ids=list(range(prompt)), num_computed_tokens=0,
+               kv_transfer_params={"do_remote_prefill": True, TICKET_KEY: ticket_text}, **kw)
+
+
+class Blocks:
+    def __init__(self, ids):
+        self.ids = ids
+
+    def get_block_ids(self):
+        return (self.ids,)
+
+
+def test_consumer_loads_a_ticket_once_into_the_blocks_vllm_allocated():
+    text = Ticket(b"\x01" * 16, "127.0.0.1", 5555, "prefill-a", 40, "ab" * 32).to_text()
+    s, req = ConsumerScheduler(BS), decode_req(text)
+    assert s.get_num_new_matched_tokens(req, 0) == (40, True)
+    assert s.get_num_new_matched_tokens(req, 0) == (40, True)  # side-effect free
+    s.update_state_after_alloc(req, Blocks([5, 4, 8, 2]), 40)
+    (load,) = s.take_plan().loads
+    assert (load.ticket, load.blocks, load.resume_from) == (text, (5, 4, 8), 0)
+    assert s.get_num_new_matched_tokens(req, 0) == (0, False)  # used: a reschedule recomputes
+    s.update_state_after_alloc(req, Blocks([5, 4, 8, 2]), 0)
+    assert not s.take_plan().loads
+    s.request_finished(req)
+    assert s.take_plan().cancels == ["r1"]
+    s.finished_recving({"r1"})
+    s.request_finished(req)
+    assert not s.take_plan().cancels
+
+
+@pytest.mark.parametrize("params", [
+    None, {}, {"do_remote_prefill": True}, {"do_remote_prefill": True, TICKET_KEY: "kvl1.!!"},
+    {"do_remote_prefill": True, TICKET_KEY: 17},
+    {"do_remote_prefill": True, TICKET_KEY: Ticket(b"\x01" * 16, "h", 1, "p", 39, "x").to_text()},  # not the prompt
+])
+def test_consumer_computes_locally_on_a_missing_bad_or_mismatched_ticket(params):
+    s = ConsumerScheduler(BS)
+    req = Req(num_computed_tokens=0, kv_transfer_params=params)
+    assert s.get_num_new_matched_tokens(req, 0) == (0, False)
+    s.update_state_after_alloc(req, Blocks([1, 2, 3]), 0)
+    assert not s.take_plan().loads
