@@ -1,0 +1,147 @@
+"""Real vLLM servers for the end-to-end tests: start, query, kill, by process group.
+
+Servers run from ``.venv-vllm`` (``scripts/vllm-setup``); this module needs
+only the standard library and ``kvlend_vllm.launch``, so it runs under the
+project's own venv.  Requests go through plain HTTP with token-id prompts,
+so outputs are compared token for token with no tokenizer in between.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import secrets
+import signal
+import subprocess
+import time
+import urllib.error
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+
+from kvlend_vllm import launch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+BOOT_S = 300  # one engine boots in 15-25 s on a quiet 2-core box, minutes on a busy one
+SECRET = secrets.token_hex(32)
+
+
+def kvlend_config(role: str, **extra) -> dict:
+    return {"kv_connector": "KvlendConnector", "kv_connector_module_path": "kvlend_vllm.connector",
+            "kv_role": role, "kv_buffer_device": "cpu", "kv_load_failure_policy": "recompute",
+            "kv_connector_extra_config": extra}
+
+
+class Rig:
+    """Every server started through it, stopped (by group) on ``close``."""
+
+    def __init__(self, model: str, logs: str) -> None:
+        self.model, self.logs = model, logs
+        self.servers: list[launch.Server] = []
+
+    def engine(self, name: str, config: dict | None = None, *, extra=(), env=None) -> launch.Server:
+        port = launch.free_port()
+        argv = launch.vllm_serve_argv(self.model, port, kv_transfer_config=config, max_model_len=2048,
+                                      extra=extra)
+        return self._start(name, port, argv, launch.vllm_env(1, {"KVLEND_SECRET": SECRET, **(env or {})}))
+
+    def router(self, name: str, prefill: launch.Server, decode: launch.Server) -> launch.Server:
+        port = launch.free_port()
+        argv = [launch.VLLM_VENV_PYTHON, "-m", "kvlend_vllm.router", "--port", str(port),
+                "--prefill", prefill.url, "--decode", decode.url, "--timeout", "120"]
+        return self._start(name, port, argv, dict(os.environ), ready=("/health",))
+
+    def _start(self, name, port, argv, env, ready=("/health", "/v1/models")) -> launch.Server:
+        server = launch.Server(name, f"http://127.0.0.1:{port}", ready)
+        server.start(argv, env, os.path.join(self.logs, f"{name}.log"))
+        self.servers.append(server)
+        return server
+
+    def wait(self, *servers: launch.Server, timeout: float = BOOT_S) -> None:
+        deadline = time.monotonic() + timeout
+        for server in servers:
+            server.wait_ready(max(1.0, deadline - time.monotonic()))
+
+    def kill(self, server: launch.Server) -> None:
+        """SIGKILL the whole server (API server, EngineCore, worker) at once."""
+        os.killpg(server.proc.pid, signal.SIGKILL)
+        server.stop(5.0)
+        self.servers.remove(server)
+
+    def stop(self, server: launch.Server) -> None:
+        server.stop()
+        self.servers.remove(server)
+
+    def close(self) -> None:
+        for server in reversed(self.servers):
+            server.stop()
+        self.servers.clear()
+
+
+def post(url: str, body: dict, timeout: float = 120.0) -> dict:
+    """POST JSON; the parsed answer, or ``{"error": ..., "status": ...}`` for an HTTP error."""
+    req = urllib.request.Request(url, json.dumps(body).encode(), {"content-type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            return json.loads(r.read())
+    except urllib.error.HTTPError as exc:
+        return {"error": exc.read().decode(errors="replace")[:500], "status": exc.code}
+    except (urllib.error.URLError, OSError) as exc:
+        return {"error": repr(exc), "status": None}
+
+
+def completion(model: str, prompt: list[int], max_tokens: int, **kw) -> dict:
+    return {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
+            "return_token_ids": True, **kw}
+
+
+def generate(server: launch.Server, model: str, prompts, max_tokens: int, *, concurrency: int = 4,
+             timeout: float = 120.0) -> list[dict]:
+    """Each prompt's answer: ``{"tokens": [...], "finish": ...}`` or ``{"error": ...}``."""
+    def one(prompt):
+        answer = post(server.url + "/v1/completions", completion(model, prompt, max_tokens), timeout)
+        if "error" in answer:
+            return answer
+        choice = answer["choices"][0]
+        return {"tokens": choice["token_ids"], "finish": choice["finish_reason"]}
+    with ThreadPoolExecutor(concurrency) as pool:
+        return list(pool.map(one, prompts))
+
+
+def prefill_only(server: launch.Server, model: str, prompt: list[int]) -> dict:
+    """What a router's first leg gets: the prefill's ``kv_transfer_params`` (a kvlend ticket)."""
+    answer = post(server.url + "/v1/completions",
+                  completion(model, prompt, 1, kv_transfer_params={"do_remote_decode": True}))
+    return answer["kv_transfer_params"]
+
+
+def decode_with(server: launch.Server, model: str, prompt: list[int], params: dict, max_tokens: int,
+                timeout: float = 120.0) -> dict:
+    answer = post(server.url + "/v1/completions",
+                  completion(model, prompt, max_tokens, kv_transfer_params=params), timeout)
+    if "error" in answer:
+        return answer
+    choice = answer["choices"][0]
+    return {"tokens": choice["token_ids"], "finish": choice["finish_reason"]}
+
+
+def kv_usage(server: launch.Server) -> float:
+    """vLLM's ``kv_cache_usage_perc`` gauge: above 0 while any block is held (lent ones included)."""
+    with urllib.request.urlopen(server.url + "/metrics", timeout=10) as r:
+        text = r.read().decode()
+    match = re.search(r"^vllm:kv_cache_usage_perc\{[^}]*\} ([0-9.e+-]+)$", text, re.M)
+    return float(match.group(1))
+
+
+def fetch_stats(path: str) -> list[dict]:
+    """The decode connector's per-fetch lines (``stats_path``)."""
+    if not os.path.exists(path):
+        return []
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def ensure_model(size: str) -> str:
+    out = subprocess.run([launch.VLLM_VENV_PYTHON, "-m", "kvlend_vllm.models", "--size", size],
+                         check=True, capture_output=True, text=True, timeout=300)
+    return out.stdout.strip().splitlines()[-1]
