@@ -18,7 +18,7 @@ import time
 
 import pytest
 from vllm_rig import (
-    Rig, decode_with, ensure_model, fetch_stats, generate, kv_usage, kvlend_config, prefill_only,
+    Rig, decode_with, ensure_model, fetch_stats, generate, kv_usage, prefill_only,
 )
 
 from kvlend_vllm import launch
@@ -27,11 +27,12 @@ LENGTHS = [3, 17, 64, 100, 127, 128, 129, 150, 200, 255, 256, 257, 300, 383, 384
            400, 450, 500, 511, 512, 513, 600, 640, 700, 777, 800, 900, 1000, 1023, 1024, 1100]
 MAX_TOKENS = 8
 TTL, HEARTBEAT = 8.0, 1.0
-PREFILL = kvlend_config("kv_producer", ttl=TTL, heartbeat=HEARTBEAT, claim_wait=3.0)
+PREFILL = launch.kvlend_transfer_config("kv_producer", {"ttl": TTL, "heartbeat": HEARTBEAT, "claim_wait": 3.0})
 
 
 def decode_config(stats: str) -> dict:
-    return kvlend_config("kv_consumer", ttl=TTL, heartbeat=HEARTBEAT, transfer_timeout=20.0, stats_path=stats)
+    return launch.kvlend_transfer_config("kv_consumer", {"ttl": TTL, "heartbeat": HEARTBEAT, "transfer_timeout": 20.0,
+                                                         "stats_path": stats})
 
 
 @pytest.fixture(scope="module")

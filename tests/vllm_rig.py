@@ -26,12 +26,6 @@ BOOT_S = 300  # one engine boots in 15-25 s on a quiet 2-core box, minutes on a 
 SECRET = secrets.token_hex(32)
 
 
-def kvlend_config(role: str, **extra) -> dict:
-    return {"kv_connector": "KvlendConnector", "kv_connector_module_path": "kvlend_vllm.connector",
-            "kv_role": role, "kv_buffer_device": "cpu", "kv_load_failure_policy": "recompute",
-            "kv_connector_extra_config": extra}
-
-
 class Rig:
     """Every server started through it, stopped (by group) on ``close``."""
 

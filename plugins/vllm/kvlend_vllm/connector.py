@@ -26,6 +26,7 @@ from kvlend.protocol.config import NodeConfig
 
 from .layout import layout_from_kv_caches, model_digest, scope_of
 from .scheduler import ConsumerScheduler, Endpoint, ProducerScheduler, StepPlan
+from .stats import KvlendPromMetrics, KvlendStats
 from .worker import ConsumerWorker, ProducerWorker, WorkerSettings
 
 log = logging.getLogger("kvlend.vllm")
@@ -82,7 +83,9 @@ class KvlendConnector(KVConnectorBase_V1):
             name = f"vllm-{side}-{socket.gethostname()}-{os.getpid()}-{transfer.engine_id}"[:200]
             settings = WorkerSettings(name, extra["host"], int(extra["port"]), extra["advertise"], config,
                                       extra["stats_path"])
-            self.worker = ProducerWorker(settings) if self.producer else ConsumerWorker(settings, self.block_size)
+            self.stats = KvlendStats()
+            self.worker = (ProducerWorker(settings) if self.producer
+                           else ConsumerWorker(settings, self.block_size, self.stats))
         self._endpoint: Endpoint | None = None
 
     # ------------------------------------------------------------ scheduler
@@ -166,6 +169,19 @@ class KvlendConnector(KVConnectorBase_V1):
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return set() if self.producer else self.worker.load_errors()
+
+    def get_kv_connector_stats(self) -> KvlendStats | None:
+        if self.worker is None or self.stats.is_empty():
+            return None
+        return self.stats.clone_and_reset()
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KvlendStats:
+        return KvlendStats(data=data) if data is not None else KvlendStats()
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config, metric_types, labelnames, per_engine_labelvalues) -> KvlendPromMetrics:
+        return KvlendPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     def shutdown(self) -> None:
         if self.worker is not None:

@@ -24,6 +24,7 @@ import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
+from kvlend.runtime.secret import generate_secret
 from kvlend_vllm import launch, models
 
 HOST = "127.0.0.1"
@@ -36,26 +37,12 @@ KV_METRICS = {
              "kv_xfer_s": "vllm:nixl_xfer_time_seconds_sum",
              "kv_transfers": "vllm:nixl_xfer_time_seconds_count",
              "kv_failed": "vllm:nixl_num_failed_transfers_total"},
-    "kvlend": {"kv_bytes": "vllm:kvlend_bytes_transferred_total",
+    "kvlend": {"kv_bytes": "vllm:kvlend_bytes_transferred_sum",
                "kv_xfer_s": "vllm:kvlend_xfer_time_seconds_sum",
                "kv_transfers": "vllm:kvlend_xfer_time_seconds_count",
-               "kv_failed": "vllm:kvlend_failed_transfers_total"},
+               "kv_failed": "vllm:kvlend_failed_transfers_total",
+               "kv_recomputed_blocks": "vllm:kvlend_recomputed_blocks_total"},
 }
-
-
-def kvlend_transfer_config(role: str, extra: dict | None = None) -> dict:
-    """kv_transfer_config of kvlend's connector for role kv_producer|kv_consumer."""
-    return {"kv_connector": "KvlendConnector",
-            "kv_connector_module_path": "kvlend_vllm.connector",
-            "kv_role": role, "kv_buffer_device": "cpu",
-            "kv_load_failure_policy": "recompute",
-            "kv_connector_extra_config": dict(extra or {})}
-
-
-def nixl_transfer_config(role: str) -> dict:
-    """kv_transfer_config of vLLM's own NixlConnector, host memory."""
-    return {"kv_connector": "NixlConnector", "kv_role": role, "kv_buffer_device": "cpu",
-            "kv_load_failure_policy": "recompute"}
 
 
 def make_prompts(n: int, lengths: list[int], seed: int = 0) -> list[list[int]]:
@@ -238,6 +225,10 @@ def main(argv: list[str] | None = None) -> int:
 
     # SIGTERM as well as Ctrl-C must reach the finally below, which kills groups.
     signal.signal(signal.SIGTERM, _interrupt)
+    secret_file = os.path.join(log_dir, "kvlend.secret")  # the pair's shared secret, fresh per run
+    fd = os.open(secret_file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(generate_secret().hex())
     model = models.ensure_model(args.size)
     print(f"demo: model {model}, logs in {log_dir}", flush=True)
 
@@ -246,11 +237,12 @@ def main(argv: list[str] | None = None) -> int:
         if role is None:
             cfg = None
         elif args.connector == "nixl":
-            cfg = nixl_transfer_config(role)
+            cfg = launch.nixl_transfer_config(role)
             extra_env = {"VLLM_NIXL_SIDE_CHANNEL_HOST": HOST,
                          "VLLM_NIXL_SIDE_CHANNEL_PORT": str(launch.free_port())}
         else:
-            cfg = kvlend_transfer_config(role)
+            cfg = launch.kvlend_transfer_config(role)
+            extra_env = {"KVLEND_SECRET_FILE": secret_file}
         return launch.Server(name, f"http://{HOST}:{port}").start(
             launch.vllm_serve_argv(model, port, kv_transfer_config=cfg, max_model_len=max_len),
             launch.vllm_env(kv_gib, extra_env), os.path.join(log_dir, f"{name}.log"))
@@ -285,7 +277,8 @@ def main(argv: list[str] | None = None) -> int:
             base, _ = asyncio.run(workload(single.url, model, prompts, args.max_tokens,
                                            args.concurrency, args.request_timeout))
             mismatches = [i for i, (a, b) in enumerate(zip(results, base))
-                          if "error" in a or "error" in b or a["token_ids"] != b["token_ids"]]
+                          if "error" in a or "error" in b or not a["token_ids"]
+                          or a["token_ids"] != b["token_ids"]]
     finally:
         print("demo: stopping servers", flush=True)
         with ThreadPoolExecutor(max(1, len(servers))) as pool:   # in parallel: each may take 15 s
@@ -299,4 +292,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    try:
+        sys.exit(main())
+    except KeyboardInterrupt:          # the servers are already stopped (finally)
+        print("demo: interrupted", file=sys.stderr)
+        sys.exit(130)

@@ -64,6 +64,21 @@ def vllm_serve_argv(model: str, port: int, *, kv_transfer_config: dict | None = 
     return argv + list(extra)
 
 
+def kvlend_transfer_config(role: str, extra: Mapping | None = None) -> dict:
+    """kv_transfer_config of kvlend's connector for role kv_producer|kv_consumer."""
+    return {"kv_connector": "KvlendConnector",
+            "kv_connector_module_path": "kvlend_vllm.connector",
+            "kv_role": role, "kv_buffer_device": "cpu",
+            "kv_load_failure_policy": "recompute",
+            "kv_connector_extra_config": dict(extra or {})}
+
+
+def nixl_transfer_config(role: str) -> dict:
+    """kv_transfer_config of vLLM's own NixlConnector, host memory."""
+    return {"kv_connector": "NixlConnector", "kv_role": role, "kv_buffer_device": "cpu",
+            "kv_load_failure_policy": "recompute"}
+
+
 def vllm_env(kv_cache_gib: int = 1, extra: Mapping[str, str] | None = None) -> dict[str, str]:
     """Environment of one vLLM server: offline, a fixed CPU KV cache, and no
     OpenMP pinning on small hosts.

@@ -107,9 +107,10 @@ class ProducerWorker:
 class ConsumerWorker:
     """Decode: fetch tickets into vLLM's blocks; failed blocks are reported only once quiet."""
 
-    def __init__(self, settings: WorkerSettings, block_size: int) -> None:
+    def __init__(self, settings: WorkerSettings, block_size: int, stats) -> None:
         self.settings = settings
         self.block_size = block_size
+        self.stats = stats  # a KvlendStats: what vLLM logs and exports
         self.node: DecodeNode | None = None
         self._fetches: dict[str, tuple[Any, tuple[int, ...], float]] = {}  # request -> (handle, blocks, t0)
         self._by_handle: dict[int, str] = {}
@@ -136,7 +137,9 @@ class ConsumerWorker:
                                                resume_from=load.resume_from)
             except KvlendError as exc:  # nothing was read: every block is recomputed
                 log.warning("request %s: fetch not started (%s); recomputing", load.request, exc)
-                self._invalid.update(load.blocks[load.resume_from // self.block_size:])
+                recompute = load.blocks[load.resume_from // self.block_size:]
+                self._invalid.update(recompute)
+                self.stats.record_failure(len(recompute))
                 self._done.add(load.request)
                 continue
             self._fetches[load.request] = (handle, load.blocks, time.perf_counter())
@@ -151,8 +154,12 @@ class ConsumerWorker:
             if not handle.ok and not cancelled:  # an aborted request's blocks are freed, not recomputed
                 good = handle.bound // self.block_size  # pages below the verified bound landed whole
                 self._invalid.update(blocks[good:])
+                self.stats.record_failure(len(blocks) - good)
                 log.warning("request %s: KV fetch failed at token %d (%s); %d blocks recomputed", request,
                             handle.bound, handle.error, len(blocks) - good)
+            elif handle.ok:
+                result = handle.result()
+                self.stats.record(seconds=result.seconds, nbytes=result.bytes)
             self._record(request, handle, time.perf_counter() - t0)
             self._done.add(request)
         done, self._done = self._done, set()
@@ -166,7 +173,9 @@ class ConsumerWorker:
         if not self.settings.stats_path:
             return
         result = handle.result() if handle.ok else None
+        # seconds: start_fetch until vLLM's step saw it finish; transfer_s: kvlend's claim to done ack.
         line = {"request": request, "ok": handle.ok, "seconds": round(seconds, 6),
+                "transfer_s": round(result.seconds, 6) if result else None,
                 "bytes": result.bytes if result else 0, "bound": handle.bound,
                 "error": None if handle.ok else type(handle.error).__name__}
         with open(self.settings.stats_path, "a") as f:
