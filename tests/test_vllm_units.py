@@ -162,7 +162,7 @@ def test_consumer_loads_a_ticket_once_into_the_blocks_vllm_allocated():
     assert s.get_num_new_matched_tokens(req, 0) == (40, True)  # side-effect free
     s.update_state_after_alloc(req, Blocks([5, 4, 8, 2]), 40)
     (load,) = s.take_plan().loads
-    assert (load.ticket, load.blocks, load.resume_from) == (text, (5, 4, 8), 0)
+    assert (load.ticket, load.num_tokens, load.blocks, load.resume_from) == (text, 40, (5, 4, 8), 0)
     assert s.get_num_new_matched_tokens(req, 0) == (0, False)  # used: a reschedule recomputes
     s.update_state_after_alloc(req, Blocks([5, 4, 8, 2]), 0)
     assert not s.take_plan().loads

@@ -90,6 +90,8 @@ class Fetch:
     tags: set = field(default_factory=set)  # reads posted and not yet terminal
     sure_until: float = -math.inf  # reads landing before this count for the bound without the ack
     claimed_at: float | None = None
+    posted: float | None = None  # reads posted (all chunks at once)
+    landed: float | None = None  # every read landed (before the done ack)
     quiet_by: float = math.inf  # CANCELLING: tear the link down if reads are still in flight then
 
     @property
@@ -104,6 +106,11 @@ class Fetch:
     @property
     def seconds(self) -> float:
         return (self.finished if self.finished is not None else self.started) - self.started
+
+    @property
+    def read_seconds(self) -> float | None:
+        """Posting the reads to the last landing: the data movement alone, without claim or ack."""
+        return None if self.posted is None or self.landed is None else self.landed - self.posted
 
     @property
     def key(self) -> str:
@@ -593,6 +600,7 @@ class DecodeSession(Outbox):
                 del self._fetches[fetch.id]
             raise
         fetch.tags.update(tags)
+        fetch.posted = now
         if now < fetch.sure_until:
             fetch.bound = max(fetch.resume_from, self.tracker.bound(fetch.key))
         self._progress(fetch, now)
@@ -603,6 +611,7 @@ class DecodeSession(Outbox):
             return
         if fetch.state is FetchState.READING:
             fetch.state = FetchState.ACKING
+            fetch.landed = now
             self._links[fetch.link].conn.send(Done(fetch.lease, self.tracker.bound(fetch.key)))
         elif fetch.state is FetchState.CANCELLING:
             link = self._links.get(fetch.link)

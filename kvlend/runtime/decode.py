@@ -39,6 +39,7 @@ class FetchResult:
     descriptors: int
     seconds: float
     resumed_from: int = 0  # tokens below this were read by an earlier lease, not this one
+    read_seconds: float | None = None  # posting the reads to the last landing (``seconds`` adds claim and ack)
 
 
 @dataclass(frozen=True)
@@ -114,7 +115,7 @@ class FetchHandle:
             raise TransferTimeout(f"fetch {f.id} of request {f.request} has not finished")
         if f.error is not None:
             raise f.error
-        return FetchResult(f.request, f.bound, f.bytes, f.descriptors, f.seconds, f.resume_from)
+        return FetchResult(f.request, f.bound, f.bytes, f.descriptors, f.seconds, f.resume_from, f.read_seconds)
 
     def __repr__(self) -> str:
         return f"FetchHandle({self.id}, request={self.request!r}, state={self.state.value}, bound={self.bound})"

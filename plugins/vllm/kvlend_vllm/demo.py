@@ -35,10 +35,12 @@ DEFAULT_TOKENS = {"tiny": "32,300,1000", "large": "512,2048,8000"}
 KV_METRICS = {
     "nixl": {"kv_bytes": "vllm:nixl_bytes_transferred_sum",
              "kv_xfer_s": "vllm:nixl_xfer_time_seconds_sum",
+             "kv_read_s": "vllm:nixl_xfer_time_seconds_sum",  # NIXL's transfer time is its reads alone
              "kv_transfers": "vllm:nixl_xfer_time_seconds_count",
              "kv_failed": "vllm:nixl_num_failed_transfers_total"},
     "kvlend": {"kv_bytes": "vllm:kvlend_bytes_transferred_sum",
                "kv_xfer_s": "vllm:kvlend_xfer_time_seconds_sum",
+               "kv_read_s": "vllm:kvlend_read_time_seconds_sum",
                "kv_transfers": "vllm:kvlend_xfer_time_seconds_count",
                "kv_failed": "vllm:kvlend_failed_transfers_total",
                "kv_recomputed_blocks": "vllm:kvlend_recomputed_blocks_total"},
@@ -86,6 +88,37 @@ def group_rss_gib(servers: list[launch.Server]) -> dict[str, float]:
             if name and p.info["memory_info"]:
                 rss[name] += p.info["memory_info"].rss
     return {k: round(v / 2**30, 2) for k, v in rss.items()}
+
+
+def write_secret(log_dir: str) -> str:
+    """A fresh shared secret for the pair (mode 0600); its path, for ``KVLEND_SECRET_FILE``."""
+    path = os.path.join(log_dir, "kvlend.secret")
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(generate_secret().hex())
+    return path
+
+
+def start_engine(name: str, connector: str | None, role: str | None, model: str, max_len: int, kv_gib: int,
+                 log_dir: str, secret_file: str) -> launch.Server:
+    """One `vllm serve` with ``connector`` (kvlend | nixl) in ``role``, or a plain one (None)."""
+    port, extra_env, cfg = launch.free_port(), {}, None
+    if connector == "nixl":
+        cfg = launch.nixl_transfer_config(role)
+        extra_env = {"VLLM_NIXL_SIDE_CHANNEL_HOST": HOST, "VLLM_NIXL_SIDE_CHANNEL_PORT": str(launch.free_port())}
+    elif connector == "kvlend":
+        cfg = launch.kvlend_transfer_config(role)
+        extra_env = {"KVLEND_SECRET_FILE": secret_file}
+    return launch.Server(name, f"http://{HOST}:{port}").start(
+        launch.vllm_serve_argv(model, port, kv_transfer_config=cfg, max_model_len=max_len),
+        launch.vllm_env(kv_gib, extra_env), os.path.join(log_dir, f"{name}.log"))
+
+
+def start_router(prefill: launch.Server, decode: launch.Server, log_dir: str, timeout: float) -> launch.Server:
+    port = launch.free_port()
+    return launch.Server("router", f"http://{HOST}:{port}", ("/health",)).start(
+        [sys.executable, "-m", "kvlend_vllm.router", "--port", str(port), "--prefill", prefill.url,
+         "--decode", decode.url, "--timeout", str(timeout)], None, os.path.join(log_dir, "router.log"))
 
 
 def boot(servers: list[launch.Server], timeout: float) -> None:
@@ -225,27 +258,13 @@ def main(argv: list[str] | None = None) -> int:
 
     # SIGTERM as well as Ctrl-C must reach the finally below, which kills groups.
     signal.signal(signal.SIGTERM, _interrupt)
-    secret_file = os.path.join(log_dir, "kvlend.secret")  # the pair's shared secret, fresh per run
-    fd = os.open(secret_file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as f:
-        f.write(generate_secret().hex())
+    secret_file = write_secret(log_dir)
     model = models.ensure_model(args.size)
     print(f"demo: model {model}, logs in {log_dir}", flush=True)
 
     def engine(name: str, role: str | None) -> launch.Server:
-        port, extra_env = launch.free_port(), {}
-        if role is None:
-            cfg = None
-        elif args.connector == "nixl":
-            cfg = launch.nixl_transfer_config(role)
-            extra_env = {"VLLM_NIXL_SIDE_CHANNEL_HOST": HOST,
-                         "VLLM_NIXL_SIDE_CHANNEL_PORT": str(launch.free_port())}
-        else:
-            cfg = launch.kvlend_transfer_config(role)
-            extra_env = {"KVLEND_SECRET_FILE": secret_file}
-        return launch.Server(name, f"http://{HOST}:{port}").start(
-            launch.vllm_serve_argv(model, port, kv_transfer_config=cfg, max_model_len=max_len),
-            launch.vllm_env(kv_gib, extra_env), os.path.join(log_dir, f"{name}.log"))
+        return start_engine(name, args.connector if role else None, role, model, max_len, kv_gib, log_dir,
+                            secret_file)
 
     servers: list[launch.Server] = []
     try:
@@ -255,12 +274,7 @@ def main(argv: list[str] | None = None) -> int:
         servers.append(decode)
         single = engine("single", None) if args.check else None
         servers += [single] if single else []
-        rport = launch.free_port()
-        router = launch.Server("router", f"http://{HOST}:{rport}", ("/health",)).start(
-            [sys.executable, "-m", "kvlend_vllm.router", "--port", str(rport),
-             "--prefill", prefill.url, "--decode", decode.url,
-             "--timeout", str(args.request_timeout)],
-            None, os.path.join(log_dir, "router.log"))
+        router = start_router(prefill, decode, log_dir, args.request_timeout)
         servers.append(router)
         boot(servers, args.boot_timeout)
         boot_s = {s.name: round(s.boot_s, 1) for s in servers}

@@ -49,6 +49,7 @@ class Lend:
 class Load:
     request: str
     ticket: str
+    num_tokens: int  # the ticket's: the load is complete once the bound reaches it
     blocks: tuple[int, ...]
     resume_from: int  # tokens vLLM already holds locally (block-aligned): not fetched
 
@@ -152,7 +153,8 @@ class ConsumerScheduler:
             return  # all local: the prefill's lease expires by its TTL
         table = tuple(blocks.get_block_ids()[0][:pages_for(ticket.num_tokens, self.block_size)])
         resume = request.num_computed_tokens
-        self._plan.loads.append(Load(request.request_id, request.kv_transfer_params[TICKET_KEY], table, resume))
+        self._plan.loads.append(Load(request.request_id, request.kv_transfer_params[TICKET_KEY], ticket.num_tokens,
+                                     table, resume))
         self._loading.add(request.request_id)
 
     def request_finished(self, request: Any) -> None:

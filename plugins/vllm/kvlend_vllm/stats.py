@@ -15,7 +15,7 @@ import numpy as np
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
 from vllm.v1.metrics.utils import create_metric_per_engine
 
-_KEYS = ("transfer_duration", "bytes_transferred", "num_failed_transfers", "num_recomputed_blocks")
+_KEYS = ("transfer_duration", "read_duration", "bytes_transferred", "num_failed_transfers", "num_recomputed_blocks")
 
 
 @dataclass
@@ -27,8 +27,9 @@ class KvlendStats(KVConnectorStats):
     def reset(self) -> None:
         self.data = {key: [] for key in _KEYS}  # plain lists: vLLM serialises them between processes
 
-    def record(self, *, seconds: float, nbytes: int) -> None:
+    def record(self, *, seconds: float, read_seconds: float, nbytes: int) -> None:
         self.data["transfer_duration"].append(seconds)
+        self.data["read_duration"].append(read_seconds)
         self.data["bytes_transferred"].append(nbytes)
 
     def record_failure(self, recomputed_blocks: int) -> None:
@@ -57,6 +58,7 @@ class KvlendStats(KVConnectorStats):
         if len(times):
             out.update({"Avg xfer time (ms)": round(float(times.mean()) * 1e3, 3),
                         "P90 xfer time (ms)": round(float(np.percentile(times, 90)) * 1e3, 3),
+                        "Avg read time (ms)": round(float(np.mean(self.data["read_duration"])) * 1e3, 3),
                         "Avg MB per transfer": round(mb / len(times), 3),
                         "Throughput (MB/s)": round(mb / max(float(times.sum()), 1e-9), 3)})
         return out
@@ -73,6 +75,10 @@ class KvlendPromMetrics(KVConnectorPromMetrics):
             name="vllm:kvlend_xfer_time_seconds", labelnames=labelnames,
             documentation="kvlend fetch time, claim to the prefill's done ack, per request.",
             buckets=[0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0]))
+        self._read = per_engine(self._histogram_cls(
+            name="vllm:kvlend_read_time_seconds", labelnames=labelnames,
+            documentation="kvlend reads alone, posted to landed, per request (compare vllm:nixl_xfer_time_seconds).",
+            buckets=[0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0]))
         self._bytes = per_engine(self._histogram_cls(
             name="vllm:kvlend_bytes_transferred", labelnames=labelnames,
             documentation="KV bytes kvlend read per request.", buckets=[2 ** (10 + i) for i in range(1, 25, 2)]))
@@ -86,6 +92,8 @@ class KvlendPromMetrics(KVConnectorPromMetrics):
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
         for value in transfer_stats_data["transfer_duration"]:
             self._time[engine_idx].observe(value)
+        for value in transfer_stats_data["read_duration"]:
+            self._read[engine_idx].observe(value)
         for value in transfer_stats_data["bytes_transferred"]:
             self._bytes[engine_idx].observe(value)
         for value in transfer_stats_data["num_failed_transfers"]:

@@ -18,7 +18,7 @@ from typing import Any
 
 from kvlend.errors import KvlendError
 from kvlend.protocol.config import NodeConfig
-from kvlend.runtime import DecodeNode, PrefillNode
+from kvlend.runtime import DecodeNode, FetchState, PrefillNode
 from kvlend.runtime.secret import load_secret
 from kvlend.transport import load_backend
 
@@ -104,18 +104,32 @@ class ProducerWorker:
             backend.close()
 
 
+@dataclass
+class _Loading:
+    handle: Any
+    blocks: tuple[int, ...]
+    num_tokens: int
+    started: float
+    reported: bool = False  # vLLM was told it finished (its bound reached num_tokens before the done ack)
+    cancelled: bool = False
+
+
 class ConsumerWorker:
-    """Decode: fetch tickets into vLLM's blocks; failed blocks are reported only once quiet."""
+    """Decode: fetch tickets into vLLM's blocks; failed blocks are reported only once quiet.
+
+    A load is reported finished as soon as its safe-resume bound covers the whole ticket
+    and no read is in flight, without waiting for the prefill's done ack: the bound
+    counts only reads that landed while the lease was surely alive (README, *Resume*).
+    """
 
     def __init__(self, settings: WorkerSettings, block_size: int, stats) -> None:
         self.settings = settings
         self.block_size = block_size
         self.stats = stats  # a KvlendStats: what vLLM logs and exports
         self.node: DecodeNode | None = None
-        self._fetches: dict[str, tuple[Any, tuple[int, ...], float]] = {}  # request -> (handle, blocks, t0)
+        self._loading: dict[str, _Loading] = {}
         self._by_handle: dict[int, str] = {}
         self._done: set[str] = set()
-        self._cancelled: set[str] = set()
         self._invalid: set[int] = set()
 
     def register(self, layout) -> None:
@@ -127,10 +141,10 @@ class ConsumerWorker:
 
     def start(self, plan: StepPlan) -> None:
         for request in plan.cancels:
-            entry = self._fetches.get(request)
-            if entry is not None:
-                entry[0].cancel()
-                self._cancelled.add(request)
+            loading = self._loading.get(request)
+            if loading is not None and not loading.reported:
+                loading.handle.cancel()
+                loading.cancelled = True
         for load in plan.loads:
             try:
                 handle = self.node.start_fetch(load.ticket, {"full": list(load.blocks)},
@@ -142,26 +156,33 @@ class ConsumerWorker:
                 self.stats.record_failure(len(recompute))
                 self._done.add(load.request)
                 continue
-            self._fetches[load.request] = (handle, load.blocks, time.perf_counter())
+            self._loading[load.request] = _Loading(handle, load.blocks, load.num_tokens, time.perf_counter())
             self._by_handle[handle.id] = load.request
 
     def finished_recving(self) -> set[str]:
         for handle in self.node.finished():  # each already quiet: nothing can still land
             request = self._by_handle.pop(handle.id)
-            _, blocks, t0 = self._fetches.pop(request)
-            cancelled = request in self._cancelled
-            self._cancelled.discard(request)
-            if not handle.ok and not cancelled:  # an aborted request's blocks are freed, not recomputed
-                good = handle.bound // self.block_size  # pages below the verified bound landed whole
-                self._invalid.update(blocks[good:])
-                self.stats.record_failure(len(blocks) - good)
-                log.warning("request %s: KV fetch failed at token %d (%s); %d blocks recomputed", request,
-                            handle.bound, handle.error, len(blocks) - good)
-            elif handle.ok:
+            loading = self._loading.pop(request)
+            if handle.ok:
                 result = handle.result()
-                self.stats.record(seconds=result.seconds, nbytes=result.bytes)
-            self._record(request, handle, time.perf_counter() - t0)
-            self._done.add(request)
+                self.stats.record(seconds=result.seconds, read_seconds=result.read_seconds or 0.0,
+                                  nbytes=result.bytes)
+            elif loading.reported:  # its KV was complete and verified before this (a lost ack, say)
+                log.info("request %s: fetch ended after its KV was complete: %s", request, handle.error)
+            elif not loading.cancelled:  # an aborted request's blocks are freed, not recomputed
+                good = handle.bound // self.block_size  # pages below the verified bound landed whole
+                self._invalid.update(loading.blocks[good:])
+                self.stats.record_failure(len(loading.blocks) - good)
+                log.warning("request %s: KV fetch failed at token %d (%s); %d blocks recomputed", request,
+                            handle.bound, handle.error, len(loading.blocks) - good)
+            self._record(request, handle, time.perf_counter() - loading.started)
+            if not loading.reported:
+                self._done.add(request)
+        for request, loading in self._loading.items():
+            if not loading.reported and loading.handle.state is FetchState.ACKING \
+                    and loading.handle.bound >= loading.num_tokens:
+                loading.reported = True
+                self._done.add(request)
         done, self._done = self._done, set()
         return done
 
