@@ -97,6 +97,16 @@ class FetchHandle:
         return self._fetch.error
 
     @property
+    def timeline(self) -> dict[str, float | None]:
+        """Seconds from the start to each step so far (None: not reached): ``claimed`` (claim sent),
+        ``posted`` (the offer was in and the reads posted), ``landed`` (every read landed),
+        ``finished``.  For profiling where a fetch's time goes."""
+        f = self._fetch
+        return {name: None if at is None else at - f.started
+                for name, at in (("claimed", f.claimed_at), ("posted", f.posted), ("landed", f.landed),
+                                 ("finished", f.finished))}
+
+    @property
     def meta(self) -> Mapping[str, Any]:
         offer = self._fetch.offer
         return {} if offer is None else offer.meta

@@ -34,18 +34,25 @@ def row(name: str, results: list[dict], before: dict, after: dict, wall: float) 
     ok = [r for r in results if "error" not in r]
     ttft = [r["ttft_s"] for r in ok if r["ttft_s"] is not None]
     leg = [r["ttft_s"] - r["prefill_ms"] / 1e3 for r in ok if r["ttft_s"] is not None and r["prefill_ms"]]
-    transfers = after.get("kv_transfers", 0) - before.get("kv_transfers", 0)
-    xfer = after.get("kv_xfer_s", 0) - before.get("kv_xfer_s", 0)
-    read = after.get("kv_read_s", 0) - before.get("kv_read_s", 0)
-    nbytes = after.get("kv_bytes", 0) - before.get("kv_bytes", 0)
+    delta = {k: after.get(k, 0) - before.get(k, 0) for k in ("kv_transfers", "kv_xfer_s", "kv_read_s", "kv_bytes",
+                                                            "kv_failed")}
     return {"row": name, "requests": len(results), "errors": len(results) - len(ok),
+            "ttft_s": ttft, "decode_leg_s": leg, **delta, "wall_s": round(wall, 2)}
+
+
+def summary(rows: list[dict]) -> dict:
+    """One connector's figures for one row, pooled over rounds (every request's TTFT, summed metrics)."""
+    ttft = [t for r in rows for t in r["ttft_s"]]
+    leg = [t for r in rows for t in r["decode_leg_s"]]
+    total = {k: sum(r[k] for r in rows) for k in ("kv_transfers", "kv_xfer_s", "kv_read_s", "kv_bytes", "kv_failed")}
+    n = total["kv_transfers"]
+    return {"requests": sum(r["requests"] for r in rows), "errors": sum(r["errors"] for r in rows),
             "ttft_p50_ms": _ms(pct(ttft, 50)), "ttft_p99_ms": _ms(pct(ttft, 99)),
-            "decode_leg_p50_ms": _ms(pct(leg, 50)), "transfers": int(transfers),
-            "xfer_ms_mean": _ms(xfer / transfers) if transfers else None,
-            "read_ms_mean": round(read / transfers * 1e3, 3) if transfers else None,
-            "mib_per_request": round(nbytes / transfers / 2**20, 2) if transfers else None,
-            "failed": int(after.get("kv_failed", 0) - before.get("kv_failed", 0)),
-            "wall_s": round(wall, 2)}
+            "decode_leg_p50_ms": _ms(pct(leg, 50)), "decode_leg_p99_ms": _ms(pct(leg, 99)),
+            "read_ms_mean": round(total["kv_read_s"] / n * 1e3, 2) if n else None,
+            "xfer_ms_mean": round(total["kv_xfer_s"] / n * 1e3, 2) if n else None,
+            "mib_per_request": round(total["kv_bytes"] / n / 2**20, 2) if n else None,
+            "transfers": int(n), "failed": int(total["kv_failed"])}
 
 
 def _ms(seconds: float | None) -> float | None:
@@ -70,7 +77,7 @@ def run_pair(connector: str, args, model: str, max_len: int, log_dir: str, secre
         prefill = start_engine(f"{connector}-prefill", connector, "kv_producer", model, max_len, args.kv_cache_gib,
                                log_dir, secret_file)
         decode = start_engine(f"{connector}-decode", connector, "kv_consumer", model, max_len, args.kv_cache_gib,
-                              log_dir, secret_file)
+                              log_dir, secret_file, {"stats_path": os.path.join(log_dir, "kvlend-fetches.jsonl")})
         servers = [prefill, decode]
         servers.append(start_router(prefill, decode, log_dir, args.request_timeout))
         boot(servers, args.boot_timeout)
@@ -85,7 +92,7 @@ def run_pair(connector: str, args, model: str, max_len: int, log_dir: str, secre
                                                  args.request_timeout))
             after = settled(decode.url, connector, before, len(results))
             rows.append({"connector": connector, **row(name, results, before, after, wall)})
-            print("bench: " + json.dumps(rows[-1]), flush=True)
+            print(f"bench: {connector} {name}: " + json.dumps(summary([rows[-1]])), flush=True)
         return rows
     finally:
         with ThreadPoolExecutor(max(1, len(servers))) as pool:
@@ -93,26 +100,17 @@ def run_pair(connector: str, args, model: str, max_len: int, log_dir: str, secre
 
 
 def merge(rows: list[dict]) -> list[dict]:
-    """One line per (row, connector) over the rounds: medians of the per-round figures."""
-    keys = ("ttft_p50_ms", "ttft_p99_ms", "decode_leg_p50_ms", "xfer_ms_mean", "read_ms_mean")
-    out = {}
+    """One line per (row, connector), pooled over the rounds."""
+    groups: dict[tuple[str, str], list[dict]] = {}
     for r in rows:
-        out.setdefault((r["row"], r["connector"]), []).append(r)
-    merged = []
-    for (name, connector), group in out.items():
-        m = {"row": name, "connector": connector, "rounds": len(group),
-             "errors": sum(g["errors"] for g in group), "failed": sum(g["failed"] for g in group),
-             "mib_per_request": group[0]["mib_per_request"]}
-        for k in keys:
-            vals = [g[k] for g in group if g[k] is not None]
-            m[k] = pct(vals, 50) if vals else None
-        merged.append(m)
-    return merged
+        groups.setdefault((r["row"], r["connector"]), []).append(r)
+    return [{"row": name, "connector": connector, "rounds": len(group), **summary(group)}
+            for (name, connector), group in groups.items()]
 
 
 def table(merged: list[dict]) -> str:
-    lines = ["| row | connector | TTFT p50 ms | TTFT p99 ms | decode leg p50 ms | reads ms (mean) | whole transfer ms "
-             "(mean) | MiB/request | errors |", "|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| row | connector | TTFT p50 ms | TTFT p99 ms | decode leg p50 ms | decode leg p99 ms | reads ms (mean) "
+             "| whole transfer ms (mean) | MiB/request | requests (errors) |", "|---|---|---|---|---|---|---|---|---|---|"]
     by_row = {}
     for m in merged:
         by_row.setdefault(m["row"], {})[m["connector"]] = m
@@ -121,14 +119,16 @@ def table(merged: list[dict]) -> str:
             m = pair.get(connector)
             if m:
                 lines.append(f"| {name} | {connector} | {m['ttft_p50_ms']} | {m['ttft_p99_ms']} | "
-                             f"{m['decode_leg_p50_ms']} | {m['read_ms_mean']} | {m['xfer_ms_mean']} | "
-                             f"{m['mib_per_request']} | "
-                             f"{m['errors']} |")
+                             f"{m['decode_leg_p50_ms']} | {m['decode_leg_p99_ms']} | {m['read_ms_mean']} | "
+                             f"{m['xfer_ms_mean'] if connector == 'kvlend' else ''} | {m['mib_per_request']} | "
+                             f"{m['requests']} ({m['errors']}) |")
         if len(pair) == 2 and pair["nixl"]["ttft_p50_ms"] and pair["kvlend"]["ttft_p50_ms"]:
             ratio = pair["nixl"]["ttft_p50_ms"] / pair["kvlend"]["ttft_p50_ms"]
             leg = _ratio(pair["nixl"]["decode_leg_p50_ms"], pair["kvlend"]["decode_leg_p50_ms"])
             reads = _ratio(pair["nixl"]["read_ms_mean"], pair["kvlend"]["read_ms_mean"])
-            lines.append(f"| {name} | nixl/kvlend | {ratio:.2f}x | | {leg} | {reads} | | | |")
+            p99 = _ratio(pair["nixl"]["ttft_p99_ms"], pair["kvlend"]["ttft_p99_ms"])
+            leg99 = _ratio(pair["nixl"]["decode_leg_p99_ms"], pair["kvlend"]["decode_leg_p99_ms"])
+            lines.append(f"| {name} | nixl/kvlend | {ratio:.2f}x | {p99} | {leg} | {leg99} | {reads} | | | |")
     return "\n".join(lines)
 
 
@@ -157,7 +157,8 @@ def main(argv: list[str] | None = None) -> int:
     log_dir = tempfile.mkdtemp(prefix="kvlend-vllm-bench-")
     secret_file = write_secret(log_dir)
     model = models.ensure_model(args.size)
-    print(f"bench: model {model}, logs in {log_dir}", flush=True)
+    print(f"bench: model {model}, logs (and kvlend's per-fetch timeline, kvlend-fetches.jsonl) in {log_dir}",
+          flush=True)
     rows = []
     for round_no in range(args.rounds):
         for connector in args.connectors.split(","):

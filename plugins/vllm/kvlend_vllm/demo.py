@@ -100,14 +100,14 @@ def write_secret(log_dir: str) -> str:
 
 
 def start_engine(name: str, connector: str | None, role: str | None, model: str, max_len: int, kv_gib: int,
-                 log_dir: str, secret_file: str) -> launch.Server:
+                 log_dir: str, secret_file: str, kvlend_extra: dict | None = None) -> launch.Server:
     """One `vllm serve` with ``connector`` (kvlend | nixl) in ``role``, or a plain one (None)."""
     port, extra_env, cfg = launch.free_port(), {}, None
     if connector == "nixl":
         cfg = launch.nixl_transfer_config(role)
         extra_env = {"VLLM_NIXL_SIDE_CHANNEL_HOST": HOST, "VLLM_NIXL_SIDE_CHANNEL_PORT": str(launch.free_port())}
     elif connector == "kvlend":
-        cfg = launch.kvlend_transfer_config(role)
+        cfg = launch.kvlend_transfer_config(role, kvlend_extra)
         extra_env = {"KVLEND_SECRET_FILE": secret_file}
     return launch.Server(name, f"http://{HOST}:{port}").start(
         launch.vllm_serve_argv(model, port, kv_transfer_config=cfg, max_model_len=max_len),
