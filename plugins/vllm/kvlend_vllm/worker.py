@@ -154,6 +154,7 @@ class ConsumerWorker:
                 loading.handle.cancel()
                 loading.cancelled = True
         for load in plan.loads:
+            started = time.perf_counter()
             try:
                 handle = self.node.start_fetch(load.ticket, {"full": list(load.blocks)},
                                                resume_from=load.resume_from)
@@ -164,7 +165,7 @@ class ConsumerWorker:
                 self.stats.record_failure(len(recompute))
                 self._done.add(load.request)
                 continue
-            self._loading[load.request] = _Loading(handle, load.blocks, load.num_tokens, time.perf_counter())
+            self._loading[load.request] = _Loading(handle, load.blocks, load.num_tokens, started)
             self._by_handle[handle.id] = load.request
 
     def finished_recving(self) -> set[str]:
