@@ -13,6 +13,7 @@ import logging
 import os
 import threading
 import time
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,6 +26,7 @@ from kvlend.transport import load_backend
 from .scheduler import Endpoint, StepPlan
 
 log = logging.getLogger("kvlend.vllm")
+_FINISHED_KEPT = 65536
 
 
 @dataclass(frozen=True)
@@ -71,7 +73,9 @@ class ProducerWorker:
         self.node: PrefillNode | None = None
         self._lock = threading.Lock()
         self._ended: set[str] = set()  # leases over (done, aborted, expired, released): blocks may be freed
-        self._finished: set[str] = set()  # requests vLLM said finished (only those may be reported)
+        # Requests vLLM said finished (only those may be reported), the most recent ones: a lend
+        # comes a step after its request finished, so this need not remember long.
+        self._finished: OrderedDict[str, None] = OrderedDict()
 
     def register(self, layout) -> Endpoint:
         s = self.settings
@@ -99,10 +103,13 @@ class ProducerWorker:
 
     def finished_sending(self, finished_req_ids: set[str]) -> set[str]:
         with self._lock:
-            self._finished |= finished_req_ids
-            done = self._ended & self._finished
+            self._finished.update(dict.fromkeys(finished_req_ids))
+            while len(self._finished) > _FINISHED_KEPT:
+                self._finished.popitem(last=False)
+            done = {request for request in self._ended if request in self._finished}
             self._ended -= done
-            self._finished -= done
+            for request in done:
+                del self._finished[request]
         return done
 
     def close(self) -> None:
