@@ -22,6 +22,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorTransferResults,
 )
 
+from kvlend.errors import ConfigError
 from kvlend.protocol.config import NodeConfig
 
 from .layout import layout_from_kv_caches, model_digest, scope_of
@@ -47,6 +48,16 @@ DEFAULTS = {"host": "127.0.0.1", "port": 0, "advertise": None, "ttl": 30.0, "hea
             "claim_wait": 5.0, "transfer_timeout": 30.0, "stats_path": None}
 
 
+def _number(extra: dict, key: str) -> float:
+    value = extra[key]
+    if isinstance(value, bool) or not isinstance(value, (int, float, str)):
+        raise ConfigError(f"kv_connector_extra_config.{key}: expected a number, got {value!r}")
+    try:
+        return float(value)
+    except ValueError:
+        raise ConfigError(f"kv_connector_extra_config.{key}: expected a number, got {value!r}") from None
+
+
 @dataclass
 class KvlendMetadata(KVConnectorMetadata):
     plan: StepPlan = field(default_factory=StepPlan)
@@ -63,25 +74,24 @@ class KvlendConnector(KVConnectorBase_V1):
         _show_kvlend_logs()
         transfer = self._kv_transfer_config
         if transfer.kv_role not in ("kv_producer", "kv_consumer"):
-            raise ValueError(f"KvlendConnector: kv_role must be kv_producer or kv_consumer, got {transfer.kv_role!r}")
+            raise ConfigError(f"KvlendConnector: kv_role must be kv_producer or kv_consumer, got {transfer.kv_role!r}")
         self.producer = transfer.kv_role == "kv_producer"
         extra = {**DEFAULTS, **(transfer.kv_connector_extra_config or {})}
         unknown = sorted(set(extra) - set(DEFAULTS))
         if unknown:
-            raise ValueError(f"KvlendConnector: unknown kv_connector_extra_config keys {unknown}; "
+            raise ConfigError(f"KvlendConnector: unknown kv_connector_extra_config keys {unknown}; "
                              f"known: {sorted(DEFAULTS)}")
         self.block_size = vllm_config.cache_config.block_size
-        self.extra = extra
         self.scheduler = self.worker = None
         if role == KVConnectorRole.SCHEDULER:
             self.scheduler = (ProducerScheduler if self.producer else ConsumerScheduler)(self.block_size)
         else:
-            config = NodeConfig(ttl=float(extra["ttl"]), heartbeat=float(extra["heartbeat"]),
-                                claim_wait=float(extra["claim_wait"]) if self.producer else 0.0,
-                                transfer_timeout=float(extra["transfer_timeout"]))
+            config = NodeConfig(ttl=_number(extra, "ttl"), heartbeat=_number(extra, "heartbeat"),
+                                claim_wait=_number(extra, "claim_wait") if self.producer else 0.0,
+                                transfer_timeout=_number(extra, "transfer_timeout"))
             side = "prefill" if self.producer else "decode"
             name = f"vllm-{side}-{socket.gethostname()}-{os.getpid()}-{transfer.engine_id}"[:200]
-            settings = WorkerSettings(name, extra["host"], int(extra["port"]), extra["advertise"], config,
+            settings = WorkerSettings(name, extra["host"], int(_number(extra, "port")), extra["advertise"], config,
                                       extra["stats_path"])
             self.stats = KvlendStats()
             self.worker = (ProducerWorker(settings) if self.producer
@@ -120,7 +130,7 @@ class KvlendConnector(KVConnectorBase_V1):
     def set_xfer_handshake_metadata(self, metadata: dict[int, KVConnectorHandshakeMetadata]) -> None:
         if self.producer:
             if len(metadata) != 1:
-                raise ValueError(f"KvlendConnector supports one worker per engine (TP 1), got {len(metadata)}")
+                raise ConfigError(f"KvlendConnector supports one worker per engine (TP 1), got {len(metadata)}")
             self.scheduler.set_endpoint(next(iter(metadata.values())).endpoint)
 
     # --------------------------------------------------------------- worker
