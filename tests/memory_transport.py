@@ -441,6 +441,15 @@ class DecodeEnd:
         self.world.pump()
         return record
 
+    def claim(self, ticket) -> None:
+        """Claim a ticket ahead of its fetch (``DecodeSession.claim_ticket``)."""
+        self.session.claim_ticket(ticket, self.now)
+        self.world.pump()
+
+    def unclaim(self, ticket) -> None:
+        self.session.unclaim(ticket)
+        self.world.pump()
+
     def _free_tables(self, dst) -> None:
         if isinstance(dst, dict):
             for name, table in dst.items():

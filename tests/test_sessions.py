@@ -274,6 +274,62 @@ def test_claim_wait_must_be_shorter_than_the_ttl():
             NodeConfig(ttl=5.0, claim_wait=bad)
 
 
+def test_a_ticket_claimed_ahead_outlives_its_ttl_on_heartbeats_and_is_read_later():
+    world, p, d, conn = rig(LONG)
+    t = p.ticket(20, seed=8)
+    d.claim(t)
+    for _ in range(int(4 * LONG.ttl / LONG.heartbeat)):  # the engine's queue: four TTLs without a fetch
+        world.advance(LONG.heartbeat)
+        assert live(p, t)
+    r = d.fetch_ticket(t, seed=8)
+    assert r.fetch.state is not FetchState.CLAIMING  # the offer was already here: no claim round trip
+    finish_all(world, d)
+    assert r.fetch.state is FetchState.DONE and [why for _, why in p.ended] == ["done"]
+
+
+def test_a_fetch_started_before_the_early_claims_answer_waits_for_that_answer():
+    world = World(0)
+    p = world.add_prefill(config=CFG)
+    d = world.add_decode(config=CFG)
+    t = p.ticket(12, seed=2)
+    d.session.claim_ticket(t, d.now)  # the link is not even open yet
+    r = d.fetch_ticket(t, seed=2)
+    finish_all(world, d)
+    assert r.fetch.state is FetchState.DONE
+
+
+def test_an_early_claim_refused_fails_the_later_fetch_at_once():
+    world, p, d, conn = rig()
+    t = minted(p, 20)  # never lent, and no claim_wait: refused
+    d.claim(t)
+    r = d.fetch_ticket(t, seed=6)
+    assert r.fetch.state is FetchState.FAILED and isinstance(r.fetch.error, LeaseUnknown)
+
+
+def test_an_unclaimed_lease_is_released_by_the_prefill_at_once():
+    world, p, d, conn = rig(LONG)
+    answered, pending = p.ticket(20, seed=8), p.ticket(12, seed=9)
+    d.claim(answered)
+    d.unclaim(answered)
+    assert not live(p, answered)
+    d.session.claim_ticket(pending, d.now)  # its answer is still on the wire when we give it back
+    d.unclaim(pending)
+    world.pump()
+    assert not live(p, pending) and locked(p) == 0
+    assert d.session.next_deadline() is None  # nothing left to heartbeat: the late offer was dropped
+
+
+def test_claiming_ahead_twice_or_after_the_fetch_started_changes_nothing():
+    world, p, d, conn = rig(LONG)
+    t = p.ticket(20, seed=8)
+    d.claim(t)
+    d.claim(t)
+    r = d.fetch_ticket(t, seed=8)
+    d.claim(t)
+    finish_all(world, d)
+    assert r.fetch.state is FetchState.DONE and [why for _, why in p.ended] == ["done"]
+
+
 def test_no_prefill_at_the_ticket_endpoint():
     world = World(0)
     p = world.add_prefill(config=CFG)

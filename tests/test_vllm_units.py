@@ -184,3 +184,26 @@ def test_consumer_computes_locally_on_a_missing_bad_or_mismatched_ticket(params)
     assert s.get_num_new_matched_tokens(req, 0) == (0, False)
     s.update_state_after_alloc(req, Blocks([1, 2, 3]), 0)
     assert not s.take_plan().loads
+
+
+def test_consumer_claims_at_arrival_and_gives_back_what_it_will_not_load():
+    text = Ticket(b"\x01" * 16, "127.0.0.1", 5555, "prefill-a", 40, "ab" * 32).to_text()
+    s = ConsumerScheduler(BS)
+    loaded, local, aborted = decode_req(text), decode_req(text, request_id="r2"), decode_req(text, request_id="r3")
+    for req in (loaded, local, aborted):
+        s.on_new_request(req)
+    assert s.take_plan().claims == [text, text, text]
+    s.update_state_after_alloc(loaded, Blocks([5, 4, 8]), 40)
+    s.update_state_after_alloc(local, Blocks([1, 2, 3]), 0)  # a full local hit after all
+    s.request_finished(aborted)  # aborted in the queue
+    s.request_finished(loaded)  # finished while loading: a cancel, not an unclaim
+    plan = s.take_plan()
+    assert [load.request for load in plan.loads] == ["r1"]
+    assert plan.unclaims == [text, text] and plan.cancels == ["r1"]
+
+
+def test_consumer_claims_nothing_for_a_request_without_a_usable_ticket():
+    s = ConsumerScheduler(BS)
+    s.on_new_request(Req(kv_transfer_params=None))
+    s.on_new_request(Req(kv_transfer_params={"do_remote_prefill": True, TICKET_KEY: "kvl1.!!"}))
+    assert not s.take_plan().claims

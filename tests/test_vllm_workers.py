@@ -52,11 +52,21 @@ class Req(SimpleNamespace):
 
 @pytest.fixture
 def pair(monkeypatch):
+    yield from make_pair(monkeypatch, CONFIG)
+
+
+@pytest.fixture
+def short(monkeypatch):
+    """Leases of one second, kept alive by heartbeats every 0.2 s."""
+    yield from make_pair(monkeypatch, NodeConfig(ttl=1.0, heartbeat=0.2, claim_wait=0.5, transfer_timeout=5.0))
+
+
+def make_pair(monkeypatch, config: NodeConfig):
     monkeypatch.setenv("KVLEND_SECRET", generate_secret().hex())
     src, dst = caches(None), caches(0.0)
     scope = "test/cpu/bs16"
-    producer = ProducerWorker(WorkerSettings("p", config=CONFIG))
-    consumer = ConsumerWorker(WorkerSettings("d", config=CONFIG), BS, Stats())
+    producer = ProducerWorker(WorkerSettings("p", config=config))
+    consumer = ConsumerWorker(WorkerSettings("d", config=config), BS, Stats())
     p_sched, d_sched = ProducerScheduler(BS), ConsumerScheduler(BS)
     p_sched.set_endpoint(producer.register(layout_from_kv_caches(src, block_size=BS, dtype="float32", scope=scope)))
     consumer.register(layout_from_kv_caches(dst, block_size=BS, dtype="float32", scope=scope))
@@ -73,9 +83,13 @@ def lend(pair, rid: str, num_tokens: int, blocks: list[int]) -> dict:
     return params
 
 
-def load(pair, rid: str, params: dict, num_tokens: int, blocks: list[int]) -> None:
-    req = Req(request_id=rid, prompt_token_ids=list(range(num_tokens)), num_computed_tokens=0,
-              kv_transfer_params=dict(params))
+def arrive(rid: str, params: dict, num_tokens: int) -> Req:
+    return Req(request_id=rid, prompt_token_ids=list(range(num_tokens)), num_computed_tokens=0,
+               kv_transfer_params=dict(params))
+
+
+def load(pair, rid: str, params: dict, num_tokens: int, blocks: list[int], req: Req | None = None) -> None:
+    req = req or arrive(rid, params, num_tokens)
     assert pair.d.get_num_new_matched_tokens(req, 0) == (num_tokens, True)
     pair.d.update_state_after_alloc(req, SimpleNamespace(get_block_ids=lambda: (blocks,)), num_tokens)
 
@@ -152,3 +166,31 @@ def test_a_bad_ticket_is_never_loaded(pair):
     req = Req(request_id="d1", prompt_token_ids=list(range(40)), num_computed_tokens=0,
               kv_transfer_params={**params, TICKET_KEY: params[TICKET_KEY][:-4]})
     assert pair.d.get_num_new_matched_tokens(req, 0) == (0, False)
+
+
+def test_a_request_queued_past_the_lease_ttl_still_loads_its_kv_claimed_at_arrival(short):
+    params = lend(short, "r1", 40, [5, 2, 9])
+    short.producer.start(short.p.take_plan())
+    req = arrive("d1", params, 40)
+    short.d.on_new_request(req)  # vLLM: the request is queued, no blocks yet
+    deadline = time.monotonic() + 2.5  # two and a half TTLs in the queue
+    while time.monotonic() < deadline:
+        short.consumer.start(short.d.take_plan())
+        short.producer.finished_sending(set())
+        time.sleep(0.05)
+    load(short, "d1", params, 40, [7, 1, 30], req)
+    steps(short, lambda r, s: "d1" in r)
+    assert same_blocks(short, [5, 2, 9], [7, 1, 30]) and not short.consumer.load_errors()
+
+
+def test_a_request_aborted_while_queued_gives_its_claimed_lease_back(short):
+    params = lend(short, "r1", 40, [5, 2, 9])
+    short.producer.start(short.p.take_plan())
+    req = arrive("d1", params, 40)
+    short.d.on_new_request(req)
+    short.consumer.start(short.d.take_plan())
+    time.sleep(0.2)
+    short.d.request_finished(req)
+    started = time.monotonic()
+    steps(short, lambda r, s: "r1" in s, finished=frozenset({"r1"}))
+    assert time.monotonic() - started < 0.9  # released at once, not at the one-second TTL

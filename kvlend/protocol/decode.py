@@ -53,6 +53,7 @@ _REASON = 4000
 _PLAN_CACHE = 64
 _BEATS_KEPT = 64  # unanswered heartbeats remembered per link (a prefill that stalls costs no more)
 _REFUSALS = {cls.__name__: cls for cls in (LeaseExpired, LeaseUnknown, LeaseDenied)}
+_REFUSED_KEPT = 4096  # early claims' refusals remembered per link
 
 
 class FetchState(str, Enum):
@@ -143,6 +144,8 @@ class _Link:
     next_beat: float = 0.0
     waiting: list = field(default_factory=list)  # fetch ids to claim once READY
     abandoned: set = field(default_factory=set)  # leases whose claim we gave up on: their offer is stale
+    early: dict = field(default_factory=dict)  # claimed ahead of a fetch, not yet answered: lease id -> sent at
+    refused: OrderedDict = field(default_factory=OrderedDict)  # early claims the prefill refused: id -> reason
 
 
 class DecodeSession(Outbox):
@@ -288,14 +291,67 @@ class DecodeSession(Outbox):
         if known is not None and self._links[known].plan is not None:
             check_destination(self._links[known].plan, dst, ticket.num_tokens)
         conn = self.link_to(ticket.host, ticket.port, now)
+        link = self._links[conn]
+        offer = link.offers.get(ticket.lease)
+        if offer is not None and offer.num_tokens == ticket.num_tokens:  # claimed ahead and answered: read it
+            return self.fetch_offer(conn, offer, dst, now, resume_from, timeout)
+        if offer is not None:  # not what the ticket says: claim again, and the answer fails the fetch
+            link.offers.pop(ticket.lease)
+            link.sure.pop(ticket.lease, None)
         fetch = self._new_fetch(conn, ticket.lease, ticket.num_tokens, dst, resume_from, now, timeout,
                                 FetchState.CLAIMING)
-        link = self._links[conn]
-        if link.state is _LinkState.READY:
+        reason = link.refused.pop(ticket.lease, None)
+        if reason is not None:
+            kind = _REFUSALS.get(reason.partition(":")[0], LeaseUnknown)
+            self._fail(fetch, kind(f"prefill {link.peer} refused lease {ticket.lease.hex()}: {reason}"), now,
+                       tell_prefill=False)
+        elif link.early.get(ticket.lease) is not None:  # claimed ahead, answer still on its way: wait for it
+            fetch.claimed_at = link.early.pop(ticket.lease)
+        elif link.state is _LinkState.READY:
+            link.early.pop(ticket.lease, None)
             self._claim(link, fetch, now)
         else:
+            link.early.pop(ticket.lease, None)
             link.waiting.append(fetch.id)
         return fetch
+
+    def claim_ticket(self, ticket: Ticket, now: float) -> None:
+        """Claim ``ticket``'s lease now and keep it alive (heartbeats) until ``fetch_ticket`` reads it.
+
+        For an engine that learns of a request before it has pages to read it into: the lease
+        no longer has to outlive the engine's queue on its TTL alone.  Idempotent; a refusal is
+        remembered and fails the later fetch at once.  ``unclaim`` gives a lease back unread.
+        """
+        if not isinstance(ticket, Ticket):
+            raise ProtocolError(f"expected a Ticket, got {type(ticket).__name__}")
+        self._check_size(ticket.num_tokens)
+        if any(f.lease == ticket.lease and not f.done for f in self._fetches.values()):
+            return
+        link = self._links[self.link_to(ticket.host, ticket.port, now)]
+        if ticket.lease in link.early or ticket.lease in link.offers or ticket.lease in link.refused:
+            return
+        if len(link.early) >= self.config.quotas.max_leases_per_peer:
+            raise QuotaExceeded("max_leases_per_peer", len(link.early) + 1, self.config.quotas.max_leases_per_peer,
+                                "early claims on one link:")
+        if link.state is _LinkState.READY:
+            link.early[ticket.lease] = now
+            link.conn.send(Claim(ticket.lease))
+        else:
+            link.early[ticket.lease] = None
+
+    def unclaim(self, ticket: Ticket) -> None:
+        """Give back a lease claimed ahead and never fetched: the prefill releases it at once."""
+        conn = self._by_endpoint.get(ticket.endpoint)
+        link = self._links.get(conn) if conn is not None else None
+        if link is None:
+            return
+        link.refused.pop(ticket.lease, None)
+        if ticket.lease in link.early:
+            if link.early.pop(ticket.lease) is not None:  # sent: its offer may still come, dropped then
+                link.abandoned.add(ticket.lease)
+                link.conn.send(Abort(ticket.lease, "unclaimed: the decode will not read it"))
+        elif ticket.lease in link.offers and link.state is _LinkState.READY:
+            self.decline(conn, link.offers[ticket.lease], "unclaimed: the decode will not read it")
 
     def decline(self, conn: int, offer: LeaseOffer, reason: str) -> None:
         """Tell the prefill this rank will not read ``offer``: it releases the lease at once."""
@@ -442,12 +498,20 @@ class DecodeSession(Outbox):
             fetch = self._fetches.get(fid)
             if fetch is not None and fetch.state is FetchState.CLAIMING:
                 self._claim(link, fetch, now)
+        for lease in [i for i, sent in link.early.items() if sent is None]:
+            link.early[lease] = now
+            link.conn.send(Claim(lease))
 
     def _offer(self, conn: int, link: _Link, offer: LeaseOffer, now: float) -> None:
         if offer.id in link.abandoned:  # the answer to a claim we gave up on (and aborted)
             link.abandoned.discard(offer.id)
             return
         fetch = self._fetch_of(conn, offer.id, FetchState.CLAIMING)
+        if fetch is None and offer.id in link.early:  # claimed ahead: held (and heartbeated) for its fetch
+            sent = link.early.pop(offer.id)
+            link.offers[offer.id] = offer
+            link.sure[offer.id] = sent + offer.ttl - self.config.heartbeat  # renewed when our claim arrived
+            return
         if fetch is None:  # pushed: trusted once a heartbeat renewal confirms it, which we ask for now
             try:
                 self._check_size(offer.num_tokens)
@@ -497,6 +561,11 @@ class DecodeSession(Outbox):
 
     def _withdrawn(self, conn: int, link: _Link, message: Abort, now: float) -> None:
         """The prefill refused a claim or ended the lease: nothing read under it may be used."""
+        if message.lease in link.early or message.lease in link.offers:
+            link.early.pop(message.lease, None)
+            link.refused[message.lease] = message.reason  # what a later fetch of its ticket fails with
+            while len(link.refused) > _REFUSED_KEPT:
+                link.refused.popitem(last=False)
         link.offers.pop(message.lease, None)
         link.sure.pop(message.lease, None)
         link.abandoned.discard(message.lease)

@@ -208,6 +208,24 @@ class DecodeNode(Shell):
         METRICS.observe("kvlend_post_seconds", time.perf_counter() - started)
         return handle
 
+    def claim(self, ticket: Ticket | str | bytes) -> None:
+        """Claim ``ticket``'s lease now and keep it alive until ``start_fetch(ticket, ...)`` reads it.
+
+        For an engine that learns of a request before it has pages for it (vLLM: at arrival,
+        before blocks are allocated); ``unclaim`` gives it back unread.  Never blocks.
+        """
+        with self._lock:
+            self.session.claim_ticket(_ticket(ticket), self.clock())
+        self._wake()
+        if not self.threaded:
+            self.flush()
+
+    def unclaim(self, ticket: Ticket | str | bytes) -> None:
+        """Give back a lease claimed with ``claim`` and never fetched."""
+        with self._lock:
+            self.session.unclaim(_ticket(ticket))
+        self._wake()
+
     def finished(self) -> list[FetchHandle]:
         """Fetches that finished since the last call (progresses the loop when it has no thread)."""
         if not self.threaded:

@@ -99,6 +99,10 @@ class KvlendConnector(KVConnectorBase_V1):
         self._endpoint: Endpoint | None = None
 
     # ------------------------------------------------------------ scheduler
+    def on_new_request(self, request) -> None:
+        if not self.producer:
+            self.scheduler.on_new_request(request)
+
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int | None, bool]:
         if self.producer:
             return 0, False

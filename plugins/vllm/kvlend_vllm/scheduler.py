@@ -59,7 +59,9 @@ class StepPlan:
     """What one engine step asks of the worker (the connector metadata's contents)."""
 
     lends: list[Lend] = field(default_factory=list)
+    claims: list[str] = field(default_factory=list)  # tickets to claim now, before vLLM has blocks for them
     loads: list[Load] = field(default_factory=list)
+    unclaims: list[str] = field(default_factory=list)  # tickets claimed and never to be loaded
     cancels: list[str] = field(default_factory=list)
 
 
@@ -118,6 +120,7 @@ class ConsumerScheduler:
     def __init__(self, block_size: int) -> None:
         self.block_size = block_size
         self._plan = StepPlan()
+        self._claimed: dict[str, str] = {}  # request -> ticket, claimed at arrival and not yet loading
         self._loading: set[str] = set()
 
     def ticket_of(self, request: Any) -> Ticket | None:
@@ -137,6 +140,18 @@ class ConsumerScheduler:
             return None
         return ticket
 
+    def on_new_request(self, request: Any) -> None:
+        """Claim the ticket as the request arrives: heartbeats keep the lease alive while it queues."""
+        if self.ticket_of(request) is not None:
+            text = request.kv_transfer_params[TICKET_KEY]
+            self._plan.claims.append(text)
+            self._claimed[request.request_id] = text
+
+    def _unclaim(self, request_id: str) -> None:
+        text = self._claimed.pop(request_id, None)
+        if text is not None:
+            self._plan.unclaims.append(text)
+
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
         ticket = self.ticket_of(request)
         if ticket is None:
@@ -150,7 +165,9 @@ class ConsumerScheduler:
             return
         request.kv_transfer_params["do_remote_prefill"] = False  # one load per request, even if rescheduled
         if num_external_tokens <= 0:
-            return  # all local: the prefill's lease expires by its TTL
+            self._unclaim(request.request_id)  # all local: give the prefill its blocks back now
+            return
+        self._claimed.pop(request.request_id, None)
         table = tuple(blocks.get_block_ids()[0][:pages_for(ticket.num_tokens, self.block_size)])
         resume = request.num_computed_tokens
         self._plan.loads.append(Load(request.request_id, request.kv_transfer_params[TICKET_KEY], ticket.num_tokens,
@@ -158,9 +175,11 @@ class ConsumerScheduler:
         self._loading.add(request.request_id)
 
     def request_finished(self, request: Any) -> None:
-        """A request ended (an abort, typically while its KV was still loading): stop its fetch."""
+        """A request ended (an abort, typically while its KV was still loading or queued): stop its fetch
+        or give its claimed lease back."""
         if request.request_id in self._loading:
             self._plan.cancels.append(request.request_id)
+        self._unclaim(request.request_id)
 
     def finished_recving(self, request_ids) -> None:
         self._loading.difference_update(request_ids or ())

@@ -155,6 +155,16 @@ class ConsumerWorker:
         log.info("kvlend decode %s ready (layout %s)", s.name, layout.layout_id)
 
     def start(self, plan: StepPlan) -> None:
+        for text in plan.claims:
+            try:
+                self.node.claim(text)
+            except KvlendError as exc:  # the fetch will claim again, or fail and be recomputed
+                log.warning("early claim of a ticket failed: %s", exc)
+        for text in plan.unclaims:
+            try:
+                self.node.unclaim(text)
+            except KvlendError as exc:
+                log.info("giving back an unread lease: %s", exc)
         for request in plan.cancels:
             loading = self._loading.get(request)
             if loading is not None and loading.reported_at is None:
