@@ -70,6 +70,7 @@ class Sessions(RuleBasedStateMachine):
         self.other = self.world.add_decode("d1", config=CFG)  # a second reader, for tickets both try to claim
         self.seed = 0
         self.restarts = 0
+        self.ahead: list = []  # (decode, ticket, seed) claimed ahead, not yet read or given back
 
     # ------------------------------------------------------------- helpers
     def _next_seed(self) -> int:
@@ -93,6 +94,30 @@ class Sessions(RuleBasedStateMachine):
         seed = self._next_seed()
         ticket = p.ticket(n, seed)
         d.fetch_ticket(ticket, seed=seed)
+
+    @rule(i=st.integers(0, 1), n=st.integers(1, 72))
+    def claim_ahead(self, i, n):
+        """An engine claims a ticket as its request arrives, before it has pages for it."""
+        p, d = self._prefill(i), self.decode
+        if p is None or not self._room(p, n) or not self._room(d, n):
+            return
+        seed = self._next_seed()
+        ticket = p.ticket(n, seed)
+        d.claim(ticket)
+        self.ahead.append((d, ticket, seed))
+
+    @rule(k=st.integers(0, 7), read=st.booleans())
+    def settle_claimed(self, k, read):
+        """Later: the claimed ticket is read into fresh pages, or given back unread."""
+        if not self.ahead:
+            return
+        d, ticket, seed = self.ahead.pop(k % len(self.ahead))
+        if not d.alive:
+            return
+        if read and self._room(d, ticket.num_tokens):
+            d.fetch_ticket(ticket, seed=seed)
+        else:
+            d.unclaim(ticket)
 
     @rule(i=st.integers(0, 1), n=st.integers(1, 72), first=st.booleans())
     def double_claim(self, i, n, first):
@@ -418,6 +443,9 @@ class Sessions(RuleBasedStateMachine):
             wire.hold_to_prefill = wire.hold_to_decode = False
         world.pump()
         live = [d for d in world.decodes if d.alive]
+        for d, ticket, _ in self.ahead:  # the engine gives back what it claimed and will not read
+            if d.alive:
+                d.unclaim(ticket)
         for d in live:
             for conn, offer in d.offers:
                 if d.session.ready(conn):

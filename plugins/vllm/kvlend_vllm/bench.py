@@ -82,7 +82,9 @@ def run_pair(connector: str, args, model: str, max_len: int, log_dir: str, secre
         servers.append(start_router(prefill, decode, log_dir, args.request_timeout))
         boot(servers, args.boot_timeout)
         url, rows = servers[2].url, []
+        before = scrape(decode.url, KV_METRICS[connector])
         asyncio.run(workload(url, model, make_prompts(2, [64], seed=99), 2, 1, args.request_timeout))  # warm-up
+        settled(decode.url, connector, before, 2)  # its metrics must not land in the first row
         plan = [(f"{n} tokens", make_prompts(args.requests, [n], seed=n), 1) for n in args.lengths]
         plan.append((f"{args.burst} concurrent x {args.burst_tokens} tokens",
                      make_prompts(args.burst, [args.burst_tokens], seed=7), args.burst))
