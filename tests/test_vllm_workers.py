@@ -26,9 +26,10 @@ BS, BLOCKS, HEADS, HEAD = 16, 32, 2, 8
 CONFIG = NodeConfig(ttl=5.0, heartbeat=0.5, claim_wait=2.0, transfer_timeout=5.0)
 
 
-def caches(fill: float | None):
+def caches(numbered: bool):
+    """Two layers of vLLM-CPU-shaped KV: every element distinct (a prefill's), or zeros (a decode's)."""
     flat = torch.zeros(2 * BLOCKS * HEADS * BS * 2 * HEAD)
-    if fill is None:
+    if numbered:
         flat.copy_(torch.arange(flat.numel(), dtype=torch.float32))
     per = flat.numel() // 2
     return {f"model.layers.{i}.self_attn.attn": flat[i * per:(i + 1) * per].view(BLOCKS, HEADS, BS, 2 * HEAD)
@@ -63,7 +64,7 @@ def short(monkeypatch):
 
 def make_pair(monkeypatch, config: NodeConfig):
     monkeypatch.setenv("KVLEND_SECRET", generate_secret().hex())
-    src, dst = caches(None), caches(0.0)
+    src, dst = caches(True), caches(False)
     scope = "test/cpu/bs16"
     producer = ProducerWorker(WorkerSettings("p", config=config))
     consumer = ConsumerWorker(WorkerSettings("d", config=config), BS, Stats())

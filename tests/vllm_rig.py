@@ -93,11 +93,7 @@ def generate(server: launch.Server, model: str, prompts, max_tokens: int, *, con
              timeout: float = 120.0) -> list[dict]:
     """Each prompt's answer: ``{"tokens": [...], "finish": ...}`` or ``{"error": ...}``."""
     def one(prompt):
-        answer = post(server.url + "/v1/completions", completion(model, prompt, max_tokens), timeout)
-        if "error" in answer:
-            return answer
-        choice = answer["choices"][0]
-        return {"tokens": choice["token_ids"], "finish": choice["finish_reason"]}
+        return _tokens(post(server.url + "/v1/completions", completion(model, prompt, max_tokens), timeout))
     with ThreadPoolExecutor(concurrency) as pool:
         return list(pool.map(one, prompts))
 
@@ -111,8 +107,12 @@ def prefill_only(server: launch.Server, model: str, prompt: list[int]) -> dict:
 
 def decode_with(server: launch.Server, model: str, prompt: list[int], params: dict, max_tokens: int,
                 timeout: float = 120.0) -> dict:
-    answer = post(server.url + "/v1/completions",
-                  completion(model, prompt, max_tokens, kv_transfer_params=params), timeout)
+    return _tokens(post(server.url + "/v1/completions",
+                        completion(model, prompt, max_tokens, kv_transfer_params=params), timeout))
+
+
+def _tokens(answer: dict) -> dict:
+    """A completion's ``{"tokens", "finish"}``, or the error answer unchanged."""
     if "error" in answer:
         return answer
     choice = answer["choices"][0]

@@ -301,17 +301,16 @@ class DecodeSession(Outbox):
         fetch = self._new_fetch(conn, ticket.lease, ticket.num_tokens, dst, resume_from, now, timeout,
                                 FetchState.CLAIMING)
         reason = link.refused.pop(ticket.lease, None)
+        sent = link.early.pop(ticket.lease, None)  # None too for a claim queued until the link is ready
         if reason is not None:
             kind = _REFUSALS.get(reason.partition(":")[0], LeaseUnknown)
             self._fail(fetch, kind(f"prefill {link.peer} refused lease {ticket.lease.hex()}: {reason}"), now,
                        tell_prefill=False)
-        elif link.early.get(ticket.lease) is not None:  # claimed ahead, answer still on its way: wait for it
-            fetch.claimed_at = link.early.pop(ticket.lease)
+        elif sent is not None:  # claimed ahead, answer still on its way: wait for it
+            fetch.claimed_at = sent
         elif link.state is _LinkState.READY:
-            link.early.pop(ticket.lease, None)
             self._claim(link, fetch, now)
         else:
-            link.early.pop(ticket.lease, None)
             link.waiting.append(fetch.id)
         return fetch
 

@@ -30,12 +30,14 @@ from . import launch, models
 from .demo import KV_METRICS, boot, make_prompts, pct, scrape, start_engine, start_router, workload, write_secret
 
 
+_KV_KEYS = ("kv_transfers", "kv_xfer_s", "kv_read_s", "kv_bytes", "kv_failed")  # summed over a row's requests
+
+
 def row(name: str, results: list[dict], before: dict, after: dict, wall: float) -> dict:
     ok = [r for r in results if "error" not in r]
     ttft = [r["ttft_s"] for r in ok if r["ttft_s"] is not None]
     leg = [r["ttft_s"] - r["prefill_ms"] / 1e3 for r in ok if r["ttft_s"] is not None and r["prefill_ms"]]
-    delta = {k: after.get(k, 0) - before.get(k, 0) for k in ("kv_transfers", "kv_xfer_s", "kv_read_s", "kv_bytes",
-                                                            "kv_failed")}
+    delta = {k: after.get(k, 0) - before.get(k, 0) for k in _KV_KEYS}
     return {"row": name, "requests": len(results), "errors": len(results) - len(ok),
             "ttft_s": ttft, "decode_leg_s": leg, **delta, "wall_s": round(wall, 2)}
 
@@ -44,7 +46,7 @@ def summary(rows: list[dict]) -> dict:
     """One connector's figures for one row, pooled over rounds (every request's TTFT, summed metrics)."""
     ttft = [t for r in rows for t in r["ttft_s"]]
     leg = [t for r in rows for t in r["decode_leg_s"]]
-    total = {k: sum(r[k] for r in rows) for k in ("kv_transfers", "kv_xfer_s", "kv_read_s", "kv_bytes", "kv_failed")}
+    total = {k: sum(r[k] for r in rows) for k in _KV_KEYS}
     n = total["kv_transfers"]
     return {"requests": sum(r["requests"] for r in rows), "errors": sum(r["errors"] for r in rows),
             "ttft_p50_ms": _ms(pct(ttft, 50)), "ttft_p99_ms": _ms(pct(ttft, 99)),
