@@ -11,6 +11,11 @@ tensor-parallel ranks: N nodes with N NIXL agents, each reading its head
 slice into its own shard; a request is done when every rank's fetch is,
 and the shards are merged into one cache to generate.  Writes a JSON
 report (``--report``) and exits 0 only if every request verified.
+
+Each decode TP rank proves its own identity: ``$KVLEND_CA`` names the cluster
+CA certificate, and ``$KVLEND_CERT`` and ``$KVLEND_KEY`` each rank's
+certificate and key, ``{rank}`` in them standing for the TP rank
+(``examples/pair.py`` issues ``decode-tp0``, ``decode-tp1``, ...).
 """
 
 from __future__ import annotations
@@ -32,10 +37,10 @@ from prefill import model_config  # noqa: E402
 from workload import add_workload_args, run_rank  # noqa: E402
 
 from kvlend.core.layout import ReplicaRank  # noqa: E402
-from kvlend.errors import KvlendError, PeerLost, ProtocolError, TransferTimeout  # noqa: E402
+from kvlend.errors import ConfigError, KvlendError, PeerLost, ProtocolError, TransferTimeout  # noqa: E402
 from kvlend.metrics import METRICS  # noqa: E402
 from kvlend.runtime import DecodeNode, NodeConfig  # noqa: E402
-from kvlend.runtime.secret import load_secret  # noqa: E402
+from kvlend.security.credentials import Credentials  # noqa: E402
 from kvlend.transport import load_backend  # noqa: E402
 
 try:
@@ -91,8 +96,19 @@ def _busy_seconds(spans: list[tuple[float, float]]) -> float:
     return total
 
 
+def rank_credentials(tp: int) -> list[Credentials]:
+    """Each decode TP rank's credentials: ``{rank}`` in ``$KVLEND_CERT`` and ``$KVLEND_KEY`` names its files."""
+    ranks = [Credentials.from_env(rank=r, ranks=tp) for r in range(tp)]
+    if len({c.identity for c in ranks}) != tp:  # a prefill would refuse the second as already connected
+        raise ConfigError(f"the decode ranks' certificates must name distinct identities: {ranks}")
+    return ranks
+
+
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                epilog="Environment: KVLEND_CA names the cluster CA certificate; KVLEND_CERT and "
+                                       "KVLEND_KEY each decode rank's certificate and key (PEM files; with "
+                                       "--decode-tp above 1, {rank} in them is the TP rank).")
     add_workload_args(p)
     p.add_argument("--connect", required=True, action="append", metavar="HOST:PORT",
                    help="a prefill rank's control address; once per prefill rank (required)")
@@ -106,6 +122,7 @@ def main(argv=None) -> int:
     if args.inflight < 1:
         p.error(f"--inflight: must be >= 1, got {args.inflight}")
     logging.basicConfig(level=os.environ.get("KVLEND_LOG", "WARNING"), format="decode %(levelname)s %(name)s: %(message)s")
+    credentials = rank_credentials(args.decode_tp)  # before any work: a rank without credentials stops here
 
     config = model_config(args, "decode")
     model = toy_engine.ToyModel(config)
@@ -122,12 +139,11 @@ def main(argv=None) -> int:
     shards = [cache] if tp == 1 else [
         toy_engine.PagedKVCache(config, num_pages, state_slots=limit, replica=ReplicaRank(tp, r)) for r in range(tp)
     ]
-    secret = load_secret()
     if args.metrics_port is not None:
         METRICS.serve(args.metrics_port)
     node_config = NodeConfig(transfer_timeout=args.timeout, chunk_pages=args.chunk_pages)
     nodes = [DecodeNode(s.layout(), load_backend("nixl", name=f"decode-{os.getpid()}-{r}", timeout=args.timeout),
-                        secret, name=f"decode-tp{r}", config=node_config) for r, s in enumerate(shards)]
+                        credentials[r], config=node_config) for r, s in enumerate(shards)]
     expected = {f"req-{i}" for i in range(args.requests)}
     offered: dict[str, dict[int, tuple]] = {}  # request -> decode TP rank -> (link, offer), until every rank has one
     ready: deque[str] = deque()  # requests offered to every rank, not yet started, in arrival order

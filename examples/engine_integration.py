@@ -31,7 +31,7 @@ from workload import run_rank  # noqa: E402
 from kvlend.core.fetchplan import destination_pages  # noqa: E402
 from kvlend.errors import TransferCancelled, TransferTimeout  # noqa: E402
 from kvlend.runtime import DecodeNode, NodeConfig, PrefillNode, Ticket  # noqa: E402
-from kvlend.runtime.secret import generate_secret  # noqa: E402
+from kvlend.security.certs import Authority  # noqa: E402
 from kvlend.transport import load_backend  # noqa: E402
 
 REQUESTS = 4
@@ -64,22 +64,25 @@ def main() -> int:
     d_model = toy_engine.ToyModel(d_config)
     prompts = {f"req-{i}": p for i, p in enumerate(
         toy_engine.make_prompts(REQUESTS, seed=0, min_len=100, max_len=300, vocab=config.vocab))}
-    secret = generate_secret()  # two processes would share it: $KVLEND_SECRET or $KVLEND_SECRET_FILE
+    # A throwaway cluster CA and a certificate per node; ranks in their own processes would each load
+    # theirs with Credentials.from_env() ($KVLEND_CA, $KVLEND_CERT, $KVLEND_KEY; `kvlend certs` writes them).
+    cluster = Authority.create()
     node_config = NodeConfig(transfer_timeout=TIMEOUT)
 
     # ---- prefill engine: describe the pools once; a node lends them, serving from its own thread.
     p_cache = toy_engine.PagedKVCache(config, num_pages=128, state_slots=REQUESTS)
     p_layout = p_cache.layout()
     released: queue.Queue = queue.Queue()  # (lease, reason) from on_release, which runs on the node's thread
-    prefill = PrefillNode(p_layout, load_backend("nixl", name=f"prefill-{os.getpid()}", timeout=TIMEOUT), secret,
-                          config=node_config, on_release=lambda lease, reason: released.put((lease, reason)))
+    prefill = PrefillNode(p_layout, load_backend("nixl", name=f"prefill-{os.getpid()}", timeout=TIMEOUT),
+                          cluster.issue("prefill"), config=node_config,
+                          on_release=lambda lease, reason: released.put((lease, reason)))
     prefill.start()
 
     # ---- decode engine: its own cache (other slots, other addresses, other page size), its own agent.
     # No start() here: the engine's step loop drives this node (finished() progresses it).
     d_cache = toy_engine.PagedKVCache(d_config, num_pages=256, seed=1, state_slots=REQUESTS)
     decode = DecodeNode(d_cache.layout(), load_backend("nixl", name=f"decode-{os.getpid()}", timeout=TIMEOUT),
-                        secret, config=node_config)
+                        cluster.issue("decode"), config=node_config)
 
     router: deque[tuple[str, str]] = deque()  # (request, ticket text): what kv_transfer_params would carry
     retries: deque[str] = deque()  # decode -> prefill: lend this request again

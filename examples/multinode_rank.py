@@ -7,6 +7,10 @@ order than the prefill's) and checks every byte against the pattern -- for a
 decode rank of a larger tensor-parallel degree, against its head slice of the
 prefill's pages.  Each rank writes one JSON result (``--report``) before it
 tears NIXL down, so a hang at shutdown cannot hide the result.
+
+A rank is who its certificate names: it loads the files named by
+``$KVLEND_CA`` (the cluster CA certificate), ``$KVLEND_CERT`` and
+``$KVLEND_KEY`` (its own certificate and key).
 """
 
 from __future__ import annotations
@@ -22,10 +26,10 @@ import numpy as np
 from workload import run_rank  # examples/, this script's folder
 
 from kvlend.transport import load_backend
-from kvlend.runtime.secret import load_secret
 from kvlend.errors import KvlendError
 from kvlend.core.layout import ReplicaRank, layout_from_pools
 from kvlend.runtime import DecodeNode, NodeConfig, PrefillNode
+from kvlend.security.credentials import Credentials
 
 DTYPE = np.float16
 
@@ -56,9 +60,9 @@ def config(args) -> NodeConfig:
                       transfer_timeout=args.transfer_timeout, cancel_grace=min(2.0, args.transfer_timeout / 2))
 
 
-def backend(args, role: str):
+def backend(args, role: str, credentials: Credentials):
     # The progress thread stays off: nodes poll the agent themselves (see the NIXL plugin README).
-    return load_backend("nixl", name=f"{role}-{args.name}-{os.getpid()}", timeout=args.transfer_timeout)
+    return load_backend("nixl", name=f"{role}-{credentials.identity}-{os.getpid()}", timeout=args.transfer_timeout)
 
 
 def emit(args, result: dict) -> None:
@@ -70,13 +74,13 @@ def emit(args, result: dict) -> None:
     print("RESULT " + text, flush=True)
 
 
-def run_prefill(args) -> int:
+def run_prefill(args, credentials: Credentials) -> int:
     pools = make_pools(args, args.heads, args.pool_pages, fill=True)
     layout = layout_from_pools(k=[p[0] for p in pools], v=[p[1] for p in pools], kept_window=1 << 20,
                                replica=ReplicaRank(args.tp_size, args.tp_rank), scope="kvlend-multinode")
     request_pages = -(-args.tokens // args.tokens_per_page)
     released: list[str] = []
-    node = PrefillNode(layout, backend(args, "prefill"), load_secret(), name=args.name, host=args.host,
+    node = PrefillNode(layout, backend(args, "prefill", credentials), credentials, host=args.host,
                        port=args.port, config=config(args), on_release=lambda lease, reason: released.append(reason))
     print(f"LISTENING {node.address[0]} {node.address[1]}", flush=True)
     node.start()
@@ -96,7 +100,7 @@ def run_prefill(args) -> int:
         error = f"{type(exc).__name__}: {exc}"
     reasons = {r: released.count(r) for r in set(released)}
     ok = error is None and reasons.get("done", 0) == offered == args.requests * args.peers
-    emit(args, {"role": "prefill", "name": args.name, "offered": offered, "released": reasons,
+    emit(args, {"role": "prefill", "name": node.name, "offered": offered, "released": reasons,
                 "error": error, "ok": ok})
     node.close()
     node.backend.close()
@@ -115,7 +119,7 @@ def connect_retrying(node: DecodeNode, host: str, port: int, timeout: float):
             time.sleep(0.1)
 
 
-def run_decode(args) -> int:
+def run_decode(args, credentials: Credentials) -> int:
     if args.heads % args.tp_size:
         raise SystemExit(f"--heads {args.heads} is not divisible by --tp-size {args.tp_size}")
     local_heads = args.heads // args.tp_size
@@ -128,7 +132,7 @@ def run_decode(args) -> int:
     heads = slice(args.tp_rank * local_heads, (args.tp_rank + 1) * local_heads)
     expected = [[pool_pattern(args.seed, layer, role, full_shape)[:, heads] for role in (0, 1)]
                 for layer in range(args.layers)]
-    node = DecodeNode(layout, backend(args, "decode"), load_secret(), name=args.name, config=config(args))
+    node = DecodeNode(layout, backend(args, "decode", credentials), credentials, config=config(args))
     host, port = args.connect.rsplit(":", 1)
     dst = np.arange(request_pages, dtype=np.int64)[::-1].copy()  # local order differs from the prefill's
     nbytes, seconds, fetched, mismatched, failures = 0, 0.0, 0, [], []
@@ -164,7 +168,7 @@ def run_decode(args) -> int:
     except KvlendError as exc:
         error = f"{type(exc).__name__}: {exc}"
     verified = error is None and not failures and not mismatched and fetched == args.requests
-    emit(args, {"role": "decode", "name": args.name, "tp_size": args.tp_size, "tp_rank": args.tp_rank,
+    emit(args, {"role": "decode", "name": node.name, "tp_size": args.tp_size, "tp_rank": args.tp_rank,
                 "requests": fetched, "bytes": nbytes, "seconds": seconds,
                 "gbps": nbytes / seconds / 1e9 if seconds else 0.0, "verified": verified,
                 "mismatched": mismatched, "failures": failures, "error": error})
@@ -174,9 +178,10 @@ def run_decode(args) -> int:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                epilog="Environment: KVLEND_CA, KVLEND_CERT, KVLEND_KEY name the cluster CA "
+                                       "certificate, this rank's certificate (its identity) and its key.")
     p.add_argument("--role", choices=("prefill", "decode"), required=True)
-    p.add_argument("--name", required=True, help="this rank's name on the control channel")
     p.add_argument("--host", default="127.0.0.1", help="prefill: address to listen on")
     p.add_argument("--port", type=int, default=47000, help="prefill: port to listen on")
     p.add_argument("--connect", metavar="HOST:PORT", help="decode: the prefill's control address")
@@ -196,11 +201,12 @@ def main(argv=None) -> int:
     p.add_argument("--ttl", type=float, default=30.0, help="lease lifetime without a heartbeat (s)")
     p.add_argument("--report", help="write the JSON result to this file too")
     args = p.parse_args(argv)
-    logging.basicConfig(level=os.environ.get("KVLEND_LOG", "WARNING"),
-                        format=f"{args.name} %(levelname)s %(name)s: %(message)s")
     if args.role == "decode" and not args.connect:
         p.error("--connect is required for --role decode")
-    return run_prefill(args) if args.role == "prefill" else run_decode(args)
+    credentials = Credentials.from_env()
+    logging.basicConfig(level=os.environ.get("KVLEND_LOG", "WARNING"),
+                        format=f"{credentials.identity} %(levelname)s %(name)s: %(message)s")
+    return (run_prefill if args.role == "prefill" else run_decode)(args, credentials)
 
 
 if __name__ == "__main__":

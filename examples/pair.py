@@ -1,7 +1,10 @@
 """Launch prefill ranks and a decode rank as processes on loopback and report.
 
-The ranks share a fresh secret (a 0600 file named by
-``$KVLEND_SECRET_FILE``).  ``--prefills`` prefill processes listen on
+Each run makes a throwaway cluster CA and issues every rank its own
+certificate (``prefill-0``, ``prefill-1``, ..., ``decode-tp0``, ...), written
+into the run's private temporary directory and handed to each rank through
+``$KVLEND_CA``, ``$KVLEND_CERT`` and ``$KVLEND_KEY``; the CA's key never
+leaves this process.  ``--prefills`` prefill processes listen on
 127.0.0.1, each computing and lending its share of the requests; one decode
 process connects to all of them, keeps up to ``--inflight`` fetches in
 flight over NIXL at once, and checks every request's generated tokens
@@ -27,8 +30,9 @@ sys.path.insert(0, HERE)
 
 from workload import add_workload_args, workload_argv, run_rank  # noqa: E402
 
-from kvlend.runtime.secret import SECRET_ENV, SECRET_FILE_ENV, generate_secret  # noqa: E402
 from kvlend.errors import KvlendError, TransferTimeout  # noqa: E402
+from kvlend.security.certs import Authority, save_rank  # noqa: E402
+from kvlend.security.credentials import CA_ENV, CERT_ENV, KEY_ENV, RANK  # noqa: E402
 
 
 def _stop(proc: subprocess.Popen) -> None:
@@ -144,16 +148,27 @@ def _address(proc: subprocess.Popen, listening: queue.SimpleQueue, rank: int, ti
     return f"{host}:{port}"
 
 
+def rank_envs(args, directory: str) -> tuple[list[dict], dict]:
+    """A throwaway cluster: each prefill rank's credentials environment, and the decode process's.
+
+    The decode process runs ``--decode-tp`` ranks, each with its own certificate: ``{rank}`` in its
+    ``$KVLEND_CERT`` and ``$KVLEND_KEY`` is the TP rank.
+    """
+    ca = Authority.create()  # in memory only: nobody can issue another rank for this cluster
+    prefills = [save_rank(ca.issue(f"prefill-{rank}"), directory) for rank in range(args.prefills)]
+    for rank in range(args.decode_tp):
+        decode = save_rank(ca.issue(f"decode-tp{rank}"), directory)
+    decode = {CA_ENV: decode[CA_ENV], **{name: decode[name].replace(f"decode-tp{rank}", f"decode-tp{RANK}")
+                                         for name in (CERT_ENV, KEY_ENV)}}
+    return prefills, decode
+
+
 def run_pair(args) -> dict:
     """Run the prefill ranks and the decode; returns the decode's report dict (raises KvlendError on failure)."""
     with tempfile.TemporaryDirectory(prefix="kvlend-pair-") as tmp:
-        secret_file = os.path.join(tmp, "secret")
-        fd = os.open(secret_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-        with os.fdopen(fd, "w") as f:
-            f.write(generate_secret().hex())
-        env = {k: v for k, v in os.environ.items() if k != SECRET_ENV}
-        env[SECRET_FILE_ENV] = secret_file
+        env = dict(os.environ)
         env.setdefault("PYTHONUNBUFFERED", "1")
+        prefill_envs, decode_env = rank_envs(args, os.path.join(tmp, "certs"))
         report_file = os.path.join(tmp, "report.json")
         budget = args.timeout * (args.requests + 4)  # a backstop: every wait inside the ranks has its own deadline
         prefills: list[subprocess.Popen] = []
@@ -161,12 +176,12 @@ def run_pair(args) -> dict:
         try:
             started = []
             for rank in range(args.prefills):
-                started.append(_start_prefill(args, rank, env))
+                started.append(_start_prefill(args, rank, {**env, **prefill_envs[rank]}))
                 prefills.append(started[-1][0])  # stopped in `finally` even if a later one fails to start
             addresses = [_address(proc, listening, rank, args.timeout)
                          for rank, (proc, listening) in enumerate(started)]
             start = time.monotonic()
-            decode = subprocess.Popen(decode_argv(args, addresses, report_file), env=env)
+            decode = subprocess.Popen(decode_argv(args, addresses, report_file), env={**env, **decode_env})
             try:
                 decode_rc = decode.wait(budget)
                 if not os.path.exists(report_file):  # the prefill ranks are stopped, not waited for

@@ -1,7 +1,9 @@
 """Prefill rank of the example pair: computes each prompt's KV into its pages and lends them.
 
 Run by ``examples/pair.py`` (or ``kvlend demo``), once per prefill rank;
-standalone: ``KVLEND_SECRET=<hex> python examples/prefill.py --requests 64``.
+standalone it needs this rank's TLS credentials (``kvlend certs`` writes them):
+``KVLEND_CA=ca.pem KVLEND_CERT=prefill-0.pem KVLEND_KEY=prefill-0.key python examples/prefill.py --requests 64``.
+Its identity is its certificate's name (the pair issues ``prefill-<rank>``).
 It prints ``LISTENING <host> <port>`` once a decode rank may connect, waits
 for ``--decode-tp`` decode ranks, and pushes its share of the requests
 (those ``i`` with ``i % --prefills == --rank``) to each of them (each reads
@@ -26,10 +28,10 @@ import toy_engine  # noqa: E402
 from workload import add_workload_args, run_rank  # noqa: E402
 
 from kvlend.transport import load_backend  # noqa: E402
-from kvlend.runtime.secret import load_secret  # noqa: E402
 from kvlend.errors import TransferTimeout  # noqa: E402
 from kvlend.metrics import METRICS  # noqa: E402
 from kvlend.runtime import NodeConfig, PrefillNode  # noqa: E402
+from kvlend.security.credentials import Credentials  # noqa: E402
 
 
 def model_config(args, side: str = "prefill") -> toy_engine.ModelConfig:
@@ -44,7 +46,9 @@ def model_config(args, side: str = "prefill") -> toy_engine.ModelConfig:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                epilog="Environment: KVLEND_CA, KVLEND_CERT, KVLEND_KEY name the cluster CA "
+                                       "certificate, this rank's certificate and its key (PEM files).")
     add_workload_args(p)
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=0, help="port to listen on (default: any free port)")
@@ -59,6 +63,7 @@ def main(argv=None) -> int:
     if not 0 <= args.rank < args.prefills:
         p.error(f"--rank: must be in [0, --prefills {args.prefills}), got {args.rank}")
     logging.basicConfig(level=os.environ.get("KVLEND_LOG", "WARNING"), format="prefill %(levelname)s %(name)s: %(message)s")
+    credentials = Credentials.from_env()  # before any work: a rank without credentials stops here
 
     config = model_config(args)
     model = toy_engine.ToyModel(config)
@@ -86,7 +91,7 @@ def main(argv=None) -> int:
     if args.metrics_port is not None:
         METRICS.serve(args.metrics_port + 1 + args.rank)  # the decode serves on --metrics-port itself
     backend = load_backend("nixl", name=f"prefill-{os.getpid()}", timeout=args.timeout)
-    node = PrefillNode(layout, backend, load_secret(), name=f"prefill-{args.rank}", host=args.host, port=args.port,
+    node = PrefillNode(layout, backend, credentials, host=args.host, port=args.port,
                        config=NodeConfig(transfer_timeout=args.timeout), on_release=lambda lease, reason: released.put(lease.request))
     print(f"LISTENING {node.address[0]} {node.address[1]}", flush=True)
     node.start()

@@ -42,11 +42,12 @@ exit status:
   130  interrupted
 
 environment:
-  KVLEND_SECRET, KVLEND_SECRET_FILE  the pair's shared secret (the demo makes its own)
-  KVLEND_LOG                         log level of the example ranks (default WARNING)
-  KVLEND_EXAMPLES                    where demo finds examples/pair.py (default: the checkout's)
-  NIXL_LOG_LEVEL                     NIXL's log level (default: NIXL's INFO lowered to WARNING)
-  UCX_NET_DEVICES, UCX_TLS           which devices and transports UCX may use
+  KVLEND_CA, KVLEND_CERT, KVLEND_KEY  a rank's TLS credentials: the cluster CA certificate, its
+                                      certificate and key (kvlend certs; the demo makes its own)
+  KVLEND_LOG                          log level of the example ranks (default WARNING)
+  KVLEND_EXAMPLES                     where demo finds examples/pair.py (default: the checkout's)
+  NIXL_LOG_LEVEL                      NIXL's log level (default: NIXL's INFO lowered to WARNING)
+  UCX_NET_DEVICES, UCX_TLS            which devices and transports UCX may use
 """
 
 
@@ -256,6 +257,56 @@ def _run_bench(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+# ------------------------------------------------------------------ certs
+def _add_certs_ca(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--dir", required=True, help="where to write ca.pem and ca.key (created if missing)")
+    parser.add_argument("--name", default="kvlend cluster CA", help="the CA's common name")
+    parser.add_argument("--days", type=int, default=3650, help="validity in days")
+
+
+def _run_certs_ca(args: argparse.Namespace) -> int:
+    from .security.certs import Authority  # lazily: the layout commands need no cryptography
+
+    if args.days < 1:
+        raise CliError(f"--days: must be >= 1, got {args.days}")
+    for path in Authority.create(args.name, args.days).save(args.dir):
+        print(f"wrote {path}")
+    print("keep ca.key off the ranks: it issues identities (kvlend certs issue)")
+    return EXIT_OK
+
+
+def _add_certs_issue(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("identity", help="the rank's identity (its certificate's common name), e.g. prefill-0")
+    parser.add_argument("--ca", required=True, metavar="DIR", help="the directory holding ca.pem and ca.key")
+    parser.add_argument("--out", metavar="DIR", help="where to write IDENTITY.pem and IDENTITY.key (default: --ca)")
+    parser.add_argument("--days", type=int, default=365, help="validity in days")
+
+
+def _run_certs_issue(args: argparse.Namespace) -> int:
+    from .security.certs import Authority, save_rank
+
+    if args.days < 1:
+        raise CliError(f"--days: must be >= 1, got {args.days}")
+    env = save_rank(Authority.load(args.ca).issue(args.identity, args.days), args.out or args.ca)
+    print(f"# the rank {args.identity} loads its credentials from:")
+    for name, path in env.items():
+        print(f"export {name}={os.path.abspath(path)}")
+    return EXIT_OK
+
+
+def _add_certs_check(parser: argparse.ArgumentParser) -> None:
+    pass
+
+
+def _run_certs_check(args: argparse.Namespace) -> int:
+    from .security.credentials import Credentials
+
+    creds = Credentials.from_env()  # loading checks issuer, validity and key
+    print(f"{creds.identity}: certificate issued by the CA in $KVLEND_CA, matches its key, "
+          f"valid until {creds.expires:%Y-%m-%d %H:%M} UTC")
+    return EXIT_OK
+
+
 COMMANDS: tuple[Command, ...] = (
     Command(("layout", "show"), "print a human summary of a layout file", _add_layout_show, _run_layout_show),
     Command(("layout", "check"), "negotiate two layouts: exit 0 with the plan, or 1 naming every mismatch",
@@ -270,8 +321,14 @@ COMMANDS: tuple[Command, ...] = (
             "KVLEND_EXAMPLES where examples/pair.py is."),
     Command(("bench",), "measure kvlend's reads against raw NIXL, memcpy, per-page and staging baselines",
             _add_bench, _run_bench),
+    Command(("certs", "ca"), "create a cluster certificate authority", _add_certs_ca, _run_certs_ca),
+    Command(("certs", "issue"), "issue a rank certificate from a CA; prints the environment that loads it",
+            _add_certs_issue, _run_certs_issue),
+    Command(("certs", "check"), "load and check this rank's credentials ($KVLEND_CA, $KVLEND_CERT, $KVLEND_KEY)",
+            _add_certs_check, _run_certs_check),
 )
-GROUP_HELP = {("layout",): "inspect and compare PageLayout files"}
+GROUP_HELP = {("layout",): "inspect and compare PageLayout files",
+              ("certs",): "TLS credentials: a cluster CA and one certificate per rank"}
 
 
 def build_parser() -> argparse.ArgumentParser:

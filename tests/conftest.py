@@ -7,18 +7,30 @@ decode side can recompute what any lent page must hold from a seed.
 
 from __future__ import annotations
 
+import functools
 import secrets
 
 import numpy as np
 
 from kvlend.transport import load_backend
 from kvlend.core.layout import PageLayout, layout_from_pools
+from kvlend.security.certs import Authority
+from kvlend.security.credentials import Credentials
 
 TPP = 4  # tokens per page: small pages keep a thousand leases fast
 LAYERS = 4
 WINDOWS = {2: 64, 3: 64}  # layers 2 and 3 form group "swa": 64-token window, 1 sink page
 SINKS = 1
 SENTINEL = 0xA5
+
+
+CA = Authority.create()  # this test process's cluster; a child process gets files (``save_rank``)
+
+
+@functools.cache
+def creds(identity: str) -> Credentials:
+    """A rank certificate for ``identity`` from the tests' cluster CA (cached: issuing costs milliseconds)."""
+    return CA.issue(identity)
 
 
 def nixl(prefix: str):

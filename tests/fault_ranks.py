@@ -19,7 +19,9 @@ before some fetches (a few past the TTL).
 
 ``toy-prefill``: prefills one toy-engine prompt and lends it; serves until killed.
 
-Run as ``python tests/fault_ranks.py MODE ...`` with ``$KVLEND_SECRET`` set.
+Run as ``python tests/fault_ranks.py MODE ...`` with ``$KVLEND_CA``, ``$KVLEND_CERT`` and ``$KVLEND_KEY``
+naming the rank's credentials; its certificate names its identity (the tests issue
+``prefill<gen>``, ``decode<gen>`` and ``toy-prefill``).
 """
 
 from __future__ import annotations
@@ -39,9 +41,9 @@ sys.path.insert(0, os.path.join(os.path.dirname(TESTS), "examples"))
 import numpy as np  # noqa: E402
 from conftest import SENTINEL, TPP, FreeList, group_layers, make_layout, make_pools, nixl, pattern, prefill_request, slots  # noqa: E402,E501
 
-from kvlend.runtime.secret import load_secret  # noqa: E402
 from kvlend.errors import KvlendError, PeerLost, TransferTimeout  # noqa: E402
 from kvlend.runtime import DecodeNode, NodeConfig, PrefillNode  # noqa: E402
+from kvlend.security.credentials import Credentials  # noqa: E402
 
 MARK = "@@kvlend "
 SRC_PAGES = 512
@@ -97,8 +99,8 @@ def run_prefill(args) -> int:
                 slots(pools[layer])[table[table >= 0]] = 0xEE
         ended.put((lease.request, reason))
 
-    node = PrefillNode(layout, nixl(f"prefill{args.gen}"), load_secret(), name=f"prefill{args.gen}",
-                       config=config(args), on_release=on_release)
+    node = PrefillNode(layout, nixl(f"prefill{args.gen}"), Credentials.from_env(), config=config(args),
+                       on_release=on_release)
     print("\nLISTENING", *node.address, flush=True)
     node.start()
     stdin = Stdin()
@@ -167,7 +169,7 @@ def run_decode(args) -> int:
     layout = make_layout(dst_pools)
     rng = np.random.default_rng(args.seed)
     free = {name: FreeList(DST_PAGES, rng) for name in layout.groups}
-    node = DecodeNode(layout, nixl(f"decode{args.gen}"), load_secret(), name=f"decode{args.gen}", config=config(args))
+    node = DecodeNode(layout, nixl(f"decode{args.gen}"), Credentials.from_env(), config=config(args))
     host, port = args.connect.rsplit(":", 1)
     node.connect(host, int(port))
     emit(ev="connected")
@@ -308,8 +310,7 @@ def run_toy_prefill(args) -> int:
     prompt = toy_engine.make_prompts(1, args.seed, args.prompt_len, args.prompt_len, cfg.vocab)[0]
     cache = toy_engine.PagedKVCache(cfg, 2 * -(-args.prompt_len // cfg.tokens_per_page), seed=args.gen)
     layout = cache.layout()
-    node = PrefillNode(layout, nixl(f"toy-prefill{args.gen}"), load_secret(), name="toy-prefill",
-                       config=config(args))
+    node = PrefillNode(layout, nixl(f"toy-prefill{args.gen}"), Credentials.from_env(), config=config(args))
     print("\nLISTENING", *node.address, flush=True)
     node.start()
     try:

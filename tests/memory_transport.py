@@ -6,7 +6,10 @@ checks, on every step, the contract both sides rely on:
 
 - **Network** (``World``): each ``Connect`` of a ``DecodeSession`` becomes a
   ``Wire`` to the ``PrefillSession`` listening at that endpoint
-  (``accept`` + ``connected``); ``Send`` queues bytes on the wire, in order
+  (``accept`` + ``connected``, then ``authenticated`` on both sides with the
+  other's name, as the shell does once TLS verified both certificates; an end
+  added with ``certified=False`` holds a certificate of another CA, so both
+  sides see ``closed(..., refused=True)`` instead); ``Send`` queues bytes on the wire, in order
   (optionally split into fragments, and, across *different* wires only,
   delivered in a random order); ``Close`` queues an end-of-stream after the
   bytes sent before it, which the other side sees as ``closed``.  A wire can
@@ -58,7 +61,6 @@ from kvlend.protocol.decode import DecodeSession, Fetch, FetchState
 from kvlend.protocol.prefill import PrefillSession
 
 KIND = "memory"
-SECRET = bytes(range(32))
 SCRIBBLE = 0xEE  # what a prefill engine writes into pages it got back (reused by another request)
 EPS = 1e-6  # a tick just past a deadline (sessions compare strictly)
 _uid = itertools.count(1)
@@ -259,16 +261,17 @@ class Record:
 
 class PrefillEnd:
     def __init__(self, world: World, name: str, host: str, port: int, pages: int, config: NodeConfig,
-                 offset: float) -> None:
+                 offset: float, certified: bool) -> None:
         self.world = world
         self.name = name
+        self.certified = certified  # its certificate is from the cluster CA
         self.endpoint = (host, port)
         self.offset = offset
         self.pools = make_pools(pages)
         self.layout = make_layout(self.pools)
         self.memory = Memory(self.pools)
         self.metadata = f"memory:{name}:{next(_uid)}".encode()
-        self.session = PrefillSession(self.layout, KIND, self.metadata, SECRET, name=name, config=config)
+        self.session = PrefillSession(self.layout, KIND, self.metadata, name=name, config=config)
         self.free = {g: FreeList(pages, world.np_rng) for g in self.layout.groups}
         self.lent: dict[bytes, Lent] = {}  # live leases
         self.ended: list[tuple[bytes, str]] = []
@@ -352,9 +355,10 @@ class PrefillEnd:
 
 
 class DecodeEnd:
-    def __init__(self, world: World, name: str, pages: int, config: NodeConfig) -> None:
+    def __init__(self, world: World, name: str, pages: int, config: NodeConfig, certified: bool) -> None:
         self.world = world
         self.name = name
+        self.certified = certified  # its certificate is from the cluster CA
         self.config = config
         self.pools = make_pools(pages)
         for pool in self.pools:
@@ -362,7 +366,7 @@ class DecodeEnd:
         self.layout = make_layout(self.pools)
         self.memory = Memory(self.pools)
         self.metadata = f"memory:{name}:{next(_uid)}".encode()
-        self.session = DecodeSession(self.layout, KIND, self.metadata, SECRET, name=name, config=config)
+        self.session = DecodeSession(self.layout, KIND, self.metadata, name=name, config=config)
         self.backend = MemoryBackend(world, self)
         self.free = {g: FreeList(pages, world.np_rng) for g in self.layout.groups}
         self.records: dict[int, Record] = {}
@@ -591,16 +595,17 @@ class World:
 
     # ----------------------------------------------------------- building
     def add_prefill(self, name: str = "prefill", *, host: str = "10.0.0.1", port: int = 7000, pages: int = 256,
-                    config: NodeConfig = NodeConfig(), offset: float = 0.0) -> PrefillEnd:
+                    config: NodeConfig = NodeConfig(), offset: float = 0.0, certified: bool = True) -> PrefillEnd:
         if any(p.alive and p.endpoint == (host, port) for p in self.prefills):
             raise ValueError(f"{host}:{port} is taken")
-        end = PrefillEnd(self, name, host, port, pages, config, offset)
+        end = PrefillEnd(self, name, host, port, pages, config, offset, certified)
         self.prefills.append(end)
         self.by_metadata[end.metadata] = end
         return end
 
-    def add_decode(self, name: str = "decode", *, pages: int = 256, config: NodeConfig = NodeConfig()) -> DecodeEnd:
-        end = DecodeEnd(self, name, pages, config)
+    def add_decode(self, name: str = "decode", *, pages: int = 256, config: NodeConfig = NodeConfig(),
+                   certified: bool = True) -> DecodeEnd:
+        end = DecodeEnd(self, name, pages, config, certified)
         self.decodes.append(end)
         return end
 
@@ -742,6 +747,7 @@ class World:
             self.wires.append(wire)
             target.session.accept(wire.pconn, target.now)
             s.connected(action.conn, now)
+            self._tls(wire)
         elif isinstance(action, Send):
             wire = d.wires.get(action.conn)
             if wire is not None and wire.decode_open and wire.prefill_open:
@@ -763,6 +769,20 @@ class World:
             d.backend.cancel(action.tag)
         else:
             raise ContractError(f"decode emitted an unknown action {action!r}")
+
+    def _tls(self, wire: Wire) -> None:
+        """The TLS handshake, done at once: each side learns the other's certificate name, or,
+        if either certificate is not the cluster CA's, both see the connection refused."""
+        d, p = wire.decode, wire.prefill
+        if not (d.certified and p.certified):
+            wire.decode_open = wire.prefill_open = False
+            why = "TLS handshake failed: CERTIFICATE_VERIFY_FAILED"
+            p.session.closed(wire.pconn, p.now, why, refused=True)
+            d.session.closed(wire.dconn, d.now, why, refused=True)
+            self._gc()
+            return
+        p.session.authenticated(wire.pconn, d.name, p.now)
+        d.session.authenticated(wire.dconn, p.name, d.now)
 
     def _perform_prefill(self, p: PrefillEnd, action) -> None:
         wire = p.wires.get(action.conn)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import multiprocessing
 import os
 import signal
+import tempfile
 import time
 
 import numpy as np
@@ -43,9 +44,13 @@ def as_words(pool: np.ndarray) -> np.ndarray:
 
 
 # ------------------------------------------------------------------ prefill
-def prefill_main(conn, secret: bytes, gen: int) -> None:
-    """Serve one pool until ``stop``: ``lend`` answers a ticket's text, ``offer`` pushes a lease to the decode."""
+def prefill_main(conn, credentials: dict, gen: int) -> None:
+    """Serve one pool until ``stop``: ``lend`` answers a ticket's text, ``offer`` pushes a lease to the decode.
+
+    ``credentials`` is the environment naming this rank's files (``save_rank``).
+    """
     from kvlend.runtime import PrefillNode
+    from kvlend.security.credentials import Credentials
     from kvlend.transport import load_backend
 
     p = pools()
@@ -54,7 +59,7 @@ def prefill_main(conn, secret: bytes, gen: int) -> None:
     view = as_words(p[0])
     view[slot_of] = page_words(np.arange(PAGES), view.shape[1])
     node = PrefillNode(lay, load_backend("nixl", name=f"quiet-prefill-{gen}-{os.getpid()}", timeout=60.0),
-                       secret, name=f"prefill-{gen}")
+                       Credentials.from_env(credentials))
     node.start()
     conn.send(node.address)
     served = 0
@@ -78,17 +83,21 @@ def prefill_main(conn, secret: bytes, gen: int) -> None:
 
 
 class Prefill:
-    """A prefill process as the decode side drives it."""
+    """A prefill process as the decode side drives it, with a certificate from ``ca`` for ``prefill-<gen>``."""
 
-    def __init__(self, secret: bytes, gen: int) -> None:
+    def __init__(self, ca, gen: int) -> None:
+        from kvlend.security.certs import save_rank
+
         ctx = multiprocessing.get_context("spawn")
         self.conn, child = ctx.Pipe()
-        self.proc = ctx.Process(target=prefill_main, args=(child, secret, gen), daemon=True)
-        self.proc.start()
-        child.close()
-        if not self.conn.poll(60.0):
-            raise TimeoutError("prefill did not start")
-        self.address = self.conn.recv()
+        with tempfile.TemporaryDirectory(prefix="kvlend-quiet-") as certs:  # read by the time it sends its address
+            credentials = save_rank(ca.issue(f"prefill-{gen}"), certs)
+            self.proc = ctx.Process(target=prefill_main, args=(child, credentials, gen), daemon=True)
+            self.proc.start()
+            child.close()
+            if not self.conn.poll(60.0):
+                raise TimeoutError("prefill did not start")
+            self.address = self.conn.recv()
 
     def ticket(self) -> str:
         return self._ask("lend")
@@ -132,27 +141,27 @@ def decode_main(conn) -> None:
 
 def _scenarios() -> dict:
     from kvlend.runtime import DecodeNode, NodeConfig
-    from kvlend.runtime.secret import generate_secret
+    from kvlend.security.certs import Authority
     from kvlend.transport import load_backend
 
-    secret = generate_secret()
+    ca = Authority.create()
     dst = pools()
     view = as_words(dst[0])
     expected = page_words(np.arange(PAGES), view.shape[1])
     table = np.random.default_rng(99).permutation(PAGES)  # decode slot of token page t
-    node = DecodeNode(layout(dst), load_backend("nixl", name=f"quiet-decode-{os.getpid()}", timeout=60.0), secret,
-                      config=NodeConfig(chunk_pages=256, transfer_timeout=30.0))
+    node = DecodeNode(layout(dst), load_backend("nixl", name=f"quiet-decode-{os.getpid()}", timeout=60.0),
+                      ca.issue("decode"), config=NodeConfig(chunk_pages=256, transfer_timeout=30.0))
     node.start()
     reports, prefills = {}, []
     try:
-        first = Prefill(secret, 1)
+        first = Prefill(ca, 1)
         prefills.append(first)
         node.connect(*first.address)  # a pushed offer: its reads are posted at once, no claim to wait for
         first.offer()
         link, offer = node.next_offer(30.0)
         reports["timeout"] = _fail_then_resume(node, view, table, expected, (offer, link), first,
                                                lambda handle: _past_deadline(node, handle, 0.02), timeout=0.02)
-        second = Prefill(secret, 2)
+        second = Prefill(ca, 2)
         prefills.append(second)
         # The first prefill, elsewhere in its pool, stands in for the dead one: same bytes, other slots.
         reports["peer_lost"] = _fail_then_resume(node, view, table, expected, second, first,

@@ -20,8 +20,6 @@ import numpy as np
 import pytest
 from test_faults import Rank
 
-from kvlend.runtime.secret import generate_secret
-
 SOAK_S = float(os.environ.get("KVLEND_SOAK_S", "30"))
 KILLS = {"decode": 2, "prefill": 2}
 TIMING = ("--ttl", "1.5", "--heartbeat", "0.3", "--chunk-pages", "4", "--deadline", "10")
@@ -31,7 +29,6 @@ class Soak:
     """The ranks alive now, and every event the decodes reported."""
 
     def __init__(self) -> None:
-        self.secret = generate_secret()
         self.rng = np.random.default_rng(2026)
         self.gen = 0
         self.events: list[dict] = []
@@ -40,14 +37,14 @@ class Soak:
     def start_prefill(self, resume: list[str] = ()) -> Rank:
         self.gen += 1
         args = [f"--resume={r}" for r in resume]
-        self.prefill = Rank(self.secret, "prefill", "--gen", str(self.gen), "--seed", str(self.gen),
+        self.prefill = Rank(f"prefill{self.gen}", "prefill", "--gen", str(self.gen), "--seed", str(self.gen),
                             "--delay", "0.2", *TIMING, *args)
         self.prefill.listening()
         return self.prefill
 
     def start_decode(self) -> Rank:
         self.gen += 1
-        self.decode = Rank(self.secret, "decode", "--gen", str(self.gen), "--seed", str(self.gen), "--chaos",
+        self.decode = Rank(f"decode{self.gen}", "decode", "--gen", str(self.gen), "--seed", str(self.gen), "--chaos",
                            "--connect", "%s:%d" % self.prefill.address, *TIMING)
         self.decode.event("connected", 30.0)
         return self.decode

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
+import stat
 import subprocess
 import sys
 from pathlib import Path
@@ -13,6 +15,8 @@ import torch
 
 from kvlend import cli
 from kvlend.core.layout import LayerKind, MemoryKind, PageLayout, RowSelection, layout_from_pools
+from kvlend.errors import ConfigError
+from kvlend.security.credentials import CA_ENV, CERT_ENV, KEY_ENV, Credentials
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples" / "layouts"
 LLAMA = str(EXAMPLES / "llama-3.1-8b.json")
@@ -182,7 +186,8 @@ def test_help_exits_0(capsys):
 
 
 def test_commands_are_a_table(capsys, monkeypatch):
-    assert [c.path for c in cli.COMMANDS] == [("layout", "show"), ("layout", "check"), ("demo",), ("bench",)]
+    assert [c.path for c in cli.COMMANDS] == [("layout", "show"), ("layout", "check"), ("demo",), ("bench",),
+                                              ("certs", "ca"), ("certs", "issue"), ("certs", "check")]
     seen = []
 
     def add(parser):
@@ -233,6 +238,27 @@ def test_demo_launches_every_prefill_rank_and_one_decode_connected_to_all():
     connect = [argv[i + 1] for i, a in enumerate(argv) if a == "--connect"]
     assert connect == ["127.0.0.1:1001", "127.0.0.1:1002", "127.0.0.1:1003"]
     assert argv[argv.index("--inflight") + 1] == "5"
+
+
+def test_demo_issues_every_rank_its_own_certificate_and_writes_no_ca_key(tmp_path, monkeypatch):
+    pair = cli._example("pair")
+    monkeypatch.syspath_prepend(str(EXAMPLES.parent))
+    decode = importlib.import_module("decode")  # not cli._example: its dataclasses need a module of their own
+    prefills, decode_env = pair.rank_envs(demo_args("--prefills", "2", "--decode-tp", "2"), str(tmp_path))
+    assert [Credentials.from_env(env).identity for env in prefills] == ["prefill-0", "prefill-1"]
+    for name, value in decode_env.items():
+        monkeypatch.setenv(name, value)
+    assert [c.identity for c in decode.rank_credentials(2)] == ["decode-tp0", "decode-tp1"]
+    assert [c.identity for c in decode.rank_credentials(1)] == ["decode-tp0"]
+    monkeypatch.setenv(CERT_ENV, str(tmp_path / "decode-tp0.pem"))  # one certificate for two ranks
+    with pytest.raises(ConfigError, match="2 ranks share this environment"):
+        decode.rank_credentials(2)
+    assert sorted(os.listdir(tmp_path)) == ["ca.pem", "decode-tp0.key", "decode-tp0.pem", "decode-tp1.key",
+                                            "decode-tp1.pem", "prefill-0.key", "prefill-0.pem", "prefill-1.key",
+                                            "prefill-1.pem"]
+    assert all(stat.S_IMODE(os.stat(tmp_path / f).st_mode) == 0o600 for f in os.listdir(tmp_path) if f.endswith(".key"))
+    assert {env[CA_ENV] for env in (*prefills, decode_env)} == {str(tmp_path / "ca.pem")}
+    assert {CA_ENV, CERT_ENV, KEY_ENV} == set(decode_env)
 
 
 @pytest.mark.parametrize("argv, message", [

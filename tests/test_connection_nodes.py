@@ -1,8 +1,10 @@
 """The control channel's defences at node level, over real NIXL agents (UCX on DRAM) and loopback TCP.
 
-A started ``PrefillNode`` faces a decode with the wrong secret, a silent TCP
-client and a decode claiming a live peer's name; each is refused with a
-typed error while an honest decode connects and reads a lease byte-exact.
+A started ``PrefillNode`` faces decodes without a certificate of its
+cluster, a silent TCP client, clients stalling in (or skipping) the TLS
+handshake and a decode presenting a live peer's identity; each is refused
+with a typed error while an honest decode connects and reads a lease
+byte-exact.
 """
 
 from __future__ import annotations
@@ -13,13 +15,15 @@ import time
 
 import numpy as np
 import pytest
-from conftest import FreeList, group_layers, make_layout, make_pools, nixl, pattern, prefill_request, slots
+from conftest import CA, FreeList, creds, group_layers, make_layout, make_pools, nixl, pattern, prefill_request, slots
 
 import kvlend.protocol.prefill
 from kvlend.errors import AuthError, KvlendError, PeerLost, ProtocolError, TransferTimeout
-from kvlend.protocol.wire import Hello, encode_frame
+from kvlend.protocol.wire import Handshake, encode_frame
 from kvlend.runtime import DecodeNode, NodeConfig, PrefillNode
-from kvlend.runtime.secret import generate_secret
+from kvlend.runtime.tls import TlsChannel
+from kvlend.security.certs import Authority
+from kvlend.security.credentials import Credentials
 
 DEADLINE = 10.0  # seconds any single wait may take before the test fails
 PAGES = 64
@@ -28,9 +32,9 @@ CONFIG = NodeConfig(handshake_timeout=5.0, transfer_timeout=DEADLINE)
 
 
 @contextlib.contextmanager
-def prefill_node(secret: bytes):
+def prefill_node():
     src = make_pools(PAGES)
-    node = PrefillNode(make_layout(src, windowed=False), nixl("prefill"), secret, name="prefill-0")
+    node = PrefillNode(make_layout(src, windowed=False), nixl("prefill"), creds("prefill-0"))
     try:
         node.start()
         yield node, src
@@ -40,9 +44,9 @@ def prefill_node(secret: bytes):
 
 
 @contextlib.contextmanager
-def decode_node(secret: bytes, name: str):
+def decode_node(credentials: Credentials):
     dst = make_pools(PAGES)
-    node = DecodeNode(make_layout(dst, windowed=False), nixl(name), secret, name=name, config=CONFIG)
+    node = DecodeNode(make_layout(dst, windowed=False), nixl(credentials.identity), credentials, config=CONFIG)
     try:
         yield node, dst
     finally:
@@ -88,33 +92,61 @@ def read_until_eof(sock: socket.socket) -> bytes:
         data += chunk
 
 
-def test_a_decode_with_the_wrong_secret_is_refused_and_the_prefill_keeps_serving():
-    secret = generate_secret()
-    with prefill_node(secret) as (prefill, src):
-        with decode_node(generate_secret(), "intruder") as (intruder, _):
+def records(data: bytes) -> list[int]:
+    """The content types of the TLS records ``data`` is made of, exactly."""
+    types, i = [], 0
+    while i < len(data):
+        types.append(data[i])
+        i += 5 + int.from_bytes(data[i + 3:i + 5], "big")
+    assert i == len(data), "not a whole number of TLS records"
+    return types
+
+
+def client_hello() -> bytes:
+    """A real decode's first flight."""
+    channel = TlsChannel(creds("stalls").context(server=False), server=False)
+    channel.start()
+    return channel.data_to_send()
+
+
+OTHER_CA = Authority.create()
+FOREIGN = OTHER_CA.issue("intruder")
+
+
+@pytest.mark.parametrize("credentials, why, errors", [
+    # Trusts only its own cluster: the decode itself refuses the prefill's certificate.
+    (FOREIGN, "CERTIFICATE_VERIFY_FAILED", (AuthError,)),
+    # Trusts ours: the prefill refuses its certificate and says so in an alert, which a reset
+    # of the closed connection may overtake (PeerLost).
+    (Credentials(CA.cert_pem, FOREIGN.cert_pem, FOREIGN.key_pem), "UNKNOWN_CA", (AuthError, PeerLost)),
+], ids=["another-cluster", "trusts-ours-with-a-foreign-cert"])
+def test_a_decode_without_a_certificate_of_the_cluster_is_refused_and_the_prefill_keeps_serving(
+        credentials, why, errors):
+    with prefill_node() as (prefill, src):
+        with decode_node(credentials) as (intruder, _):
             t0 = time.monotonic()
-            with pytest.raises(KvlendError) as info:
+            with pytest.raises(errors) as info:
                 intruder.connect(*prefill.address)
-            # Typed, and at once: the prefill closes on the bad hello, it does not let the intruder time out.
-            assert isinstance(info.value, (PeerLost, AuthError)), repr(info.value)
+            # Typed, and at once: TLS refuses the certificate, nobody waits for a timeout.
+            assert isinstance(info.value, PeerLost) or why in str(info.value), repr(info.value)
             assert time.monotonic() - t0 < CONFIG.handshake_timeout
+            assert intruder.links == []
         assert prefill.ready_peers() == []
-        with decode_node(secret, "decode-0") as (honest, dst):
+        with decode_node(creds("decode-0")) as (honest, dst):
             link = honest.connect(*prefill.address)
             assert link.peer == "prefill-0"
             assert prefill.wait_for_peer(DEADLINE) == "decode-0"
             serve_one(prefill, src, honest, dst, "decode-0", seed=1)
 
 
-def test_a_silent_client_is_dropped_after_the_hello_timeout_while_an_honest_decode_connects(monkeypatch):
+def test_a_silent_client_is_dropped_after_the_handshake_timeout_while_an_honest_decode_connects(monkeypatch):
     timeout = 1.0
     monkeypatch.setattr(kvlend.protocol.prefill, "HELLO_TIMEOUT", timeout)  # what PrefillSession.accept passes
-    secret = generate_secret()
-    with prefill_node(secret) as (prefill, src):
+    with prefill_node() as (prefill, src):
         t0 = time.monotonic()
-        silent = socket.create_connection(prefill.address, timeout=DEADLINE)  # never sends a hello
+        silent = socket.create_connection(prefill.address, timeout=DEADLINE)  # never sends a ClientHello
         try:
-            with decode_node(secret, "decode-0") as (honest, dst):
+            with decode_node(creds("decode-0")) as (honest, dst):
                 honest.connect(*prefill.address)
                 assert prefill.wait_for_peer(DEADLINE) == "decode-0"
                 if time.monotonic() - t0 < 0.8 * timeout:  # the honest decode got in while the silent one waited
@@ -130,48 +162,51 @@ def test_a_silent_client_is_dropped_after_the_hello_timeout_while_an_honest_deco
             silent.close()
 
 
-@pytest.mark.parametrize("send, replies", [
-    (b"\x00\x00", 0),
-    (b"hello?", 0),
-    ("all but one byte of a hello", 0),
-    ("a whole hello, never the confirm", 1),
-], ids=["half-a-header", "junk", "stalled-hello", "no-confirm"])
-def test_a_client_stalling_in_the_hello_is_dropped_at_its_deadline(monkeypatch, send, replies):
+@pytest.mark.parametrize("send, stalls, flight", [
+    (b"\x16\x03", True, False),
+    ("all but one byte of a ClientHello", True, False),
+    ("a whole ClientHello, never the Finished", True, True),
+    (b"hello?", False, False),
+    ("a plaintext frame", False, False),
+], ids=["half-a-record-header", "stalled-hello", "no-finished", "junk", "no-tls"])
+def test_a_client_stalling_in_or_skipping_the_tls_handshake_is_dropped(monkeypatch, send, stalls, flight):
+    """Stalled: dropped at its deadline, having been sent at most the prefill's own flight
+    (ServerHello, then the encrypted rest of its handshake).  Not TLS at all: dropped at once."""
     timeout = 0.3
     monkeypatch.setattr(kvlend.protocol.prefill, "HELLO_TIMEOUT", timeout)
-    secret = generate_secret()
-    hello = encode_frame(secret, 0, Hello("stalls", b"\x02" * 16))
-    send = {"all but one byte of a hello": hello[:-1], "a whole hello, never the confirm": hello}.get(send, send)
-    with prefill_node(secret) as (prefill, _):
+    hello = client_hello()
+    send = {"all but one byte of a ClientHello": hello[:-1], "a whole ClientHello, never the Finished": hello,
+            "a plaintext frame": encode_frame(Handshake(b"layout", "nixl", b"meta"))}.get(send, send)
+    with prefill_node() as (prefill, _):
         with socket.create_connection(prefill.address, timeout=DEADLINE) as sock:
             t0 = time.monotonic()
             sock.sendall(send)
-            answer = read_until_eof(sock)
-            assert time.monotonic() - t0 < DEADLINE
-        frames, i = 0, 0
-        while i < len(answer):
-            i += 4 + int.from_bytes(answer[i:i + 4], "big")
-            frames += 1
-        assert i == len(answer) and frames == replies  # the ack, for a hello keyed right; nothing else
+            reply = read_until_eof(sock)
+            elapsed = time.monotonic() - t0
+        assert (timeout - 0.05 <= elapsed < DEADLINE) if stalls else (elapsed < timeout), elapsed
+        types = records(reply)
+        if flight:
+            assert types[0] == 0x16 and set(types) <= {0x14, 0x16, 0x17}, types
+        else:
+            assert set(types) <= {0x15}, types  # an alert at most: no server flight, no frame
         assert prefill.ready_peers() == []
 
 
-def test_a_second_decode_claiming_a_live_name_is_refused_and_the_first_keeps_working():
-    secret = generate_secret()
-    with prefill_node(secret) as (prefill, src):
-        with decode_node(secret, "decode-0") as (first, dst):
+def test_a_second_decode_presenting_a_live_identity_is_refused_and_the_first_keeps_working():
+    with prefill_node() as (prefill, src):
+        with decode_node(creds("decode-0")) as (first, dst):
             first.connect(*prefill.address)
             assert prefill.wait_for_peer(DEADLINE) == "decode-0"
-            with decode_node(secret, "decode-0") as (impostor, _):
+            with decode_node(creds("decode-0")) as (impostor, _):
                 with pytest.raises(KvlendError, match="decode-0") as info:
                     impostor.connect(*prefill.address)
                 assert isinstance(info.value, ProtocolError) and not isinstance(info.value, TransferTimeout)
                 assert "already connected" in str(info.value)
             assert prefill.ready_peers() == ["decode-0"]
             serve_one(prefill, src, first, dst, "decode-0", seed=3)
-        # Once the live one is gone, a restarted decode may take the name.
+        # Once the live one is gone, a restarted decode may take the identity.
         wait_until(lambda: prefill.ready_peers() == [], "the first decode's link dropped")
-        with decode_node(secret, "decode-0") as (restarted, dst):
+        with decode_node(creds("decode-0")) as (restarted, dst):
             restarted.connect(*prefill.address)
             assert prefill.wait_for_peer(DEADLINE) == "decode-0"
             serve_one(prefill, src, restarted, dst, "decode-0", seed=4)

@@ -20,7 +20,7 @@ PY_READS = (
     re.compile(r"""environ\.get\(\s*["']([A-Z][A-Z0-9_]*)["']"""),
     re.compile(r"""getenv\(\s*["']([A-Z][A-Z0-9_]*)["']"""),
     re.compile(r"""["']([A-Z][A-Z0-9_]*)["']\s+in\s+os\.environ"""),
-    re.compile(r"""^[A-Z_]*ENV\s*=\s*["']([A-Z][A-Z0-9_]*)["']""", re.M),  # SECRET_ENV = "KVLEND_SECRET"
+    re.compile(r"""^[A-Z_]*ENV\s*=\s*["']([A-Z][A-Z0-9_]*)["']""", re.M),  # CA_ENV = "KVLEND_CA"
 )
 SHELL_READS = re.compile(r"\$\{([A-Z][A-Z0-9_]*)(?::?-[^}]*)?\}")
 
@@ -64,7 +64,7 @@ def option_strings() -> set[tuple[str, str]]:
 
 def test_the_scan_finds_what_we_know_is_read():
     names = env_vars_read()
-    assert {"KVLEND_SECRET", "KVLEND_SECRET_FILE", "KVLEND_LOG", "KVLEND_EXAMPLES", "NIXL_LOG_LEVEL",
+    assert {"KVLEND_CA", "KVLEND_CERT", "KVLEND_KEY", "KVLEND_LOG", "KVLEND_EXAMPLES", "NIXL_LOG_LEVEL",
             "KVLEND_PYTHON", "PYTHON"} <= names
 
 
@@ -76,7 +76,8 @@ def test_every_environment_variable_is_in_the_readme(name):
 def test_every_cli_option_is_in_the_readme():
     options = option_strings()
     commands = {command for command, _ in options}
-    assert {"kvlend", "kvlend demo", "kvlend bench", "kvlend layout show", "kvlend layout check"} <= commands
+    assert {"kvlend", "kvlend demo", "kvlend bench", "kvlend layout show", "kvlend layout check",
+            "kvlend certs ca", "kvlend certs issue", "kvlend certs check"} <= commands
     assert {("kvlend demo", "--metrics-port"), ("kvlend demo", "--decode-tp"), ("kvlend bench", "--plot")} <= options
     missing = sorted((c, o) for c, o in options if o != "--help" and not re.search(rf"`{re.escape(o)}[` ]", README))
     assert not missing, f"README.md does not document {missing}"

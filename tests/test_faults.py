@@ -6,7 +6,8 @@ prefill whose decode died drops the page locks once the lease TTL passes and
 serves a new decode; a decode whose prefill died gets ``PeerLost`` with the
 safe-resume bound and finishes the request from a replacement prefill,
 reading only the pages at or above the bound, and the toy model then
-generates exactly the single-process reference.
+generates exactly the single-process reference.  Each child gets its own
+certificate from the tests' cluster CA, as files in a private directory.
 """
 
 from __future__ import annotations
@@ -18,22 +19,23 @@ import select
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from collections import deque
 
 import numpy as np
 import pytest
-from conftest import nixl, prefill_request
+from conftest import creds, nixl, prefill_request
 from fault_ranks import MARK
 from raw_peer import RawDecode
 from test_node import (
     DEADLINE, DECODE_CONFIG, DST_PAGES, MAX_TOKENS, SRC_PAGES, assert_locked, fetch_and_verify, free_lists, intercept, rig,
 )
 
-from kvlend.errors import KvlendError, PeerLost, TransferTimeout
+from kvlend.errors import AuthError, KvlendError, PeerLost, TransferTimeout
+from kvlend.protocol.wire import Done, DoneAck, Heartbeat, Renewed
 from kvlend.runtime import DecodeNode, NodeConfig
-from kvlend.runtime.secret import SECRET_ENV, generate_secret
-from kvlend.protocol.wire import Done, DoneAck, Heartbeat, Renewed, encode_frame
+from kvlend.security.certs import Authority, save_rank
 
 TESTS = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(os.path.dirname(TESTS), "examples"))
@@ -47,14 +49,17 @@ FAULT_CONFIG = NodeConfig(ttl=TTL, heartbeat=BEAT, chunk_pages=1, handshake_time
 class Rank:
     """A ``fault_ranks.py`` child: JSON events on stdout, commands on stdin, SIGKILL on demand.
 
-    Its stderr is discarded unless ``$KVLEND_RANK_STDERR`` is set (for debugging a child).
+    It proves ``identity`` with a certificate from the tests' CA, written into a private directory
+    that goes when the child does.  Its stderr is discarded unless ``$KVLEND_RANK_STDERR`` is set
+    (for debugging a child).
     """
 
-    def __init__(self, secret: bytes, mode: str, *args: str) -> None:
+    def __init__(self, identity: str, mode: str, *args: str) -> None:
+        self._certs = tempfile.TemporaryDirectory(prefix="kvlend-rank-")
         self.proc = subprocess.Popen(
             [sys.executable, os.path.join(TESTS, "fault_ranks.py"), mode, *args],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=None if os.environ.get("KVLEND_RANK_STDERR") else subprocess.DEVNULL, bufsize=0,
-            env={**os.environ, SECRET_ENV: secret.hex()},
+            env={**os.environ, **save_rank(creds(identity), self._certs.name)},
         )
         self.address: tuple[str, int] | None = None
         self._buf = b""
@@ -106,6 +111,7 @@ class Rank:
         if self.proc.poll() is None:
             self.proc.kill()
         self.proc.wait(DEADLINE)
+        self._certs.cleanup()
 
     def finish(self, timeout: float = 30.0) -> None:
         if self.proc.poll() is None:
@@ -118,11 +124,12 @@ class Rank:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait(DEADLINE)
+        self._certs.cleanup()
 
 
-# ---------------------------------------------------------- pending hellos
+# ------------------------------------------------- connections not yet authenticated
 def test_a_silent_client_does_not_stall_the_prefill():
-    """A connection that never says hello stays half-open while an honest decode is served."""
+    """A connection that never starts its TLS handshake stays half-open while an honest decode is served."""
     with rig() as r:
         silent = socket.create_connection(r.prefill.address, timeout=DEADLINE)
         try:
@@ -130,7 +137,7 @@ def test_a_silent_client_does_not_stall_the_prefill():
             while r.prefill.pending_hellos == 0:  # the prefill took it in, and waits on it
                 assert time.monotonic() < end, "the silent connection was never accepted"
                 time.sleep(0.005)
-            other = DecodeNode(r.decode.layout, nixl("second"), r.secret, name="second", config=DECODE_CONFIG)
+            other = DecodeNode(r.decode.layout, nixl("second"), creds("second"), config=DECODE_CONFIG)
             try:
                 link = other.connect(*r.prefill.address)  # completes while the silent one is still pending
                 peer = "second"
@@ -158,8 +165,7 @@ def test_a_silent_client_does_not_stall_the_prefill():
 def test_sigkill_decode_mid_transfer_frees_locks_within_ttl_and_a_new_decode_serves_100():
     released: deque = deque()
     with rig(FAULT_CONFIG, on_release=lambda lease, reason: released.append((lease.request, reason))) as r:
-        secret = r.secret
-        child = Rank(secret, "decode", "--connect", "%s:%d" % r.prefill.address, "--gen", "7",
+        child = Rank("decode7", "decode", "--connect", "%s:%d" % r.prefill.address, "--gen", "7",
                      "--ttl", str(TTL), "--heartbeat", str(BEAT), "--chunk-pages", "1", "--slow", "0.1")
         try:
             child.event("connected", 30.0)
@@ -192,7 +198,7 @@ def test_sigkill_decode_mid_transfer_frees_locks_within_ttl_and_a_new_decode_ser
                 src_free[name].release(table)
 
             # A new decode, connected after the kill: the next 100 requests verify byte for byte.
-            fresh = DecodeNode(r.decode.layout, nixl("fresh"), secret, name="fresh", config=DECODE_CONFIG)
+            fresh = DecodeNode(r.decode.layout, nixl("fresh"), creds("fresh"), config=DECODE_CONFIG)
             try:
                 fresh.connect(*r.prefill.address)
                 end = time.monotonic() + DEADLINE
@@ -265,16 +271,15 @@ class KillAfterFirstChunk:
 
 @pytest.mark.slow
 def test_sigkill_prefill_mid_transfer_resumes_from_the_bound_and_matches_the_reference():
-    secret = generate_secret()
     cfg = toy_engine.preset("tiny", seed=0)
     model = toy_engine.ToyModel(cfg)
     tpp, prompt_len, new_tokens = cfg.tokens_per_page, 200, 8
     prompt = toy_engine.make_prompts(1, 0, prompt_len, prompt_len, cfg.vocab)[0]
     cache = toy_engine.PagedKVCache(cfg, 2 * -(-(prompt_len + new_tokens) // tpp), seed=9)
     args = ("--ttl", str(TTL), "--heartbeat", str(BEAT), "--prompt-len", str(prompt_len))
-    first = Rank(secret, "toy-prefill", "--gen", "1", *args)
+    first = Rank("toy-prefill", "toy-prefill", "--gen", "1", *args)
     second = None
-    node = DecodeNode(cache.layout(), nixl("decode"), secret, config=FAULT_CONFIG)
+    node = DecodeNode(cache.layout(), nixl("decode"), creds("decode"), config=FAULT_CONFIG)
     try:
         old_agent = node._agents[node.connect(*first.listening()).id]
         peer, offer = node.next_offer(DEADLINE)
@@ -293,7 +298,7 @@ def test_sigkill_prefill_mid_transfer_resumes_from_the_bound_and_matches_the_ref
         assert node.tracker.stats.requests == 0
 
         # A replacement prefill (its pages elsewhere in its pool) lends the request again.
-        second = Rank(secret, "toy-prefill", "--gen", "2", *args)
+        second = Rank("toy-prefill", "toy-prefill", "--gen", "2", *args)
         link = node.connect(*second.listening())
         assert node._agents[link.id] != old_agent  # a new NIXL remote agent, same decode process
         peer, offer = node.next_offer(DEADLINE)
@@ -326,14 +331,50 @@ def test_sigkill_prefill_mid_transfer_resumes_from_the_bound_and_matches_the_ref
 
 
 # ------------------------------------------------------------- refusals
-def test_wrong_secret_replayed_frame_and_another_decodes_lease_are_refused(caplog):
+def record_session(r, identity: str) -> bytes:
+    """The bytes a decode ``identity`` sends to ``r``'s prefill in a whole session (connect, then close)."""
+    node = DecodeNode(r.decode.layout, nixl(identity), creds(identity), config=DECODE_CONFIG)
+    sent = bytearray()
+    send = node._sockets.send
+
+    def record(conn: int, data: bytes) -> None:
+        sent.extend(data)
+        send(conn, data)
+
+    node._sockets.send = record
+    try:
+        node.connect(*r.prefill.address)
+        r.prefill.wait_for_peers(2, DEADLINE)
+    finally:
+        node.close()
+        node.backend.close()
+    end = time.monotonic() + DEADLINE
+    while identity in r.prefill.ready_peers():
+        assert time.monotonic() < end, f"the prefill still holds {identity} after it closed"
+        time.sleep(0.005)
+    return bytes(sent)
+
+
+def hung_up(sock: socket.socket) -> bool:
+    """Read (and drop) what the peer sends until it hangs up; False if it did not within the socket's timeout."""
+    try:
+        while sock.recv(1 << 16):
+            pass
+    except ConnectionResetError:
+        pass
+    except socket.timeout:
+        return False
+    return True
+
+
+def test_a_foreign_certificate_a_replayed_session_and_another_decodes_lease_are_refused(caplog):
     caplog.set_level(logging.INFO)
     with rig(NodeConfig(ttl=30.0)) as r:
-        # Wrong secret: no channel, no metadata, no peer.
-        intruder = DecodeNode(r.decode.layout, nixl("intruder"), generate_secret(), name="intruder",
+        # A certificate from another CA: no channel, no metadata, no peer.
+        intruder = DecodeNode(r.decode.layout, nixl("intruder"), Authority.create().issue("intruder"),
                               config=NodeConfig(handshake_timeout=2.0))
         try:
-            with pytest.raises(KvlendError):
+            with pytest.raises(AuthError, match="CERTIFICATE_VERIFY_FAILED"):
                 intruder.connect(*r.prefill.address)
             assert intruder.links == [] and "intruder" not in r.prefill.ready_peers()
         finally:
@@ -342,20 +383,18 @@ def test_wrong_secret_replayed_frame_and_another_decodes_lease_are_refused(caplo
         tables = prefill_request(r.layout, r.src, free_lists(r.layout, SRC_PAGES, 41), 50, seed=41)
         lease = r.prefill.offer(r.peer, "a-only", 50, tables, r.layout.full_selection(), meta={"seed": 41})
         link_a, offer = r.decode.next_offer(DEADLINE)
-        conn_a = r.decode.session._links[link_a.id].conn
 
-        # A frame of session A, replayed into a new session of someone holding the secret.
-        replayed = encode_frame(conn_a._key, conn_a._send_seq, Done(lease.id, 50))
+        # Everything an honest decode sent, from its ClientHello to its goodbye, replayed on a new
+        # connection once it left: the prefill's fresh handshake keys make the rest garbage.
+        recorded = record_session(r, "recorded")
         caplog.clear()
-        with RawDecode(r.prefill.address, r.secret, "thief") as thief:
-            thief.sock.sendall(replayed)
-            with pytest.raises(PeerLost):  # the prefill hangs up on it
-                while True:
-                    thief.recv(DEADLINE)
-        assert "thief" not in r.prefill.ready_peers() and "failed authentication" in caplog.text
+        with socket.create_connection(r.prefill.address, timeout=DEADLINE) as replay:
+            replay.sendall(recorded)
+            assert hung_up(replay), "the prefill never hung up on the replayed session"
+        assert "recorded" not in r.prefill.ready_peers() and "TLS handshake failed" in caplog.text
 
         # Decode B, properly connected, sends Heartbeat and Done for A's lease.
-        with RawDecode(r.prefill.address, r.secret, "decode-b") as b:
+        with RawDecode(r.prefill.address, creds("decode-b")) as b:
             b.handshake(r.decode.layout)
             before = r.prefill.lender.get(lease.id, time.monotonic()).expires_at
             time.sleep(0.05)  # so a renewal would move the expiry
@@ -418,7 +457,7 @@ def test_without_a_done_ack_only_reads_made_while_the_lease_was_surely_valid_cou
     """
     offset = [0.0]
     with rig() as r:
-        decode = DecodeNode(r.decode.layout, nixl("slow"), r.secret, name="slow",
+        decode = DecodeNode(r.decode.layout, nixl("slow"), creds("slow"),
                             config=NodeConfig(ttl=5.0, heartbeat=1.0, transfer_timeout=DEADLINE),
                             clock=lambda: time.monotonic() + offset[0])
         try:

@@ -12,10 +12,9 @@ from __future__ import annotations
 import time
 
 import numpy as np
-from conftest import FreeList, group_layers, make_layout, make_pools, nixl, pattern, prefill_request, slots
+from conftest import FreeList, creds, group_layers, make_layout, make_pools, nixl, pattern, prefill_request, slots
 
 from kvlend.runtime import DecodeNode, NodeConfig, PrefillNode
-from kvlend.runtime.secret import generate_secret
 
 DEADLINE = 30.0
 REQUESTS = 96  # per prefill: 2 x 96 fetches started before the first is collected
@@ -37,18 +36,17 @@ def expected(layout, table_by_group, seed, num_tokens):
 
 
 def test_two_prefills_many_fetches_in_flight_tickets_and_offers_share_links():
-    secret = generate_secret()
     released = []
     prefills, srcs = [], []
     for rank in range(2):
         src = make_pools(PAGES)
         srcs.append(src)
-        node = PrefillNode(make_layout(src), nixl(f"prefill{rank}"), secret, name=f"prefill-{rank}",
+        node = PrefillNode(make_layout(src), nixl(f"prefill{rank}"), creds(f"prefill-{rank}"),
                            on_release=lambda lease, reason: released.append(reason))
         node.start()
         prefills.append(node)
     dst = make_pools(PAGES)
-    decode = DecodeNode(make_layout(dst), nixl("decode"), secret, config=NodeConfig(chunk_pages=2))
+    decode = DecodeNode(make_layout(dst), nixl("decode"), creds("decode"), config=NodeConfig(chunk_pages=2))
     try:  # no decode thread: the loop runs only inside next_offer and wait, so fetches pile up
         links = [decode.connect(*p.address) for p in prefills]
         peers = [p.wait_for_peer(DEADLINE) for p in prefills]

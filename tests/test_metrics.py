@@ -7,9 +7,8 @@ import urllib.request
 
 import numpy as np
 import pytest
-from conftest import FreeList, make_layout, make_pools, nixl, prefill_request
+from conftest import FreeList, creds, make_layout, make_pools, nixl, prefill_request
 
-from kvlend.runtime.secret import generate_secret
 from kvlend.errors import KvlendError
 from kvlend.metrics import METRICS, SPECS, Metrics
 from kvlend.runtime import DecodeNode, NodeConfig, PrefillNode
@@ -31,10 +30,9 @@ def scrape(port: int) -> dict[str, float]:
 def test_metrics_move_and_are_scraped_over_http():
     port = METRICS.serve(0)
     before = scrape(port)
-    secret = generate_secret()
     src, dst = make_pools(128), make_pools(64)
-    prefill = PrefillNode(make_layout(src), nixl("prefill"), secret, name="metrics-prefill")
-    decode = DecodeNode(make_layout(dst), nixl("decode"), secret, config=NodeConfig(transfer_timeout=DEADLINE))
+    prefill = PrefillNode(make_layout(src), nixl("prefill"), creds("metrics-prefill"))
+    decode = DecodeNode(make_layout(dst), nixl("decode"), creds("decode"), config=NodeConfig(transfer_timeout=DEADLINE))
     try:
         prefill.start()
         link = decode.connect(*prefill.address)

@@ -15,7 +15,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from kvlend.runtime.secret import generate_secret
 from kvlend.errors import LayoutMismatch, PeerLost
 from kvlend.core.layout import HeadOrder, PageLayout, ReplicaRank
 from kvlend.core.negotiate import negotiate
@@ -26,7 +25,7 @@ EXAMPLES = ROOT / "examples"
 sys.path.insert(0, str(EXAMPLES))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import toy_engine as te  # noqa: E402
-from conftest import nixl  # noqa: E402
+from conftest import creds, nixl  # noqa: E402
 from test_hybrid import expected_bytes, pair  # noqa: E402
 
 TINY = te.preset("tiny")
@@ -108,10 +107,9 @@ def test_handshake_refuses_unsupported_difference(case):
     named = [f for f, *_ in info.value.fields]
     for field in fields:
         assert any(n.endswith(field) for n in named), (field, named)
-    secret = generate_secret()
-    prefill = PrefillNode(remote, nixl("prefill"), secret, config=FAST)
+    prefill = PrefillNode(remote, nixl("prefill"), creds("prefill"), config=FAST)
     prefill.start()
-    decode = DecodeNode(local, nixl("decode"), secret, config=FAST)
+    decode = DecodeNode(local, nixl("decode"), creds("decode"), config=FAST)
     try:
         with pytest.raises(LayoutMismatch, match="|".join(fields)) as refused:
             decode.connect(*prefill.address)

@@ -24,14 +24,15 @@ from dataclasses import dataclass, field
 import numpy as np
 import pytest
 from conftest import (
+    creds,
     SENTINEL, TPP, FreeList, group_layers, make_layout, make_pools, nixl, pattern, prefill_request, slots,
 )
 
-from kvlend.runtime.secret import SECRET_ENV, generate_secret
 from kvlend.errors import AuthError, ConfigError, LayoutMismatch, LeaseExpired, PeerLost, ProtocolError, TransferTimeout
 from kvlend.core.layout import PageLayout
 from kvlend.runtime import DecodeNode, FetchResult, Link, NodeConfig, PrefillNode
 from kvlend.protocol.wire import Done, LeaseOffer
+from kvlend.security.certs import Authority, save_rank
 
 DEADLINE = 10.0  # seconds any single wait may take before the test fails
 SRC_PAGES = 256
@@ -51,7 +52,6 @@ class Rig:
     link: Link  # the prefill as the decode knows it
     src: list[np.ndarray]
     dst: list[np.ndarray]
-    secret: bytes
     released: list[tuple[str, str]] = field(default_factory=list)  # (request, reason), from the prefill thread
 
     @property
@@ -61,7 +61,6 @@ class Rig:
 
 @contextlib.contextmanager
 def rig(prefill_config: NodeConfig = NodeConfig(), clock=time.monotonic, on_release=None):
-    secret = generate_secret()
     src, dst = make_pools(SRC_PAGES), make_pools(DST_PAGES)
     released: list[tuple[str, str]] = []
 
@@ -70,14 +69,14 @@ def rig(prefill_config: NodeConfig = NodeConfig(), clock=time.monotonic, on_rele
         if on_release is not None:
             on_release(lease, reason)
 
-    prefill = PrefillNode(make_layout(src), nixl("prefill"), secret, config=prefill_config,
+    prefill = PrefillNode(make_layout(src), nixl("prefill"), creds("prefill"), config=prefill_config,
                           clock=clock, on_release=record)
     decode = None
     try:
         prefill.start()
-        decode = DecodeNode(make_layout(dst), nixl("decode"), secret, config=DECODE_CONFIG)
+        decode = DecodeNode(make_layout(dst), nixl("decode"), creds("decode"), config=DECODE_CONFIG)
         link = decode.connect(*prefill.address)
-        yield Rig(prefill, decode, prefill.wait_for_peer(DEADLINE), link, src, dst, secret, released)
+        yield Rig(prefill, decode, prefill.wait_for_peer(DEADLINE), link, src, dst, released)
     finally:
         if decode is not None:
             decode.close()
@@ -205,7 +204,7 @@ def test_windowed_group_lends_only_sinks_and_window():
 def test_handshake_refuses_a_mismatched_layout(field_name, mismatch):
     with rig() as r:
         other = DecodeNode(make_layout(make_pools(DST_PAGES, **mismatch)), nixl("odd-decode"),
-                           r.secret, name="odd-decode", config=DECODE_CONFIG)
+                           creds("odd-decode"), config=DECODE_CONFIG)
         try:
             with pytest.raises(LayoutMismatch, match=field_name):
                 other.connect(*r.prefill.address)
@@ -224,14 +223,13 @@ def test_handshake_refuses_a_mismatched_layout(field_name, mismatch):
         assert fetch_and_verify(r.decode, link, offer, r.dst, free_lists(r.decode.layout, DST_PAGES, 6)).bound == 8
 
 
-def test_wrong_secret_gets_no_channel():
-    secret = generate_secret()
-    prefill = PrefillNode(make_layout(make_pools(32)), nixl("prefill"), secret)
-    decode = DecodeNode(make_layout(make_pools(32)), nixl("decode"), generate_secret(),
+def test_a_certificate_from_another_ca_gets_no_channel():
+    prefill = PrefillNode(make_layout(make_pools(32)), nixl("prefill"), creds("prefill"))
+    decode = DecodeNode(make_layout(make_pools(32)), nixl("decode"), Authority.create().issue("decode"),
                         config=NodeConfig(handshake_timeout=2.0))
     try:
         prefill.start()
-        with pytest.raises((PeerLost, AuthError)):
+        with pytest.raises(AuthError, match="CERTIFICATE_VERIFY_FAILED"):
             decode.connect(*prefill.address)
         assert decode.links == []
         assert prefill.ready_peers() == []
@@ -333,14 +331,14 @@ import json, queue, sys, time
 sys.path.insert(0, sys.argv[1])
 import numpy as np
 from conftest import FreeList, make_layout, make_pools, nixl, prefill_request
-from kvlend.runtime.secret import load_secret
 from kvlend.runtime import PrefillNode
+from kvlend.security.credentials import Credentials
 
 n_leases, max_tokens, window, deadline_s = map(int, sys.argv[2:6])
 pools = make_pools(256)
 layout = make_layout(pools)
 released = queue.SimpleQueue()
-node = PrefillNode(layout, nixl("child-prefill"), load_secret(),
+node = PrefillNode(layout, nixl("child-prefill"), Credentials.from_env(),
                    on_release=lambda lease, why: released.put((lease.request, why)))
 print("LISTENING", *node.address, flush=True)
 node.start()
@@ -392,18 +390,17 @@ def _listening(proc: subprocess.Popen, deadline_s: float) -> tuple[str, int]:
 @pytest.mark.slow
 def test_two_processes_byte_exact(tmp_path):
     n_leases = 100
-    secret = generate_secret()
     script = tmp_path / "prefill_child.py"
     script.write_text(CHILD)
     errors = (tmp_path / "stderr").open("w+")
-    env = {**os.environ, SECRET_ENV: secret.hex()}
+    env = {**os.environ, **save_rank(creds("child-prefill"), str(tmp_path / "certs"))}
     proc = subprocess.Popen(
         [sys.executable, str(script), TESTS, str(n_leases), str(MAX_TOKENS), "4", str(int(DEADLINE))],
         stdout=subprocess.PIPE, stderr=errors, text=True, env=env,
     )
     try:
         dst = make_pools(DST_PAGES)
-        decode = DecodeNode(make_layout(dst), nixl("decode"), secret, config=DECODE_CONFIG)  # while the child starts
+        decode = DecodeNode(make_layout(dst), nixl("decode"), creds("decode"), config=DECODE_CONFIG)  # while the child starts
         try:
             decode.connect(*_listening(proc, 30.0))
             free = free_lists(decode.layout, DST_PAGES, 12)
@@ -458,7 +455,7 @@ def test_bad_arguments_are_kvlend_errors_before_anything_happens():
         backend = nixl("second-prefill")
         try:
             with pytest.raises(ConfigError, match="cannot listen"):
-                PrefillNode(r.layout, backend, generate_secret(), port=busy_port)
+                PrefillNode(r.layout, backend, creds("prefill"), port=busy_port)
         finally:
             backend.close()
         gone = Link(999, "127.0.0.1", 1, "nobody", r.link.plan, 0.0)

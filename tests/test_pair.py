@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from kvlend.runtime.secret import SECRET_ENV, SECRET_FILE_ENV
+from kvlend.security.credentials import CA_ENV, CERT_ENV, KEY_ENV
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "examples"
@@ -40,8 +40,8 @@ def expected(requests: int, max_len: int, min_len: int = 8, seed: int = 0) -> tu
 
 
 def run(argv: list[str]) -> str:
-    """The command's stdout, after checking it exited 0."""
-    env = {k: v for k, v in os.environ.items() if k not in (SECRET_ENV, SECRET_FILE_ENV)}
+    """The command's stdout, after checking it exited 0 (without credentials of ours: the pair makes its own)."""
+    env = {k: v for k, v in os.environ.items() if k not in (CA_ENV, CERT_ENV, KEY_ENV)}
     proc = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=RUN_TIMEOUT)
     assert proc.returncode == 0, f"exit {proc.returncode}\nstdout: {proc.stdout}\nstderr: {proc.stderr[-4000:]}"
     return proc.stdout

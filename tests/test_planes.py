@@ -1,4 +1,4 @@
-"""The folders are the planes: core <- protocol <- runtime, transport beside, and the pure parts stay pure.
+"""The folders are the planes: core <- protocol <- runtime, transport and security beside, and the pure parts stay pure.
 
 Each pure module is imported alone in a fresh interpreter, which also
 catches circular imports, and must not pull in NIXL, torch, sockets, threads
@@ -22,8 +22,9 @@ ALLOWED = {
     "core": set(),
     "protocol": {"core"},
     "transport": {"core"},
-    "runtime": {"core", "protocol", "transport", "metrics"},
-    "bench": {"core", "protocol", "transport", "runtime"},
+    "security": set(),
+    "runtime": {"core", "protocol", "transport", "security", "metrics"},
+    "bench": {"core", "protocol", "transport", "security", "runtime"},
 }
 IMPURE = ("nixl", "torch", "socket", "select", "selectors", "asyncio", "subprocess")
 # Imported directly by no pure module (``logging`` brings ``threading`` along; that is not a thread).

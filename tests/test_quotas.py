@@ -271,8 +271,7 @@ def test_a_layout_claiming_an_enormous_page_ratio_is_refused_in_under_10ms():
         world = World(run)
         p = world.add_prefill(config=CFG)
         d = world.add_decode(config=CFG)
-        d.session = DecodeSession(scaled(d.layout, 1 << 20), "memory", d.metadata, d.session._secret,
-                                  name="decode", config=CFG)
+        d.session = DecodeSession(scaled(d.layout, 1 << 20), "memory", d.metadata, name="decode", config=CFG)
         timings = []
         receive = p.session.receive
 
@@ -342,7 +341,7 @@ def test_the_decode_logs_a_prefills_strings_escaped(caplog):
     world = World(0)
     p = world.add_prefill(EVIL, config=CFG)
     d = world.add_decode("decode", config=CFG)
-    conn = world.connect(d, p)
+    world.connect(d, p)
     r = d.fetch_ticket(p.ticket(8, seed=1, request="req\n" + EVIL), seed=1)
     d.cancel(r)
     world.pump()

@@ -18,8 +18,8 @@ from memory_transport import SCRIBBLE, ContractError, World, finish_all
 import kvlend.protocol.decode as decode_mod
 from kvlend.core.layout import RowSelection
 from kvlend.errors import (
-    BackendError, ConfigError, IncompleteFetch, KvlendError, LeaseDenied, LeaseExpired, LeaseUnknown, PageRangeError,
-    PeerLost, ProtocolError, TransferCancelled, TransferTimeout,
+    AuthError, BackendError, ConfigError, IncompleteFetch, KvlendError, LeaseDenied, LeaseExpired, LeaseUnknown,
+    PageRangeError, PeerLost, ProtocolError, TransferCancelled, TransferTimeout,
 )
 from kvlend.protocol.actions import Close, Offered, RemovePeer
 from kvlend.protocol.config import NodeConfig
@@ -630,17 +630,32 @@ def test_restarted_decode_reconnects_after_the_old_link_dropped():
     assert r.fetch.state is FetchState.DONE
 
 
-def test_second_decode_with_a_live_name_is_refused_and_the_first_keeps_working():
+def test_second_decode_with_a_live_identity_is_refused_and_the_first_keeps_working():
     world, p, d, conn = rig()
     impostor = world.add_decode("decode", config=CFG)
     c2 = impostor.session.link_to(*p.endpoint, impostor.now)
     world.pump()
     assert c2 not in impostor.session.links
-    assert isinstance(impostor.session.link_error(c2), ProtocolError)
+    error = impostor.session.link_error(c2)
+    assert isinstance(error, ProtocolError) and "already connected" in str(error), error
     assert p.session.peers == ["decode"] and d.session.ready(conn)
     r = d.fetch_ticket(p.ticket(9, seed=3), seed=3)
     finish_all(world, d)
     assert r.fetch.state is FetchState.DONE
+
+
+@pytest.mark.parametrize("uncertified", ["decode", "prefill"])
+def test_a_refused_certificate_fails_the_link_with_auth_error_and_waiting_fetches_with_it(uncertified):
+    """TLS refused (the shell's ``closed(..., refused=True)``): an ``AuthError``, not a ``PeerLost``."""
+    world = World(0)
+    p = world.add_prefill(config=CFG, certified=uncertified != "prefill")
+    d = world.add_decode(config=CFG, certified=uncertified != "decode")
+    t = p.ticket(8, seed=2)
+    r = d.fetch_ticket(t, seed=2)
+    assert r.fetch.state is FetchState.FAILED and isinstance(r.fetch.error, AuthError), r.fetch.error
+    assert "CERTIFICATE_VERIFY_FAILED" in str(r.fetch.error)
+    assert d.session.links == [] and p.session.peers == [] and p.session.pending == 0
+    assert not d.backend.reads and live(p, t)  # nothing read, and the lease still waits for its reader
 
 
 def test_half_open_old_link_refuses_the_restarted_decode():
@@ -1193,7 +1208,7 @@ def test_handshake_timeout_fails_waiting_fetches():
     d = world.add_decode(config=CFG)
     t = p.ticket(8, seed=2)
     conn = d.session.link_to(*p.endpoint, d.now)
-    world._flush()  # connected; the prefill's answer to the hello will be held
+    world._flush()  # connected and authenticated; the prefill's answer to the handshake will be held
     world.wire(d, conn).hold_to_decode = True
     r = d.fetch_ticket(t)
     assert r.fetch.state is FetchState.CLAIMING
@@ -1202,7 +1217,7 @@ def test_handshake_timeout_fails_waiting_fetches():
     assert conn not in d.session.links and not p.ended  # never claimed
 
 
-def test_prefill_drops_a_connection_that_never_says_hello():
+def test_prefill_drops_a_connection_that_never_completes_tls():
     world, p, d, conn = rig()
     p.session.accept(99, p.now)
     assert p.session.pending == 1

@@ -18,11 +18,10 @@ import threading
 import time
 
 import numpy as np
-from conftest import FreeList, group_layers, make_layout, make_pools, nixl, pattern, prefill_request, slots
+from conftest import FreeList, creds, group_layers, make_layout, make_pools, nixl, pattern, prefill_request, slots
 
 from kvlend.errors import TransferTimeout
 from kvlend.runtime import DecodeNode, NodeConfig, PrefillNode, Ticket
-from kvlend.runtime.secret import generate_secret
 
 DEADLINE = 20.0  # seconds the whole exchange may take before the test fails (it takes about one)
 REQUESTS = 240
@@ -69,7 +68,6 @@ class Failures:
 
 def test_engine_threads_lend_fetch_and_ask_can_evict_while_the_nodes_serve(caplog):
     caplog.set_level(logging.WARNING)
-    secret = generate_secret()
     failures = Failures()
     deadline = time.monotonic() + DEADLINE
     src, dst = make_pools(PAGES), make_pools(PAGES)
@@ -88,9 +86,9 @@ def test_engine_threads_lend_fetch_and_ask_can_evict_while_the_nodes_serve(caplo
             failures.add(f"lease of {lease.request} ended {reason}")
         released.put(lease.id)
 
-    prefill = PrefillNode(make_layout(src), nixl("prefill"), secret, name="prefill-0", config=CONFIG,
+    prefill = PrefillNode(make_layout(src), nixl("prefill"), creds("prefill-0"), config=CONFIG,
                           on_release=on_release)
-    decode = DecodeNode(make_layout(dst), nixl("decode"), secret, name="decode-0", config=CONFIG)
+    decode = DecodeNode(make_layout(dst), nixl("decode"), creds("decode-0"), config=CONFIG)
     router: queue.Queue = queue.Queue()  # ticket text, prefill engine -> decode engine
     cleared: queue.Queue = queue.Queue()  # requests whose pushed offer the prefill engine has checked
     verified: list[str] = []

@@ -1,4 +1,5 @@
-"""The vLLM connector's pure parts: KV tensors as a PageLayout, and the scheduler side's decisions.
+"""The vLLM connector's pure parts: KV tensors as a PageLayout, the scheduler side's decisions, and
+which certificate a worker loads.
 
 vLLM itself is not imported (it lives in its own venv, ``scripts/vllm-setup``):
 the layout is derived from real torch tensors shaped as vLLM registers them,

@@ -10,17 +10,20 @@ load, a lend refused, a prefill gone before the claim.
 
 from __future__ import annotations
 
+import json
 import time
 from types import SimpleNamespace
 
 import pytest
 import torch
+from conftest import creds
 from kvlend_vllm.layout import layout_from_kv_caches
 from kvlend_vllm.scheduler import TICKET_KEY, ConsumerScheduler, ProducerScheduler
 from kvlend_vllm.worker import ConsumerWorker, ProducerWorker, WorkerSettings
 
 from kvlend.protocol.config import NodeConfig
-from kvlend.runtime.secret import generate_secret
+from kvlend.protocol.ticket import Ticket
+from kvlend.security.certs import Authority
 
 BS, BLOCKS, HEADS, HEAD = 16, 32, 2, 8
 CONFIG = NodeConfig(ttl=5.0, heartbeat=0.5, claim_wait=2.0, transfer_timeout=5.0)
@@ -52,22 +55,28 @@ class Req(SimpleNamespace):
 
 
 @pytest.fixture
-def pair(monkeypatch):
-    yield from make_pair(monkeypatch, CONFIG)
+def pair():
+    yield from make_pair(CONFIG)
 
 
 @pytest.fixture
-def short(monkeypatch):
+def short():
     """Leases of one second, kept alive by heartbeats every 0.2 s."""
-    yield from make_pair(monkeypatch, NodeConfig(ttl=1.0, heartbeat=0.2, claim_wait=0.5, transfer_timeout=5.0))
+    yield from make_pair(NodeConfig(ttl=1.0, heartbeat=0.2, claim_wait=0.5, transfer_timeout=5.0))
 
 
-def make_pair(monkeypatch, config: NodeConfig):
-    monkeypatch.setenv("KVLEND_SECRET", generate_secret().hex())
+@pytest.fixture
+def stranger(tmp_path):
+    """A decode whose certificate is from another cluster's CA, writing its per-fetch lines."""
+    yield from make_pair(CONFIG, WorkerSettings(Authority.create().issue("d"), config=CONFIG,
+                                                stats_path=str(tmp_path / "fetches.jsonl")))
+
+
+def make_pair(config: NodeConfig, decode: WorkerSettings | None = None):
     src, dst = caches(True), caches(False)
     scope = "test/cpu/bs16"
-    producer = ProducerWorker(WorkerSettings("p", config=config))
-    consumer = ConsumerWorker(WorkerSettings("d", config=config), BS, Stats())
+    producer = ProducerWorker(WorkerSettings(creds("p"), config=config))
+    consumer = ConsumerWorker(decode or WorkerSettings(creds("d"), config=config), BS, Stats())
     p_sched, d_sched = ProducerScheduler(BS), ConsumerScheduler(BS)
     p_sched.set_endpoint(producer.register(layout_from_kv_caches(src, block_size=BS, dtype="float32", scope=scope)))
     consumer.register(layout_from_kv_caches(dst, block_size=BS, dtype="float32", scope=scope))
@@ -123,6 +132,22 @@ def test_a_lent_request_lands_in_the_decode_blocks_and_both_sides_report_it(pair
     assert pair.p.holding == 1  # the scheduler frees on vLLM's update_connector_output
     pair.p.finished_sending(sent)
     assert pair.p.holding == 0
+
+
+def test_the_ticket_names_the_prefill_workers_certificate_identity(pair):
+    assert Ticket.from_text(lend(pair, "r1", 20, [3, 4])[TICKET_KEY]).prefill == "p" == pair.producer.node.name
+
+
+def test_a_decode_from_another_ca_gets_no_kv_and_every_block_is_recomputed(stranger):
+    params = lend(stranger, "r1", 40, [5, 2, 9])
+    load(stranger, "d1", params, 40, [7, 1, 30])
+    steps(stranger, lambda r, s: "d1" in r)
+    assert stranger.consumer.load_errors() == {7, 1, 30}
+    assert stranger.consumer.stats.failed == [3] and not stranger.consumer.stats.ok
+    assert all(float(t.abs().sum()) == 0 for t in stranger.dst.values())  # nothing landed
+    with open(stranger.consumer.settings.stats_path) as f:
+        (line,) = [json.loads(text) for text in f]
+    assert line["error"] == "AuthError" and line["bytes"] == 0
 
 
 def test_a_request_is_reported_sent_only_after_vllm_said_it_finished(pair):

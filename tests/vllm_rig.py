@@ -1,8 +1,8 @@
 """Real vLLM servers for the end-to-end tests: start, query, kill, by process group.
 
 Servers run from ``.venv-vllm`` (``scripts/vllm-setup``); this module needs
-only the standard library and ``kvlend_vllm.launch``, so it runs under the
-project's own venv.  Requests go through plain HTTP with token-id prompts,
+only the standard library, ``kvlend_vllm.launch`` and kvlend's certificate
+authority, so it runs under the project's own venv.  Requests go through plain HTTP with token-id prompts,
 so outputs are compared token for token with no tokenizer in between.
 """
 
@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import secrets
 import signal
 import subprocess
 import time
@@ -21,23 +20,31 @@ from concurrent.futures import ThreadPoolExecutor
 
 from kvlend_vllm import launch
 
+from kvlend.security.certs import Authority, save_rank
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BOOT_S = 300  # one engine boots in 15-25 s on a quiet 2-core box, minutes on a busy one
-SECRET = secrets.token_hex(32)
 
 
 class Rig:
-    """Every server started through it, stopped (by group) on ``close``."""
+    """Every server started through it, stopped (by group) on ``close``.
+
+    Its servers form one throwaway cluster: each engine with a connector gets a certificate
+    for its own name (two decodes, say, are two identities to the prefill they share).
+    """
 
     def __init__(self, model: str, logs: str) -> None:
         self.model, self.logs = model, logs
         self.servers: list[launch.Server] = []
+        self._authority = Authority.create()
+        self._certs = os.path.join(logs, "certs")
 
     def engine(self, name: str, config: dict | None = None, *, extra=(), env=None) -> launch.Server:
         port = launch.free_port()
         argv = launch.vllm_serve_argv(self.model, port, kv_transfer_config=config, max_model_len=2048,
                                       extra=extra)
-        return self._start(name, port, argv, launch.vllm_env(1, {"KVLEND_SECRET": SECRET, **(env or {})}))
+        tls = save_rank(self._authority.issue(name), self._certs) if config else {}
+        return self._start(name, port, argv, launch.vllm_env(1, {**tls, **(env or {})}))
 
     def router(self, name: str, prefill: launch.Server, decode: launch.Server) -> launch.Server:
         port = launch.free_port()

@@ -152,9 +152,10 @@ def _cold_prefill(arg: dict):
     from kvlend_nixl import NixlBackend
 
     from ..runtime import PrefillNode
+    from ..security.credentials import Credentials
 
     arrays, layout = _pools(arg["pages"], 1, False, fill=True)
-    node = PrefillNode(layout, NixlBackend(f"cold-prefill-{os.getpid()}"), arg["secret"], name="bench-prefill")
+    node = PrefillNode(layout, NixlBackend(f"cold-prefill-{os.getpid()}"), Credentials.from_env(arg["credentials"]))
     node.start()
 
     def offer() -> None:
@@ -512,20 +513,22 @@ def scenario_3(lender: _Lender, backend, sizes: Sizes, progress) -> dict:
 def scenario_4(lender: _Lender, backend, sizes: Sizes, progress) -> dict:
     """First contact to first verified byte: kvlend's control channel vs NIXL's listener (one sample each)."""
     import socket
+    import tempfile
 
     from kvlend_nixl import NixlBackend
     from nixl._api import nixl_agent, nixl_agent_config
 
-    from ..runtime.secret import generate_secret
     from ..runtime import DecodeNode
+    from ..security.certs import Authority, save_rank
 
     n = sizes.s3_pages
-    secret = generate_secret()
-    host, port = lender.call("prefill", {"pages": n, "secret": secret})
+    ca = Authority.create()  # a throwaway cluster: the lender loads its rank's files, then they go
+    with tempfile.TemporaryDirectory(prefix="kvlend-bench-") as certs:
+        host, port = lender.call("prefill", {"pages": n, "credentials": save_rank(ca.issue("bench-prefill"), certs)})
     arrays, layout = _pools(n, 1, False, fill=False)
-    progress("scenario 4: cold decode -> PrefillNode (TCP handshake, negotiate, add_peer, first read)")
+    progress("scenario 4: cold decode -> PrefillNode (TCP and TLS handshakes, negotiate, add_peer, first read)")
     cold_backend = NixlBackend(f"cold-decode-{os.getpid()}")
-    decode = DecodeNode(layout, cold_backend, secret, name="bench-decode")
+    decode = DecodeNode(layout, cold_backend, ca.issue("bench-decode"))
     try:
         start = time.perf_counter()
         link = decode.connect(host, port)

@@ -36,7 +36,7 @@ from ..core.text import printable
 from ..core.reads import ReadBatch
 from ..core.tracker import DeliveryTracker
 from ..errors import (
-    ConfigError, IncompleteFetch, QuotaExceeded, KvlendError, LeaseDenied, LeaseExpired, LeaseUnknown, PageRangeError, PeerLost,
+    AuthError, ConfigError, IncompleteFetch, QuotaExceeded, KvlendError, LeaseDenied, LeaseExpired, LeaseUnknown, PageRangeError, PeerLost,
     ProtocolError, TransferCancelled, TransferTimeout,
 )
 from .actions import (
@@ -120,7 +120,7 @@ class Fetch:
 
 class _LinkState(str, Enum):
     CONNECTING = "connecting"
-    HELLO = "hello"
+    TLS = "tls"  # connected, TLS handshake under way
     HANDSHAKE = "handshake"
     READY = "ready"
 
@@ -134,7 +134,8 @@ class _Link:
     state: _LinkState = _LinkState.CONNECTING
     conn: Connection | None = None
     plan: TransferPlan | None = None
-    peer: str | None = None  # the prefill's name
+    expect: str | None = None  # the identity tickets for this endpoint name (checked against the certificate's)
+    peer: str | None = None  # the prefill's identity: its certificate's name
     backend_peer: bool = False  # AddPeer was asked for
     handshake_ms: float = 0.0
     offers: dict = field(default_factory=dict)  # pushed, not yet fetched or declined: lease id -> offer
@@ -151,7 +152,7 @@ class _Link:
 class DecodeSession(Outbox):
     """Reads leases from any number of prefill ranks into ``layout``'s pages."""
 
-    def __init__(self, layout: PageLayout, backend_kind: str, metadata: bytes, secret: bytes, *,
+    def __init__(self, layout: PageLayout, backend_kind: str, metadata: bytes, *,
                  name: str = "decode", config: NodeConfig = NodeConfig()) -> None:
         self.layout = layout
         self.name = name
@@ -159,7 +160,6 @@ class DecodeSession(Outbox):
         self.tracker = DeliveryTracker(layout)
         self._kind = backend_kind
         self._metadata = metadata
-        self._secret = secret
         self._links: dict[int, _Link] = {}
         self._by_endpoint: dict[tuple[str, int], int] = {}
         self._fetches: dict[int, Fetch] = {}
@@ -188,11 +188,29 @@ class DecodeSession(Outbox):
         return conn if conn is not None else self.open(host, port, now)
 
     def connected(self, conn: int, now: float) -> None:
-        """The shell's connection for ``conn`` is up: start the hello."""
+        """The shell's connection for ``conn`` is up: its TLS handshake starts."""
         link = self._links.get(conn)
         if link is not None and link.state is _LinkState.CONNECTING:
-            link.conn = Connection("client", self._secret, self.name, now)
-            link.state = _LinkState.HELLO
+            link.conn = Connection(now)
+            link.state = _LinkState.TLS
+
+    def authenticated(self, conn: int, identity: str, now: float) -> None:
+        """TLS verified that the prefill at ``conn`` holds a certificate for ``identity``: hand it our layout."""
+        link = self._links.get(conn)
+        if link is None or link.state is not _LinkState.TLS:
+            return
+        try:
+            link.conn.authenticate(identity)
+        except KvlendError as exc:
+            self._fail_link(conn, exc, now)
+            return
+        if link.expect is not None and identity != link.expect:
+            self._fail_link(conn, AuthError(f"{link.endpoint[0]}:{link.endpoint[1]} authenticated as {identity!r}, "
+                                            f"but its tickets name the prefill {link.expect!r}"), now)
+            return
+        link.peer = identity
+        link.conn.send(Handshake(self.layout.encode(), self._kind, self._metadata))
+        link.state = _LinkState.HANDSHAKE
 
     def receive(self, conn: int, data: bytes, now: float) -> None:
         link = self._links.get(conn)
@@ -200,10 +218,6 @@ class DecodeSession(Outbox):
             return
         try:
             messages = link.conn.receive(data)
-            if link.state is _LinkState.HELLO and link.conn.ready:
-                link.peer = link.conn.peer
-                link.conn.send(Handshake(self.layout.encode(), self._kind, self._metadata))
-                link.state = _LinkState.HANDSHAKE
             for message in messages:
                 if conn not in self._links:
                     return
@@ -215,11 +229,13 @@ class DecodeSession(Outbox):
                 lost = PeerLost(f"link to {_where(link)} failed: {exc}")
             self._fail_link(conn, lost, now)
 
-    def closed(self, conn: int, now: float, why: str = "connection closed") -> None:
-        """The shell's connection for ``conn`` ended (or could not be opened)."""
+    def closed(self, conn: int, now: float, why: str = "connection closed", refused: bool = False) -> None:
+        """The shell's connection for ``conn`` ended or could not be opened (``refused``: TLS failed,
+        an ``AuthError`` rather than ``PeerLost``)."""
         link = self._links.get(conn)
         if link is not None:
-            self._fail_link(conn, PeerLost(f"{_where(link)}: {why}"), now, send_bye=False)
+            error = AuthError if refused else PeerLost
+            self._fail_link(conn, error(f"{_where(link)}: {why}"), now, send_bye=False)
 
     def disconnect(self, conn: int, now: float, reason: str = "decode closing the link") -> None:
         """Close a link in order; its fetches fail with ``PeerLost`` once their reads are quiet."""
@@ -290,8 +306,10 @@ class DecodeSession(Outbox):
         known = self._by_endpoint.get(ticket.endpoint)
         if known is not None and self._links[known].plan is not None:
             check_destination(self._links[known].plan, dst, ticket.num_tokens)
+        self._check_issuer(ticket)
         conn = self.link_to(ticket.host, ticket.port, now)
         link = self._links[conn]
+        link.expect = ticket.prefill
         offer = link.offers.get(ticket.lease)
         if offer is not None and offer.num_tokens == ticket.num_tokens:  # claimed ahead and answered: read it
             return self.fetch_offer(conn, offer, dst, now, resume_from, timeout)
@@ -326,7 +344,9 @@ class DecodeSession(Outbox):
         self._check_size(ticket.num_tokens)
         if any(f.lease == ticket.lease and not f.done for f in self._fetches.values()):
             return
+        self._check_issuer(ticket)
         link = self._links[self.link_to(ticket.host, ticket.port, now)]
+        link.expect = ticket.prefill
         if ticket.lease in link.early or ticket.lease in link.offers or ticket.lease in link.refused:
             return
         if len(link.early) >= self.config.quotas.max_leases_per_peer:
@@ -337,6 +357,17 @@ class DecodeSession(Outbox):
             link.conn.send(Claim(ticket.lease))
         else:
             link.early[ticket.lease] = None
+
+    def _check_issuer(self, ticket: Ticket) -> None:
+        """``AuthError`` if the link to the ticket's endpoint serves (or awaits) another prefill than it names."""
+        conn = self._by_endpoint.get(ticket.endpoint)
+        link = self._links.get(conn) if conn is not None else None
+        if link is None:
+            return
+        known = link.peer or link.expect
+        if known is not None and known != ticket.prefill:
+            raise AuthError(f"the ticket for lease {ticket.lease.hex()} names the prefill {ticket.prefill!r}, "
+                            f"but {ticket.host}:{ticket.port} is {'' if link.peer else 'expected to be '}{known!r}")
 
     def unclaim(self, ticket: Ticket) -> None:
         """Give back a lease claimed ahead and never fetched: the prefill releases it at once."""
@@ -470,7 +501,8 @@ class DecodeSession(Outbox):
 
     def _handshake(self, conn: int, link: _Link, message: Message, now: float) -> None:
         if isinstance(message, Bye):
-            raise ProtocolError(f"prefill {link.peer} refused the handshake: {message.reason}")
+            kind = AuthError if message.reason.startswith(f"{AuthError.__name__}:") else ProtocolError
+            raise kind(f"prefill {link.peer} refused the handshake: {message.reason}")
         remote = peer_layout(message, self._kind)
         # Addresses are not part of a layout id, but the plan holds them: a restarted
         # prefill with the same layout elsewhere in memory needs its own plan.

@@ -2,8 +2,8 @@
 
 Fed connections, received bytes and ``now``; returns actions (bytes to
 send, connections to close) and events (peers ready or gone, leases ended).
-It authenticates decode ranks, refuses a second connection claiming a live
-peer's name, checks each peer's layout before it sees a lease, lends pages
+It takes each decode rank's identity from the shell once TLS verified its
+certificate, refuses a second connection presenting a live peer's identity, checks each peer's layout before it sees a lease, lends pages
 (to a connected peer as a pushed offer, or to any peer behind a ticket),
 renews leases on heartbeats, answers claims and dones, and expires leases
 whose reader went quiet.  Every timing decision is made here with the time
@@ -13,7 +13,7 @@ Each peer is held to ``config.quotas`` (see ``Quotas``): a lend or offer over
 one raises ``QuotaExceeded`` to the engine, a claim over one is answered with an
 ``Abort`` naming the limit, a heartbeat naming too many ids renews nothing, and
 a layout that would cost too much to negotiate is refused with a ``Bye``.
-Every string a peer chose (its name, request ids, reasons) is escaped in log
+Every string a peer chose (its identity, request ids, reasons) is escaped in log
 lines (``printable``).
 """
 
@@ -27,7 +27,7 @@ from ..core.layout import PageLayout, RowSelection
 from ..core.lender import Lease, Lender
 from ..core.negotiate import negotiate
 from ..core.text import printable
-from ..errors import KvlendError, LayoutMismatch, PeerLost, ProtocolError, QuotaExceeded
+from ..errors import AuthError, KvlendError, LayoutMismatch, PeerLost, ProtocolError, QuotaExceeded
 from .actions import Close, LeaseEnded, Outbox, PeerGone, PeerReady, Send
 from .config import NodeConfig
 from .connection import HELLO_TIMEOUT, Connection
@@ -38,7 +38,7 @@ from .wire import (
 
 log = logging.getLogger("kvlend.session")
 _REASON = 4000  # characters of a reason sent to a peer
-MAX_PENDING = 256  # connections still in the hello, in all
+MAX_PENDING = 256  # connections not yet authenticated, in all
 MAX_PENDING_PER_SOURCE = 32  # ... from one address
 
 
@@ -63,7 +63,7 @@ class _Loaned:
 class PrefillSession(Outbox):
     """Lends ``layout``'s pages to authenticated decode ranks."""
 
-    def __init__(self, layout: PageLayout, backend_kind: str, metadata: bytes, secret: bytes, *,
+    def __init__(self, layout: PageLayout, backend_kind: str, metadata: bytes, *,
                  name: str = "prefill", config: NodeConfig = NodeConfig(), lender: Lender | None = None) -> None:
         self.layout = layout
         self.name = name
@@ -72,7 +72,6 @@ class PrefillSession(Outbox):
         self._limits = config.quotas.lease_limits
         self._kind = backend_kind
         self._metadata = metadata
-        self._secret = secret
         self._peers: dict[int, _Peer] = {}
         self._by_name: dict[str, int] = {}  # ready peers
         self._loans: dict[bytes, _Loaned] = {}
@@ -81,8 +80,8 @@ class PrefillSession(Outbox):
 
     # ----------------------------------------------------------- connections
     def accept(self, conn: int, now: float, source: str | None = None) -> None:
-        """A decode rank connected (from address ``source``); it must complete the hello within
-        ``HELLO_TIMEOUT``.  Past ``MAX_PENDING_PER_SOURCE`` connections still in the hello from one
+        """A decode rank connected (from address ``source``); it must authenticate within
+        ``HELLO_TIMEOUT``.  Past ``MAX_PENDING_PER_SOURCE`` connections not yet authenticated from one
         address, or ``MAX_PENDING`` in all, a new one is closed at once: a flood of half-open
         connections costs a bounded few KiB each and cannot crowd out a peer's retry for long."""
         if conn in self._peers:
@@ -90,21 +89,37 @@ class PrefillSession(Outbox):
         pending = [p for p in self._peers.values() if not p.conn.ready]
         from_source = sum(p.source == source for p in pending)
         if len(pending) >= MAX_PENDING or (source is not None and from_source >= MAX_PENDING_PER_SOURCE):
-            log.warning("refused a connection from %s: %d connections in the hello (%d from it)",
+            log.warning("refused a connection from %s: %d connections not yet authenticated (%d from it)",
                         printable(source), len(pending), from_source)
-            self._actions.append(Close(conn, "too many connections in the hello"))
+            self._actions.append(Close(conn, "too many connections not yet authenticated"))
             return
-        self._peers[conn] = _Peer(Connection("server", self._secret, self.name, now, HELLO_TIMEOUT), source)
+        self._peers[conn] = _Peer(Connection(now, HELLO_TIMEOUT), source)
+
+    def authenticated(self, conn: int, identity: str, now: float) -> None:
+        """The channel verified that connection ``conn``'s peer holds a certificate for ``identity``.
+
+        A second connection presenting a live peer's identity is refused, never a replacement:
+        the live peer keeps its link; a restarted one waits for it to drop.
+        """
+        peer = self._peers.get(conn)
+        if peer is None:
+            return
+        try:
+            peer.conn.authenticate(identity)
+            if identity in self._by_name:
+                raise AuthError(f"a decode rank with identity {identity!r} is already connected")
+        except KvlendError as exc:
+            self._drop(conn, _error_text(exc))  # the bye names the error type: the decode raises the same
+            return
+        self._by_name[identity] = conn
+        log.info("control: connection %d authenticated as %s", conn, printable(identity))
 
     def receive(self, conn: int, data: bytes, now: float) -> None:
         peer = self._peers.get(conn)
         if peer is None:
             return  # closed meanwhile; the shell may still hold bytes read before
         try:
-            was_ready = peer.conn.ready
             messages = peer.conn.receive(data)
-            if peer.conn.ready and not was_ready:
-                self._authenticated(conn, peer)
             for message in messages:
                 if conn not in self._peers:
                     break
@@ -114,10 +129,11 @@ class PrefillSession(Outbox):
         except KvlendError as exc:
             self._drop(conn, str(exc))
 
-    def closed(self, conn: int, now: float, why: str = "connection closed") -> None:
-        """The shell saw the connection end; its leases stay until they expire (reads may still land)."""
+    def closed(self, conn: int, now: float, why: str = "connection closed", refused: bool = False) -> None:
+        """The shell saw the connection end (``refused``: its TLS authentication failed); its leases
+        stay until they expire (reads may still land)."""
         if conn in self._peers:
-            self._drop(conn, why, logging.INFO, notify=False)
+            self._drop(conn, why, logging.WARNING if refused else logging.INFO, notify=False)
 
     def shutdown(self, reason: str) -> None:
         """Say goodbye to every peer and close; leases stay until released or expired."""
@@ -179,7 +195,7 @@ class PrefillSession(Outbox):
 
     @property
     def pending(self) -> int:
-        """Connections still in the hello."""
+        """Connections not yet authenticated."""
         return sum(not p.conn.ready for p in self._peers.values())
 
     @property
@@ -192,7 +208,7 @@ class PrefillSession(Outbox):
         """Expire leases and drop connections that did not authenticate in time."""
         for conn, peer in list(self._peers.items()):
             if not peer.conn.ready and now > peer.conn.deadline:
-                self._drop(conn, f"no complete hello within {HELLO_TIMEOUT:.3g} s", notify=False)
+                self._drop(conn, f"no TLS handshake within {HELLO_TIMEOUT:.3g} s", notify=False)
         for lease_id, (conn, deadline) in list(self._waiting.items()):
             if now > deadline:
                 del self._waiting[lease_id]
@@ -219,14 +235,6 @@ class PrefillSession(Outbox):
         return ((conn, peer.conn) for conn, peer in self._peers.items())
 
     # -------------------------------------------------------------- handling
-    def _authenticated(self, conn: int, peer: _Peer) -> None:
-        name = peer.conn.peer
-        if name in self._by_name:
-            # Never a replacement: the live peer keeps its link; a restarted one waits for it to drop.
-            raise ProtocolError(f"a decode rank named {name!r} is already connected")
-        self._by_name[name] = conn
-        log.info("control: connection %d authenticated as %s", conn, printable(name))
-
     def _handle(self, conn: int, peer: _Peer, message: Message, now: float) -> None:
         name = peer.name
         if peer.layout is None:

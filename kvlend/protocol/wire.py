@@ -1,22 +1,17 @@
 """Control protocol between a prefill and a decode rank, sans-IO.
 
-Frames are ``u32 length | payload | HMAC-SHA256(key, length | payload)``;
-the payload is msgpack ``[protocol version, sequence number, message]``.
-The first two frames (``Hello``/``HelloAck``) are keyed by the shared secret
-and exchange nonces; every later frame is keyed by a per-session,
-per-direction key derived from both nonces and carries a strictly increasing
-sequence number, so a frame replayed from another session, reflected back to
-its sender, or out of order fails authentication.
+The channel is TLS 1.3 with both ranks' certificates (``runtime.tls``), so
+confidentiality, integrity, order and the peer's identity come from it.
+Inside it, frames are ``u32 length | payload``; the payload is msgpack
+``[protocol version, message]``.
 
 ``FrameDecoder`` is fed bytes and returns messages (the h11 style); it never
 allocates for a claimed length before checking it against the cap, and any
-malformed input is a ``ProtocolError`` (``AuthError`` for a bad MAC).
+malformed input is a ``ProtocolError``.
 """
 
 from __future__ import annotations
 
-import hashlib
-import hmac
 import math
 import struct
 from dataclasses import dataclass, field, fields
@@ -25,15 +20,13 @@ from typing import Any, ClassVar, Mapping
 import msgpack
 import numpy as np
 
-from ..errors import AuthError, ProtocolError
+from ..errors import ProtocolError
 from ..core.layout import RowSelection, SelectionMode, _show  # _show: a short, non-recursive repr of a peer's value
 from ..core.lender import LEASE_ID_BYTES
 from ..core.pages import GroupPages
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2  # 2: inside TLS, no MAC or sequence numbers
 MAX_FRAME_BYTES = 16 << 20
-MAC_BYTES = 32
-NONCE_BYTES = 16
 MAX_GROUP_PAGES = 1 << 22
 _LEN = struct.Struct(">I")
 _INT64 = (-(1 << 63), 1 << 63)
@@ -78,7 +71,6 @@ _str = _typed(str, "str", 4096)
 _int = _typed(int, "int")
 _bool = _typed(bool, "bool")
 _bytes = _typed(bytes, "bytes", MAX_FRAME_BYTES)
-_nonce = _typed(bytes, "nonce", exact_len=NONCE_BYTES)
 _lease_id = _typed(bytes, "lease id", exact_len=LEASE_ID_BYTES)
 
 
@@ -187,35 +179,6 @@ def _offer(v: Any, where: str) -> LeaseOffer:
 
 
 @dataclass(frozen=True)
-class Hello(Message):
-    """Decode -> prefill, first frame (keyed by the shared secret)."""
-    TYPE: ClassVar[str] = "hello"
-    SCHEMA: ClassVar = {"peer": _str, "nonce": _nonce}
-    peer: str
-    nonce: bytes
-
-
-@dataclass(frozen=True)
-class HelloAck(Message):
-    """Prefill -> decode, keyed by the shared secret; completes the session key."""
-    TYPE: ClassVar[str] = "hello_ack"
-    SCHEMA: ClassVar = {"peer": _str, "nonce": _nonce}
-    peer: str
-    nonce: bytes
-
-
-@dataclass(frozen=True)
-class HelloConfirm(Message):
-    """Decode -> prefill, the first frame under the session key.
-
-    Proves the decode side holds the secret (a replayed ``Hello`` cannot
-    produce it), so the listener hands out only channels to real peers.
-    """
-    TYPE: ClassVar[str] = "hello_confirm"
-    SCHEMA: ClassVar = {}
-
-
-@dataclass(frozen=True)
 class Handshake(Message):
     """Each side's encoded PageLayout and transfer-backend metadata."""
     TYPE: ClassVar[str] = "handshake"
@@ -306,7 +269,7 @@ class Bye(Message):
 
 
 MESSAGES: dict[str, type[Message]] = {
-    m.TYPE: m for m in (Hello, HelloAck, HelloConfirm, Handshake, Offer, Heartbeat, Renewed, Done, DoneAck, Abort, Claim, Bye)
+    m.TYPE: m for m in (Handshake, Offer, Heartbeat, Renewed, Done, DoneAck, Abort, Claim, Bye)
 }
 
 
@@ -329,35 +292,18 @@ def message_from_wire(obj: Any) -> Message:
 
 
 # -------------------------------------------------------------------- frames
-_SENDERS = {"client": b"/c2s", "server": b"/s2c"}
-
-
-def session_key(secret: bytes, client_nonce: bytes, server_nonce: bytes, sender: str = "client") -> bytes:
-    """The key for frames ``sender`` sends; one per direction, so no frame can be reflected."""
-    if sender not in _SENDERS:
-        raise ProtocolError(f"session_key: sender {_show(sender)} is not 'client' or 'server'")
-    label = b"kvlend/session/v1" + _SENDERS[sender]
-    return hmac.new(secret, label + client_nonce + server_nonce, hashlib.sha256).digest()
-
-
-def encode_frame(key: bytes, seq: int, message: Message) -> bytes:
-    payload = msgpack.packb([PROTOCOL_VERSION, seq, message.to_wire()], use_bin_type=True)
-    if len(payload) + MAC_BYTES > MAX_FRAME_BYTES:
+def encode_frame(message: Message) -> bytes:
+    payload = msgpack.packb([PROTOCOL_VERSION, message.to_wire()], use_bin_type=True)
+    if len(payload) > MAX_FRAME_BYTES:
         raise ProtocolError(f"{message.TYPE} frame of {len(payload)} bytes exceeds the cap of {MAX_FRAME_BYTES}")
-    head = _LEN.pack(len(payload) + MAC_BYTES)
-    return head + payload + hmac.new(key, head + payload, hashlib.sha256).digest()
+    return _LEN.pack(len(payload)) + payload
 
 
 class FrameDecoder:
-    """Buffers bytes and yields authenticated messages in sequence order.
+    """Buffers bytes and yields messages; a frame's claimed length is checked before anything is kept for it."""
 
-    ``key`` may be changed between frames (after the hello exchange).
-    """
-
-    def __init__(self, key: bytes, max_frame: int = MAX_FRAME_BYTES) -> None:
-        self.key = key
+    def __init__(self, max_frame: int = MAX_FRAME_BYTES) -> None:
         self.max_frame = max_frame
-        self.expected_seq = 0
         self._buf = bytearray()
 
     def feed(self, data: bytes) -> None:
@@ -367,8 +313,8 @@ class FrameDecoder:
 
     def _check_length(self) -> int:
         (n,) = _LEN.unpack_from(self._buf)
-        if n < MAC_BYTES + 1 or n > self.max_frame:
-            raise ProtocolError(f"frame length {n} outside [{MAC_BYTES + 1}, {self.max_frame}]")
+        if n < 1 or n > self.max_frame:
+            raise ProtocolError(f"frame length {n} outside [1, {self.max_frame}]")
         return n
 
     def need(self) -> int:
@@ -381,26 +327,19 @@ class FrameDecoder:
         if self.need():
             return None
         n = self._check_length()
-        frame = bytes(self._buf[: 4 + n])
+        payload = bytes(self._buf[4: 4 + n])
         del self._buf[: 4 + n]
-        head_payload, mac = frame[:-MAC_BYTES], frame[-MAC_BYTES:]
-        if not hmac.compare_digest(mac, hmac.new(self.key, head_payload, hashlib.sha256).digest()):
-            raise AuthError("frame failed authentication (wrong secret, or a frame from another session)")
         try:
             obj = msgpack.unpackb(
-                head_payload[4:], raw=False, strict_map_key=True, use_list=True,
+                payload, raw=False, strict_map_key=True, use_list=True,
                 max_str_len=1 << 16, max_bin_len=MAX_FRAME_BYTES, max_array_len=1 << 16,
                 max_map_len=1 << 10, max_ext_len=0,
             )
         except Exception as exc:
             raise ProtocolError(f"frame payload is not valid msgpack: {type(exc).__name__}") from None
-        if not isinstance(obj, list) or len(obj) != 3:
-            raise ProtocolError("frame payload must be [version, seq, message]")
-        version, seq, body = obj
+        if not isinstance(obj, list) or len(obj) != 2:
+            raise ProtocolError("frame payload must be [version, message]")
+        version, body = obj
         if type(version) is not int or version != PROTOCOL_VERSION:
             raise ProtocolError(f"protocol version {_show(version)} is not {PROTOCOL_VERSION}")
-        if type(seq) is not int or seq != self.expected_seq:
-            raise AuthError(f"frame sequence {_show(seq)} where {self.expected_seq} was expected (replay or reorder)")
-        message = message_from_wire(body)
-        self.expected_seq += 1
-        return message
+        return message_from_wire(body)

@@ -26,6 +26,7 @@ from ..protocol.actions import FetchFinished, Offered, PeerReady
 from ..protocol.config import NodeConfig
 from ..protocol.decode import DecodeSession, Fetch, FetchState, clone_error
 from ..protocol.ticket import Ticket
+from ..security.credentials import Credentials
 from ..protocol.wire import LeaseOffer
 from ..transport import TransferBackend
 from .shell import Shell, log
@@ -134,13 +135,13 @@ class FetchHandle:
 class DecodeNode(Shell):
     """Reads leases offered by, or ticketed from, prefill ranks into this rank's pages."""
 
-    def __init__(self, layout, backend: TransferBackend, secret: bytes, *, name: str = "decode",
+    def __init__(self, layout, backend: TransferBackend, credentials: Credentials, *,
                  config: NodeConfig = NodeConfig(), clock: Callable[[], float] = time.monotonic) -> None:
-        super().__init__(None, backend, name, clock)
+        super().__init__(None, backend, credentials, clock)
         backend.register(layout.regions)
         self.layout = layout
         self.config = config
-        self.session = DecodeSession(layout, backend.kind, backend.metadata(), secret, name=name, config=config)
+        self.session = DecodeSession(layout, backend.kind, backend.metadata(), name=self.name, config=config)
         self.tracker = self.session.tracker
         self._handles: dict[int, FetchHandle] = {}
         self._finished: list[FetchHandle] = []
@@ -150,8 +151,8 @@ class DecodeNode(Shell):
     def connect(self, host: str, port: int, timeout: float | None = None) -> Link:
         """The link to ``host:port`` once it is ready: authenticated, layouts exchanged, plan made.
 
-        Reuses an open link; raises ``PeerLost``, ``LayoutMismatch``, ``ProtocolError`` or
-        ``TransferTimeout`` (after ``timeout``, default the config's ``handshake_timeout``).
+        Reuses an open link; raises ``AuthError`` (TLS refused either side's certificate),
+        ``PeerLost``, ``LayoutMismatch``, ``ProtocolError`` or ``TransferTimeout`` (after ``timeout``, default the config's ``handshake_timeout``).
         """
         with self._lock:
             conn = self.session.link_to(host, port, self.clock())
@@ -297,15 +298,17 @@ class DecodeNode(Shell):
         self._shutdown()
 
     # ------------------------------------------------------------------ loop
-    def _feed(self, accepted, up, data, gone, now: float) -> None:
+    def _feed(self, accepted, up, authenticated, data, gone, now: float) -> None:
         for sock in accepted:
             sock.close()  # a decode listens to nobody
         for conn in up:
             self.session.connected(conn, now)
+        for conn, identity in authenticated:
+            self.session.authenticated(conn, identity, now)
         for conn, chunk in data:
             self.session.receive(conn, chunk, now)
-        for conn, why in gone:
-            self.session.closed(conn, now, why)
+        for conn, why, refused in gone:
+            self.session.closed(conn, now, why, refused)
 
     def _read_done(self, tag: bytes, error: KvlendError | None, now: float) -> None:
         self.session.completed(tag, error, now)

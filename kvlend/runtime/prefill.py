@@ -20,9 +20,11 @@ from ..protocol.actions import LeaseEnded, PeerGone, PeerReady
 from ..protocol.config import NodeConfig
 from ..protocol.prefill import PrefillSession
 from ..protocol.ticket import Ticket
+from ..security.credentials import Credentials
 from ..transport import TransferBackend
-DEFAULT_HOST = "127.0.0.1"  # listen on loopback unless told otherwise
 from .shell import Shell, log
+
+DEFAULT_HOST = "127.0.0.1"  # listen on loopback unless told otherwise
 
 _TARGET_PROGRESS = 0.002  # seconds between backend polls while leases are live (a reader's first read needs it)
 
@@ -36,7 +38,7 @@ class PrefillNode(Shell):
     listening on a wildcard address).
     """
 
-    def __init__(self, layout: PageLayout, backend: TransferBackend, secret: bytes, *, name: str = "prefill",
+    def __init__(self, layout: PageLayout, backend: TransferBackend, credentials: Credentials, *,
                  host: str = DEFAULT_HOST, port: int = 0, advertise: str | None = None,
                  config: NodeConfig = NodeConfig(),
                  on_release: Callable[[Lease, str], None] | None = None,
@@ -44,7 +46,7 @@ class PrefillNode(Shell):
         self.layout = layout
         self.config = config
         self.on_release = on_release or (lambda lease, reason: None)
-        super().__init__(None, backend, name, clock)
+        super().__init__(None, backend, credentials, clock)
         try:
             self.host, self.port = self._sockets.listen(host, port)  # a port in use fails before registering
             self.advertise = advertise or self.host
@@ -52,11 +54,11 @@ class PrefillNode(Shell):
         except BaseException:
             self._sockets.close_all()
             raise
-        self.session = PrefillSession(layout, backend.kind, backend.metadata(), secret, name=name, config=config)
+        self.session = PrefillSession(layout, backend.kind, backend.metadata(), name=self.name, config=config)
         self.lender = self.session.lender
         self._next_conn = 0
-        METRICS.gauge("kvlend_active_leases", lambda: self.lender.active_leases, name)
-        METRICS.gauge("kvlend_locked_pages", lambda: self.lender.locks.locked_pages(), name)
+        METRICS.gauge("kvlend_active_leases", lambda: self.lender.active_leases, self.name)
+        METRICS.gauge("kvlend_locked_pages", lambda: self.lender.locks.locked_pages(), self.name)
 
     @property
     def address(self) -> tuple[str, int]:
@@ -105,7 +107,7 @@ class PrefillNode(Shell):
 
     @property
     def pending_hellos(self) -> int:
-        """Connections accepted and not yet authenticated."""
+        """Connections accepted and not yet authenticated (TLS handshake not done)."""
         with self._lock:
             return self.session.pending
 
@@ -136,19 +138,21 @@ class PrefillNode(Shell):
     def _busy(self) -> float | None:
         return _TARGET_PROGRESS if self.lender.active_leases else None
 
-    def _feed(self, accepted, up, data, gone, now: float) -> None:
+    def _feed(self, accepted, up, authenticated, data, gone, now: float) -> None:
         for sock in accepted:
             self._next_conn += 1
             try:
                 source = sock.getpeername()[0]
             except OSError:
                 source = None
-            self._sockets.adopt(self._next_conn, sock)
+            self._adopt(self._next_conn, sock)
             self.session.accept(self._next_conn, now, source)
+        for conn, identity in authenticated:
+            self.session.authenticated(conn, identity, now)
         for conn, chunk in data:
             self.session.receive(conn, chunk, now)
-        for conn, why in gone:
-            self.session.closed(conn, now, why)
+        for conn, why, refused in gone:
+            self.session.closed(conn, now, why, refused)
 
     def _deliver(self, events: list) -> None:
         for event in events:

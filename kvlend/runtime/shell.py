@@ -1,7 +1,8 @@
-"""The event loop both nodes share: sockets and backend progress in, session actions out.
+"""The event loop both nodes share: TLS sockets and backend progress in, session actions out.
 
 One loop iteration: wait on every socket (without the lock), progress the
-backend, feed what arrived to the session under the lock, then perform the
+backend, run TLS on what arrived (handshakes, decryption: still without the
+lock), feed the plaintext to the session under the lock, then perform the
 session's actions and hand its events to the engine *outside* the lock, so
 a slow send, a synchronous copy inside a post or an engine callback never
 holds up another thread's call.  Only the loop's thread touches sockets and
@@ -17,10 +18,12 @@ import time
 from typing import Callable
 
 from ..core.text import printable
-from ..errors import BackendError, KvlendError, TransferTimeout
+from ..errors import AuthError, BackendError, ConfigError, KvlendError, TransferTimeout
 from ..protocol.actions import AddPeer, Cancel, Close, Connect, Post, RemovePeer, Send
+from ..security.credentials import Credentials
 from ..transport import TransferBackend
 from .sockets import Sockets
+from .tls import TlsChannel
 
 log = logging.getLogger("kvlend.node")
 
@@ -31,15 +34,21 @@ _BACKOFF = (20e-6, 1e-3)  # polling with reads in flight: from 20 us up to 1 ms 
 class Shell:
     """The loop, the lock and the thread; subclasses feed their own session."""
 
-    def __init__(self, session, backend: TransferBackend, name: str, clock: Callable[[], float]) -> None:
+    def __init__(self, session, backend: TransferBackend, credentials: Credentials,
+                 clock: Callable[[], float]) -> None:
+        if not isinstance(credentials, Credentials):
+            raise ConfigError(f"expected the rank's Credentials (kvlend.security), got {type(credentials).__name__}")
         self.session = session
         self.backend = backend
-        self.name = name
+        self.credentials = credentials
+        self.name = credentials.identity  # who this rank is: what its certificate names
+        self._contexts = (credentials.context(server=True), credentials.context(server=False))  # bad PEM fails here
         self.clock = clock
         self._lock = threading.RLock()  # the session's
         self._changed = threading.Condition(self._lock)
         self._turn = threading.RLock()  # one thread at a time runs the loop (sockets and backend)
         self._sockets = Sockets()
+        self._channels: dict[int, TlsChannel] = {}  # connection -> its TLS; touched only by the loop's turn
         self._agents: dict[int, str] = {}  # connection -> backend peer
         self._tags: set[bytes] = set()  # posted, not yet reported
         self._thread: threading.Thread | None = None
@@ -89,12 +98,13 @@ class Shell:
             wait = self._wait(timeout)
         accepted, up, data, gone = self._sockets.poll(wait)
         completions = self.backend.poll() if not self._closed else []
+        authenticated, data, gone = self._secure(up, data, gone)
         with self._lock:
             now = self.clock()
             for c in completions:  # first: a read that landed before its link died still counts
                 self._tags.discard(c.tag)
                 self._read_done(c.tag, c.error, now)
-            self._feed(accepted, up, data, gone, now)
+            self._feed(accepted, up, authenticated, data, gone, now)
             self.session.tick(now)
         self._idle = 0.0 if (completions or data) else min(max(self._idle * 2, _BACKOFF[0]), _BACKOFF[1])
         self._flush()
@@ -132,15 +142,82 @@ class Shell:
         """How often the backend must be progressed now (None: only on deadlines)."""
         return self._idle if self._tags else None
 
+    # ------------------------------------------------------------------ TLS
+    def _secure(self, up: list, data: list, gone: list) -> tuple[list, list, list]:
+        """TLS for what the sockets reported, outside the session's lock: clients start their
+        handshakes, ciphertext becomes plaintext, a peer that fails TLS is closed.
+
+        Returns (connection, verified identity) pairs newly authenticated, plaintext received and
+        (connection, why, refused) for every connection gone.
+        """
+        gone = [(conn, why, False) for conn, why in gone]
+        for conn, _, _ in gone:
+            self._channels.pop(conn, None)
+        for conn in up:
+            channel = self._channels.get(conn)
+            if channel is not None:
+                channel.start()
+                self._push(conn, channel)
+        authenticated, plain = [], []
+        for conn, chunk in data:
+            channel = self._channels.get(conn)
+            if channel is None:
+                continue  # closed meanwhile
+            was = channel.authenticated
+            try:
+                text = channel.receive(chunk)
+            except KvlendError as exc:
+                self._push(conn, channel)  # the alert that tells the peer why
+                self._channels.pop(conn)
+                self._sockets.close(conn)
+                gone.append((conn, str(exc), isinstance(exc, AuthError)))
+                continue
+            self._push(conn, channel)
+            if channel.authenticated and not was:
+                self._sockets.authenticated(conn)
+                authenticated.append((conn, channel.identity))
+            if text:
+                plain.append((conn, text))
+            if channel.peer_closed:  # after its last plaintext (a bye) is fed
+                self._channels.pop(conn)
+                self._sockets.close(conn)
+                gone.append((conn, "closed by the peer", False))
+        return authenticated, plain, gone
+
+    def _adopt(self, conn: int, sock) -> None:
+        """Serve an accepted socket as connection ``conn``: the TLS server side."""
+        self._sockets.adopt(conn, sock)
+        self._channels[conn] = TlsChannel(self._contexts[0], server=True)
+
+    def _push(self, conn: int, channel: TlsChannel) -> None:
+        out = channel.data_to_send()
+        if out:
+            self._sockets.send(conn, out)
+
     def _perform(self, action) -> None:
         if isinstance(action, Send):
-            self._sockets.send(action.conn, action.data)
+            channel = self._channels.get(action.conn)
+            if channel is not None:
+                try:
+                    channel.send(action.data)
+                except KvlendError as exc:
+                    self._channels.pop(action.conn)
+                    self._sockets.close(action.conn)
+                    self._report_closed(action.conn, str(exc))
+                    return
+                self._push(action.conn, channel)
         elif isinstance(action, Close):
+            channel = self._channels.pop(action.conn, None)
+            if channel is not None:
+                channel.close()
+                self._push(action.conn, channel)
             self._sockets.close(action.conn)
         elif isinstance(action, Connect):
             error = self._sockets.connect(action.conn, action.host, action.port)
             if error is not None:
                 self._report_closed(action.conn, error)
+            else:
+                self._channels[action.conn] = TlsChannel(self._contexts[1], server=False)
         elif isinstance(action, AddPeer):
             try:
                 self._agents[action.conn] = self.backend.add_peer(action.metadata)
@@ -192,7 +269,7 @@ class Shell:
             self.step(min(remaining, IDLE_WAIT))
 
     # ---------------------------------------------------------- subclasses
-    def _feed(self, accepted, up, data, gone, now: float) -> None:
+    def _feed(self, accepted, up, authenticated, data, gone, now: float) -> None:
         raise NotImplementedError
 
     def _read_done(self, tag: bytes, error: KvlendError | None, now: float) -> None:
@@ -209,4 +286,5 @@ class Shell:
             self._thread.join(5.0)
         self.flush()
         self._closed = True
+        self._channels.clear()
         self._sockets.close_all()

@@ -1,4 +1,4 @@
-"""Non-blocking TCP connections by id, with output buffers: the byte-moving half of the shell.
+"""Non-blocking TCP connections by id, with output buffers: the byte-moving half of the shell (TLS sits above).
 
 Nothing here blocks: connects complete in the background, writes go to a
 per-connection buffer drained as the socket takes it, and ``poll`` waits on
@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from ..errors import ConfigError
 
 READ_BYTES = 1 << 20  # per connection per poll, so one busy peer cannot starve the rest
+HANDSHAKE_READ_BYTES = 16 << 10  # ... until it authenticated: a TLS record is at most 16 KiB + 256
 _IN = select.POLLIN | select.POLLPRI
 _BAD = select.POLLERR | select.POLLHUP | select.POLLNVAL
 
@@ -28,6 +29,7 @@ class _Conn:
     sock: socket.socket
     connecting: bool = False
     out: bytearray = field(default_factory=bytearray)
+    read_bytes: int = HANDSHAKE_READ_BYTES
 
 
 class Sockets:
@@ -97,6 +99,12 @@ class Sockets:
         except BlockingIOError:
             pass  # already awake
 
+    def authenticated(self, conn: int) -> None:
+        """``conn``'s peer proved who it is: read it in large chunks from now on."""
+        c = self._conns.get(conn)
+        if c is not None:
+            c.read_bytes = READ_BYTES
+
     def pending_output(self, conn: int) -> int:
         c = self._conns.get(conn)
         return len(c.out) if c is not None else 0
@@ -148,7 +156,7 @@ class Sockets:
                 return
         if events & (_IN | _BAD):
             try:
-                chunk = c.sock.recv(READ_BYTES)
+                chunk = c.sock.recv(c.read_bytes)
             except BlockingIOError:
                 return
             except OSError as exc:

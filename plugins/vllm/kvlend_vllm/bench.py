@@ -27,7 +27,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 from . import launch, models
-from .demo import KV_METRICS, boot, make_prompts, pct, scrape, start_engine, start_router, workload, write_secret
+from .demo import KV_METRICS, boot, make_prompts, pct, scrape, start_engine, start_router, workload, write_certs
 
 
 _KV_KEYS = ("kv_transfers", "kv_xfer_s", "kv_read_s", "kv_bytes", "kv_failed")  # summed over a row's requests
@@ -73,13 +73,13 @@ def settled(url: str, connector: str, before: dict, expected: int, timeout: floa
         time.sleep(0.5)
 
 
-def run_pair(connector: str, args, model: str, max_len: int, log_dir: str, secret_file: str) -> list[dict]:
+def run_pair(connector: str, args, model: str, max_len: int, log_dir: str, certs: dict) -> list[dict]:
     servers = []
     try:
         prefill = start_engine(f"{connector}-prefill", connector, "kv_producer", model, max_len, args.kv_cache_gib,
-                               log_dir, secret_file)
+                               log_dir, certs["prefill"])
         decode = start_engine(f"{connector}-decode", connector, "kv_consumer", model, max_len, args.kv_cache_gib,
-                              log_dir, secret_file, {"stats_path": os.path.join(log_dir, "kvlend-fetches.jsonl")})
+                              log_dir, certs["decode"], {"stats_path": os.path.join(log_dir, "kvlend-fetches.jsonl")})
         servers = [prefill, decode]
         servers.append(start_router(prefill, decode, log_dir, args.request_timeout))
         boot(servers, args.boot_timeout)
@@ -159,7 +159,7 @@ def main(argv: list[str] | None = None) -> int:
     max_len = models.SIZES[args.size]["max_position_embeddings"]
     signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
     log_dir = tempfile.mkdtemp(prefix="kvlend-vllm-bench-")
-    secret_file = write_secret(log_dir)
+    certs = write_certs(log_dir, "prefill", "decode")  # one pair at a time: the rounds share them
     model = models.ensure_model(args.size)
     print(f"bench: model {model}, logs (and kvlend's per-fetch timeline, kvlend-fetches.jsonl) in {log_dir}",
           flush=True)
@@ -167,7 +167,7 @@ def main(argv: list[str] | None = None) -> int:
     for round_no in range(args.rounds):
         for connector in args.connectors.split(","):
             print(f"bench: round {round_no + 1}/{args.rounds}: {connector}", flush=True)
-            rows += run_pair(connector, args, model, max_len, log_dir, secret_file)
+            rows += run_pair(connector, args, model, max_len, log_dir, certs)
     merged = merge(rows)
     print(table(merged))
     if args.json:

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import logging
 import os
-import socket
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -21,9 +20,11 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1, KVConnectorHandshakeMetadata, KVConnectorMetadata, KVConnectorRole,
     KVConnectorTransferResults,
 )
+from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 
 from kvlend.errors import ConfigError
 from kvlend.protocol.config import NodeConfig
+from kvlend.security.credentials import Credentials
 
 from .layout import layout_from_kv_caches, model_digest, scope_of
 from .scheduler import ConsumerScheduler, Endpoint, ProducerScheduler, StepPlan
@@ -89,10 +90,11 @@ class KvlendConnector(KVConnectorBase_V1):
             config = NodeConfig(ttl=_number(extra, "ttl"), heartbeat=_number(extra, "heartbeat"),
                                 claim_wait=_number(extra, "claim_wait") if self.producer else 0.0,
                                 transfer_timeout=_number(extra, "transfer_timeout"))
-            side = "prefill" if self.producer else "decode"
-            name = f"vllm-{side}-{socket.gethostname()}-{os.getpid()}-{transfer.engine_id}"[:200]
-            settings = WorkerSettings(name, extra["host"], int(_number(extra, "port")), extra["advertise"], config,
-                                      extra["stats_path"])
+            # Each TP worker runs a node of its own: {rank} in $KVLEND_CERT/$KVLEND_KEY names its certificate.
+            credentials = Credentials.from_env(rank=get_tensor_model_parallel_rank(),
+                                               ranks=vllm_config.parallel_config.tensor_parallel_size)
+            settings = WorkerSettings(credentials, extra["host"], int(_number(extra, "port")), extra["advertise"],
+                                      config, extra["stats_path"])
             self.stats = KvlendStats()
             self.worker = (ProducerWorker(settings) if self.producer
                            else ConsumerWorker(settings, self.block_size, self.stats))

@@ -24,7 +24,7 @@ import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
-from kvlend.runtime.secret import generate_secret
+from kvlend.security.certs import Authority, save_rank
 from kvlend_vllm import launch, models
 
 HOST = "127.0.0.1"
@@ -90,25 +90,26 @@ def group_rss_gib(servers: list[launch.Server]) -> dict[str, float]:
     return {k: round(v / 2**30, 2) for k, v in rss.items()}
 
 
-def write_secret(log_dir: str) -> str:
-    """A fresh shared secret for the pair (mode 0600); its path, for ``KVLEND_SECRET_FILE``."""
-    path = os.path.join(log_dir, "kvlend.secret")
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as f:
-        f.write(generate_secret().hex())
-    return path
+def write_certs(log_dir: str, *identities: str) -> dict[str, dict[str, str]]:
+    """A throwaway cluster for one run: a fresh CA whose key is never written, and a certificate per
+    identity in a new private directory under ``log_dir`` (keys 0600).  Each identity's environment
+    (``KVLEND_CA``, ``KVLEND_CERT``, ``KVLEND_KEY``)."""
+    authority = Authority.create()
+    directory = tempfile.mkdtemp(prefix="certs-", dir=log_dir)  # 0700, and never a previous run's
+    return {identity: save_rank(authority.issue(identity), directory) for identity in identities}
 
 
 def start_engine(name: str, connector: str | None, role: str | None, model: str, max_len: int, kv_gib: int,
-                 log_dir: str, secret_file: str, kvlend_extra: dict | None = None) -> launch.Server:
-    """One `vllm serve` with ``connector`` (kvlend | nixl) in ``role``, or a plain one (None)."""
+                 log_dir: str, tls_env: dict[str, str], kvlend_extra: dict | None = None) -> launch.Server:
+    """One `vllm serve` with ``connector`` (kvlend | nixl) in ``role``, or a plain one (None);
+    ``tls_env`` names kvlend's credentials (``write_certs``)."""
     port, extra_env, cfg = launch.free_port(), {}, None
     if connector == "nixl":
         cfg = launch.nixl_transfer_config(role)
         extra_env = {"VLLM_NIXL_SIDE_CHANNEL_HOST": HOST, "VLLM_NIXL_SIDE_CHANNEL_PORT": str(launch.free_port())}
     elif connector == "kvlend":
         cfg = launch.kvlend_transfer_config(role, kvlend_extra)
-        extra_env = {"KVLEND_SECRET_FILE": secret_file}
+        extra_env = dict(tls_env)
     return launch.Server(name, f"http://{HOST}:{port}").start(
         launch.vllm_serve_argv(model, port, kv_transfer_config=cfg, max_model_len=max_len),
         launch.vllm_env(kv_gib, extra_env), os.path.join(log_dir, f"{name}.log"))
@@ -258,13 +259,13 @@ def main(argv: list[str] | None = None) -> int:
 
     # SIGTERM as well as Ctrl-C must reach the finally below, which kills groups.
     signal.signal(signal.SIGTERM, _interrupt)
-    secret_file = write_secret(log_dir)
+    certs = write_certs(log_dir, "prefill", "decode")
     model = models.ensure_model(args.size)
     print(f"demo: model {model}, logs in {log_dir}", flush=True)
 
     def engine(name: str, role: str | None) -> launch.Server:
         return start_engine(name, args.connector if role else None, role, model, max_len, kv_gib, log_dir,
-                            secret_file)
+                            certs.get(name, {}))
 
     servers: list[launch.Server] = []
     try:

@@ -2,12 +2,12 @@
 
 It runs in vLLM's EngineCore process, which owns no KV memory: the worker
 process lends and fetches.  So the prefill scheduler *mints* the ticket
-itself (a fresh random lease id plus the worker's endpoint, name and layout
-id, sent once through vLLM's handshake metadata) and tells its worker to lend
-under that id on the next step; a claim that arrives first waits for the lend
-(``NodeConfig.claim_wait``).  Nothing here blocks, raises into vLLM on a bad
-ticket, or touches NIXL.  vLLM objects are read duck-typed (``request``,
-``blocks``), so the logic is tested without an engine.
+itself (a fresh random lease id plus the worker's endpoint, identity and
+layout id, sent once through vLLM's handshake metadata) and tells its
+worker to lend under that id on the next step; a claim that arrives first
+waits for the lend (``NodeConfig.claim_wait``).  Nothing here blocks,
+raises into vLLM on a bad ticket, or touches NIXL.  vLLM objects are read
+duck-typed (``request``, ``blocks``), so the logic is tested without an engine.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ class Endpoint:
 
     host: str
     port: int
-    name: str
+    name: str  # the worker node's identity: its certificate's common name
     layout_id: str
 
 

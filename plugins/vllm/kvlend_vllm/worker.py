@@ -20,7 +20,7 @@ from typing import Any
 from kvlend.errors import KvlendError
 from kvlend.protocol.config import NodeConfig
 from kvlend.runtime import DecodeNode, FetchState, PrefillNode
-from kvlend.runtime.secret import load_secret
+from kvlend.security.credentials import Credentials
 from kvlend.transport import load_backend
 
 from .scheduler import Endpoint, StepPlan
@@ -31,7 +31,7 @@ _FINISHED_KEPT = 65536
 
 @dataclass(frozen=True)
 class WorkerSettings:
-    name: str
+    credentials: Credentials  # the node's identity is its certificate's common name
     host: str = "127.0.0.1"
     port: int = 0
     advertise: str | None = None
@@ -60,9 +60,10 @@ def _place(node) -> None:
         log.info("kvlend loop thread keeps its priority (%s)", exc)
 
 
-def _backend(name: str):
+def _backend(credentials: Credentials):
     # The progress thread starves under busy polling on small hosts; the node's loop drives NIXL.
-    return load_backend("nixl", name=name, timeout=10.0)
+    # The pid keeps a restarted worker's agent apart from its predecessor's.
+    return load_backend("nixl", name=f"{credentials.identity}-{os.getpid()}", timeout=10.0)
 
 
 class ProducerWorker:
@@ -79,13 +80,13 @@ class ProducerWorker:
 
     def register(self, layout) -> Endpoint:
         s = self.settings
-        self.node = PrefillNode(layout, _backend(s.name), load_secret(), name=s.name, host=s.host, port=s.port,
+        self.node = PrefillNode(layout, _backend(s.credentials), s.credentials, host=s.host, port=s.port,
                                 advertise=s.advertise, config=s.config, on_release=self._on_release)
         self.node.start()
         _place(self.node)
-        log.info("kvlend prefill %s listening on %s:%d (layout %s)", s.name, self.node.host, self.node.port,
-                 layout.layout_id)
-        return Endpoint(self.node.advertise, self.node.port, s.name, layout.layout_id)
+        log.info("kvlend prefill %s listening on %s:%d (layout %s)", self.node.name, self.node.host,
+                 self.node.port, layout.layout_id)
+        return Endpoint(self.node.advertise, self.node.port, self.node.name, layout.layout_id)
 
     def _on_release(self, lease, reason: str) -> None:
         with self._lock:
@@ -149,10 +150,10 @@ class ConsumerWorker:
 
     def register(self, layout) -> None:
         s = self.settings
-        self.node = DecodeNode(layout, _backend(s.name), load_secret(), name=s.name, config=s.config)
+        self.node = DecodeNode(layout, _backend(s.credentials), s.credentials, config=s.config)
         self.node.start()
         _place(self.node)
-        log.info("kvlend decode %s ready (layout %s)", s.name, layout.layout_id)
+        log.info("kvlend decode %s ready (layout %s)", self.node.name, layout.layout_id)
 
     def start(self, plan: StepPlan) -> None:
         for text in plan.claims:

@@ -1,0 +1,146 @@
+"""A cluster's certificate authority and the rank certificates it issues (``cryptography``).
+
+Keys are EC P-256: a TLS 1.3 handshake then costs each side one signature
+and one verification, microseconds.  A rank certificate names the rank's
+identity in its subject's common name; that name, and never a name a peer
+claims, is who the peer is.  ``Authority.create()`` with ``issue()`` is also
+how the demo and the tests get throwaway ("ephemeral") credentials.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import re
+from dataclasses import dataclass
+
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+
+from ..errors import ConfigError
+from .credentials import CA_ENV, CERT_ENV, KEY_ENV, Credentials
+
+CA_DAYS = 3650
+RANK_DAYS = 365
+_IDENTITY = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:@-]{0,63}")
+
+
+def check_identity(identity: str) -> str:
+    """A rank identity: 1-64 characters of letters, digits and ``._:@-`` (it lands in logs and file names)."""
+    if not isinstance(identity, str) or not _IDENTITY.fullmatch(identity):
+        raise ConfigError(f"rank identity {identity!r}: expected 1-64 characters of letters, digits and ._:@- "
+                          "starting with a letter or digit")
+    return identity
+
+
+def _now() -> datetime.datetime:
+    return datetime.datetime.now(datetime.timezone.utc)
+
+
+def _pem_key(key: ec.EllipticCurvePrivateKey) -> bytes:
+    return key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                             serialization.NoEncryption())
+
+
+@dataclass(frozen=True, repr=False)
+class Authority:
+    """A cluster CA: its certificate and private key (PEM).  Keep the key off the ranks."""
+
+    cert_pem: bytes
+    key_pem: bytes
+
+    @classmethod
+    def create(cls, name: str = "kvlend cluster CA", days: int = CA_DAYS) -> Authority:
+        key = ec.generate_private_key(ec.SECP256R1())
+        subject = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name)])
+        start = _now() - datetime.timedelta(minutes=5)  # tolerate clocks a little apart
+        cert = (x509.CertificateBuilder().subject_name(subject).issuer_name(subject)
+                .public_key(key.public_key()).serial_number(x509.random_serial_number())
+                .not_valid_before(start).not_valid_after(start + datetime.timedelta(days=days))
+                .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
+                .add_extension(x509.KeyUsage(digital_signature=False, content_commitment=False,
+                                             key_encipherment=False, data_encipherment=False, key_agreement=False,
+                                             key_cert_sign=True, crl_sign=True, encipher_only=False,
+                                             decipher_only=False), critical=True)
+                .add_extension(x509.SubjectKeyIdentifier.from_public_key(key.public_key()), critical=False)
+                .sign(key, hashes.SHA256()))
+        return cls(cert.public_bytes(serialization.Encoding.PEM), _pem_key(key))
+
+    @classmethod
+    def load(cls, directory: str) -> Authority:
+        """The CA saved in ``directory`` (``ca.pem``, ``ca.key``)."""
+        return cls(_read(os.path.join(directory, "ca.pem")), _read(os.path.join(directory, "ca.key")))
+
+    def issue(self, identity: str, days: float = RANK_DAYS, *,
+              valid_from: datetime.datetime | None = None) -> Credentials:
+        """A certificate for rank ``identity``, valid ``days`` from ``valid_from`` (default now)."""
+        check_identity(identity)
+        try:
+            ca_cert = x509.load_pem_x509_certificate(self.cert_pem)
+            ca_key = serialization.load_pem_private_key(self.key_pem, password=None)
+        except ValueError as exc:
+            raise ConfigError(f"the CA's certificate or key is not valid PEM: {exc}") from None
+        key = ec.generate_private_key(ec.SECP256R1())
+        start = (valid_from or _now()) - datetime.timedelta(minutes=5)
+        cert = (x509.CertificateBuilder()
+                .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, identity)]))
+                .issuer_name(ca_cert.subject).public_key(key.public_key())
+                .serial_number(x509.random_serial_number())
+                .not_valid_before(start).not_valid_after(start + datetime.timedelta(days=days))
+                .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
+                .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH,
+                                                      ExtendedKeyUsageOID.CLIENT_AUTH]), critical=False)
+                .add_extension(x509.AuthorityKeyIdentifier.from_issuer_public_key(ca_cert.public_key()),
+                               critical=False)
+                .sign(ca_key, hashes.SHA256()))
+        return Credentials(self.cert_pem, cert.public_bytes(serialization.Encoding.PEM), _pem_key(key))
+
+    def save(self, directory: str) -> list[str]:
+        """Write ``ca.pem`` and ``ca.key`` (0600) into ``directory``; never over existing files."""
+        _refuse_existing(directory, "ca.pem", "ca.key")
+        return [_write(directory, "ca.pem", self.cert_pem, 0o644), _write(directory, "ca.key", self.key_pem, 0o600)]
+
+
+def save_rank(credentials: Credentials, directory: str) -> dict[str, str]:
+    """Write ``<identity>.pem`` and ``<identity>.key`` (0600) into ``directory``, and ``ca.pem`` if absent;
+    never over an existing certificate or key.  Returns the environment a rank loads them from."""
+    name = credentials.identity
+    _refuse_existing(directory, f"{name}.pem", f"{name}.key")  # both or neither
+    ca = os.path.join(directory, "ca.pem")
+    if not os.path.exists(ca):
+        _write(directory, "ca.pem", credentials.ca_pem, 0o644)
+    elif _read(ca) != credentials.ca_pem:
+        raise ConfigError(f"{ca} holds another CA than the one that issued {name!r}")
+    return {CA_ENV: ca, CERT_ENV: _write(directory, f"{name}.pem", credentials.cert_pem, 0o644),
+            KEY_ENV: _write(directory, f"{name}.key", credentials.key_pem, 0o600)}
+
+
+def _read(path: str) -> bytes:
+    try:
+        with open(path, "rb") as f:
+            return f.read()
+    except OSError as exc:
+        raise ConfigError(f"cannot read {path}: {exc.strerror}") from None
+
+
+def _refuse_existing(directory: str, *names: str) -> None:
+    for name in names:
+        path = os.path.join(directory, name)
+        if os.path.exists(path):
+            raise ConfigError(f"{path} exists: kvlend certs never overwrites a certificate or key")
+
+
+def _write(directory: str, name: str, data: bytes, mode: int) -> str:
+    os.makedirs(directory, exist_ok=True)
+    path = os.path.join(directory, name)
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode)
+    except FileExistsError:
+        raise ConfigError(f"{path} exists: kvlend certs never overwrites a certificate or key") from None
+    except OSError as exc:
+        raise ConfigError(f"cannot write {path}: {exc.strerror}") from None
+    with os.fdopen(fd, "wb") as f:
+        f.write(data)
+    return path

@@ -1,0 +1,243 @@
+"""The control channel over real sockets: confidential, mutually authenticated, identities from certificates.
+
+A relay between the ranks keeps every byte the channel carried: neither
+rank's NIXL metadata, nor a lease id, nor a request's name or metadata is in
+it.  Each refusal is a real TLS handshake against a real node: no
+certificate, one from another CA, an expired one, a prefill the decode cannot
+verify, a second connection presenting a live peer's identity.  Handshakes
+run on the loop's thread outside the serving lock.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import datetime
+import logging
+import select
+import socket
+import ssl
+import threading
+
+import numpy as np
+import pytest
+from conftest import CA, creds, make_layout, make_pools, nixl, prefill_request
+from test_node import DEADLINE, DECODE_CONFIG, DST_PAGES, SRC_PAGES, fetch_and_verify, free_lists, rig
+
+import kvlend.runtime.tls
+from kvlend.errors import AuthError, ConfigError
+from kvlend.runtime import DecodeNode, NodeConfig, PrefillNode
+from kvlend.security.certs import Authority
+from kvlend.security.credentials import Credentials
+
+SHORT = NodeConfig(handshake_timeout=3.0)
+
+
+class Relay:
+    """A TCP relay between a decode and a prefill that keeps every byte it forwards."""
+
+    def __init__(self, target: tuple[str, int]) -> None:
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.address = self.listener.getsockname()[:2]
+        self.target = target
+        self.captured = bytearray()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        self.listener.settimeout(DEADLINE)
+        a, _ = self.listener.accept()
+        b = socket.create_connection(self.target, timeout=DEADLINE)
+        with a, b, contextlib.suppress(OSError):  # a reset as the ranks close ends the relay too
+            while not self._stop.is_set():
+                ready, _, _ = select.select([a, b], [], [], 0.05)
+                for s in ready:
+                    data = s.recv(1 << 16)
+                    if not data:
+                        return
+                    (b if s is a else a).sendall(data)
+                    self.captured += data
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(DEADLINE)
+        self.listener.close()
+
+
+@contextlib.contextmanager
+def lone_prefill(credentials: Credentials | None = None, pools: list | None = None):
+    """A started prefill that no decode has connected to yet."""
+    prefill = PrefillNode(make_layout(pools or make_pools(32)), nixl("prefill"), credentials or creds("prefill"))
+    prefill.start()
+    try:
+        yield prefill
+    finally:
+        prefill.close()
+        prefill.backend.close()
+
+
+def _windows(blob: bytes, size: int = 32) -> list[bytes]:
+    """Distinctive slices of ``blob``: ``size`` bytes with at least 8 distinct values (no zero runs)."""
+    return [w for w in (blob[i:i + size] for i in range(0, len(blob) - size, size)) if len(set(w)) >= 8]
+
+
+def test_a_capture_of_the_channel_holds_no_metadata_lease_id_or_request_data():
+    src, dst = make_pools(SRC_PAGES), make_pools(DST_PAGES)
+    with lone_prefill(pools=src) as prefill:
+        relay = Relay(prefill.address)
+        decode = DecodeNode(make_layout(dst), nixl("decode"), creds("decode"), config=DECODE_CONFIG)
+        try:
+            link = decode.connect(*relay.address)  # the decode's only way to the prefill is through the relay
+            request, canary = "request-capture-7f3a", "meta-canary-c0ffee-91b2"
+            tables = prefill_request(prefill.layout, src, free_lists(prefill.layout, SRC_PAGES, 3), 48, seed=9)
+            lease = prefill.offer(prefill.wait_for_peer(DEADLINE), request, 48, tables,
+                                  prefill.layout.full_selection(), meta={"seed": 9, "note": canary})
+            got, offer = decode.next_offer(DEADLINE)
+            assert got.id == link.id and offer.id == lease.id and offer.meta["note"] == canary
+            assert fetch_and_verify(decode, got, offer, dst, free_lists(decode.layout, DST_PAGES, 4)).bound == 48
+            needles = {"the lease id": lease.id, "the request id": request.encode(),
+                       "the request meta": canary.encode()}
+            for side, node in (("prefill", prefill), ("decode", decode)):
+                needles[f"the {side}'s NIXL agent name"] = node.backend.name.encode()
+                needles.update({f"{side} NIXL metadata bytes {i}": w
+                                for i, w in enumerate(_windows(node.backend.metadata()))})
+        finally:
+            decode.close()
+            decode.backend.close()
+            relay.close()
+    wire = bytes(relay.captured)
+    assert len(wire) > 2000 and wire[:2] == b"\x16\x03", "the capture holds a TLS session"
+    assert len(needles) > 10
+    for what, needle in needles.items():
+        assert needle not in wire, f"{what} crossed the wire in clear"
+
+
+# ---------------------------------------------------------------- refusals
+def _refused(prefill: PrefillNode, credentials: Credentials, match: str) -> None:
+    """A decode with ``credentials`` gets no channel: ``AuthError`` naming why, and no peer on the prefill."""
+    decode = DecodeNode(make_layout(make_pools(32)), nixl("decode"), credentials, config=SHORT)
+    try:
+        with pytest.raises(AuthError, match=match):
+            decode.connect(*prefill.address)
+        assert decode.links == []
+    finally:
+        decode.close()
+        decode.backend.close()
+    assert prefill.ready_peers() == []
+
+
+def test_a_client_without_a_certificate_is_refused_before_any_message(caplog):
+    caplog.set_level(logging.WARNING, "kvlend.session")
+    with lone_prefill() as prefill:
+        ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+        ctx.check_hostname = False
+        ctx.load_verify_locations(cadata=CA.cert_pem.decode())  # trusts the prefill, presents nothing
+        with socket.create_connection(prefill.address, timeout=DEADLINE) as raw:
+            with ctx.wrap_socket(raw) as tls:  # TLS 1.3: the client finishes before the server judges it
+                with pytest.raises((ssl.SSLError, ConnectionError)) as err:
+                    tls.recv(1024)
+                assert "CERTIFICATE_REQUIRED" in str(err.value) or isinstance(err.value, ConnectionError)
+        assert prefill.ready_peers() == []
+    assert any("certificate" in r.getMessage().lower() for r in caplog.records), caplog.text
+
+
+def test_a_certificate_from_another_ca_is_refused_by_the_prefill():
+    stranger = Authority.create("another cluster").issue("decode")
+    with lone_prefill() as prefill:  # the stranger trusts our CA, but our CA did not issue its certificate
+        _refused(prefill, Credentials(CA.cert_pem, stranger.cert_pem, stranger.key_pem), "UNKNOWN_CA|unknown ca")
+
+
+def test_an_expired_certificate_is_refused():
+    then = datetime.datetime.now(datetime.timezone.utc) - datetime.timedelta(days=3)
+    expired = CA.issue("decode-expired", days=1, valid_from=then)
+    with pytest.raises(AuthError, match="valid from"):
+        expired.check()  # a rank loading it fails at start; a peer presenting it anyway:
+    with lone_prefill() as prefill:
+        _refused(prefill, expired, "CERTIFICATE_EXPIRED|certificate expired")
+
+
+def test_a_decode_refuses_a_prefill_it_cannot_verify():
+    with lone_prefill(Authority.create("rogue").issue("prefill")) as prefill:
+        _refused(prefill, creds("decode"), "CERTIFICATE_VERIFY_FAILED")
+
+
+def test_a_second_connection_presenting_a_live_peers_identity_is_refused():
+    with rig() as r:
+        twin = DecodeNode(make_layout(make_pools(DST_PAGES)), nixl("twin"), creds("decode"), config=DECODE_CONFIG)
+        try:
+            with pytest.raises(AuthError, match="already connected"):
+                twin.connect(*r.prefill.address)
+        finally:
+            twin.close()
+            twin.backend.close()
+        assert r.prefill.ready_peers() == ["decode"]
+        tables = prefill_request(r.layout, r.src, free_lists(r.layout, SRC_PAGES, 5), 16, seed=2)
+        r.prefill.offer("decode", "after-twin", 16, tables, r.layout.full_selection(), meta={"seed": 2})
+        link, offer = r.decode.next_offer(DEADLINE)  # the live peer kept its link
+        assert fetch_and_verify(r.decode, link, offer, r.dst, free_lists(r.decode.layout, DST_PAGES, 6)).bound == 16
+
+
+def test_identities_are_the_certificates_names_on_both_sides():
+    with lone_prefill(creds("prefill-7")) as prefill:
+        decode = DecodeNode(make_layout(make_pools(32)), nixl("decode"), creds("decode-3"), config=SHORT)
+        try:
+            link = decode.connect(*prefill.address)
+            assert link.peer == "prefill-7" and decode.name == "decode-3"
+            assert prefill.wait_for_peer(DEADLINE) == "decode-3"
+        finally:
+            decode.close()
+            decode.backend.close()
+
+
+def test_handshakes_run_outside_the_serving_lock(monkeypatch):
+    """TLS work (handshake, decryption) never holds the lock engine calls take."""
+    owned: list[bool] = []
+    nodes: list = []
+    receive = kvlend.runtime.tls.TlsChannel.receive
+
+    def watched(self, data):
+        owned.extend(node._lock._is_owned() for node in nodes)
+        return receive(self, data)
+
+    monkeypatch.setattr(kvlend.runtime.tls.TlsChannel, "receive", watched)
+    with lone_prefill() as prefill:
+        decode = DecodeNode(make_layout(make_pools(32)), nixl("decode"), creds("decode"), config=SHORT)
+        nodes += [prefill, decode]
+        try:
+            decode.connect(*prefill.address)
+            prefill.wait_for_peer(DEADLINE)
+        finally:
+            decode.close()
+            decode.backend.close()
+    assert len(owned) >= 4 and not any(owned), owned
+
+
+def test_credentials_of_the_wrong_type_are_refused_before_anything_starts():
+    with pytest.raises(ConfigError, match="Credentials"):
+        PrefillNode(make_layout(make_pools(8)), None, b"a shared secret of old")
+
+
+def test_a_ticket_is_read_only_from_the_prefill_it_names():
+    """Identities bind tickets too: an endpoint whose certificate names another rank gets no claim."""
+    with rig() as r:
+        src_free = free_lists(r.layout, SRC_PAGES, 7)
+        tables = prefill_request(r.layout, r.src, src_free, 16, seed=3)
+        good = r.prefill.lend("ticketed", 16, tables, r.layout.full_selection(), meta={"seed": 3})
+        forged = dataclasses.replace(good, prefill="prefill-elsewhere")
+        dst = {name: np.arange(4) for name in r.decode.layout.groups}
+        with pytest.raises(AuthError, match="prefill-elsewhere"):  # the open link is "prefill": refused at once
+            r.decode.start_fetch(forged, dst)
+        assert r.decode.in_flight == 0
+        fresh = DecodeNode(make_layout(make_pools(DST_PAGES)), nixl("fresh"), creds("decode-fresh"),
+                           config=DECODE_CONFIG)
+        try:  # no link yet: the link's certificate is checked against the ticket when it authenticates
+            handle = fresh.start_fetch(forged, dst)
+            with pytest.raises(AuthError, match="authenticated as 'prefill'"):
+                handle.wait(DEADLINE)
+            assert fresh.links == []
+        finally:
+            fresh.close()
+            fresh.backend.close()
+        handle = r.decode.start_fetch(good, dst)  # the real ticket still reads
+        assert handle.wait(DEADLINE).bound == 16
