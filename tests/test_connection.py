@@ -17,7 +17,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 from test_wire import LID, SAMPLES, decode_all, wire_bytes
 
 from kvlend.errors import ProtocolError
-from kvlend.protocol.connection import HELLO_TIMEOUT, Connection
+from kvlend.protocol.connection import AUTH_TIMEOUT, Connection
 from kvlend.protocol.wire import MAX_FRAME_BYTES, PROTOCOL_VERSION, Bye, Handshake, Heartbeat, encode_frame
 
 NOW = 1000.0
@@ -58,7 +58,7 @@ def cut(data: bytes, points: list[int]) -> list[bytes]:
 def test_a_new_connection_knows_no_peer_and_has_a_handshake_deadline():
     conn = Connection(NOW)
     assert not conn.ready and conn.peer is None
-    assert conn.deadline == NOW + HELLO_TIMEOUT
+    assert conn.deadline == NOW + AUTH_TIMEOUT
     assert Connection(12.5, timeout=0.25).deadline == 12.75
     assert conn.data_to_send() == b""  # nothing of its own to say: TLS opens the channel
 

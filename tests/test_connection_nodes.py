@@ -141,7 +141,7 @@ def test_a_decode_without_a_certificate_of_the_cluster_is_refused_and_the_prefil
 
 def test_a_silent_client_is_dropped_after_the_handshake_timeout_while_an_honest_decode_connects(monkeypatch):
     timeout = 1.0
-    monkeypatch.setattr(kvlend.protocol.prefill, "HELLO_TIMEOUT", timeout)  # what PrefillSession.accept passes
+    monkeypatch.setattr(kvlend.protocol.prefill, "AUTH_TIMEOUT", timeout)  # what PrefillSession.accept passes
     with prefill_node() as (prefill, src):
         t0 = time.monotonic()
         silent = socket.create_connection(prefill.address, timeout=DEADLINE)  # never sends a ClientHello
@@ -173,7 +173,7 @@ def test_a_client_stalling_in_or_skipping_the_tls_handshake_is_dropped(monkeypat
     """Stalled: dropped at its deadline, having been sent at most the prefill's own flight
     (ServerHello, then the encrypted rest of its handshake).  Not TLS at all: dropped at once."""
     timeout = 0.3
-    monkeypatch.setattr(kvlend.protocol.prefill, "HELLO_TIMEOUT", timeout)
+    monkeypatch.setattr(kvlend.protocol.prefill, "AUTH_TIMEOUT", timeout)
     hello = client_hello()
     send = {"all but one byte of a ClientHello": hello[:-1], "a whole ClientHello, never the Finished": hello,
             "a plaintext frame": encode_frame(Handshake(b"layout", "nixl", b"meta"))}.get(send, send)

@@ -134,7 +134,7 @@ def test_a_silent_client_does_not_stall_the_prefill():
         silent = socket.create_connection(r.prefill.address, timeout=DEADLINE)
         try:
             end = time.monotonic() + DEADLINE
-            while r.prefill.pending_hellos == 0:  # the prefill took it in, and waits on it
+            while r.prefill.unauthenticated == 0:  # the prefill took it in, and waits on it
                 assert time.monotonic() < end, "the silent connection was never accepted"
                 time.sleep(0.005)
             other = DecodeNode(r.decode.layout, nixl("second"), creds("second"), config=DECODE_CONFIG)
@@ -145,14 +145,14 @@ def test_a_silent_client_does_not_stall_the_prefill():
                 while peer not in r.prefill.ready_peers():
                     assert time.monotonic() < end
                     time.sleep(0.005)
-                assert r.prefill.pending_hellos == 1
+                assert r.prefill.unauthenticated == 1
                 tables = prefill_request(r.layout, r.src, free_lists(r.layout, SRC_PAGES, 21), 60, seed=21)
                 r.prefill.offer(peer, "while-silent", 60, tables, r.layout.full_selection(), meta={"seed": 21})
                 got, offer = other.next_offer(DEADLINE)
                 assert got == link
                 dst = free_lists(other.layout, DST_PAGES, 22)
                 assert fetch_and_verify(other, got, offer, r.dst, dst).bound == 60
-                assert r.prefill.pending_hellos == 1
+                assert r.prefill.unauthenticated == 1
             finally:
                 other.close()
                 other.backend.close()

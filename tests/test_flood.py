@@ -61,7 +61,7 @@ def milliseconds(durations: list[float]) -> str:
 def test_256_half_open_connections_claiming_16_mib_frames_cost_little_and_honest_reads_verify(monkeypatch):
     # The handshake timeout would close the silent ones after 5 s; a slow machine can take longer than
     # that to open the flood, so the flood is kept connected for the whole test instead.
-    monkeypatch.setattr(kvlend.protocol.prefill, "HELLO_TIMEOUT", 20 * DEADLINE)
+    monkeypatch.setattr(kvlend.protocol.prefill, "AUTH_TIMEOUT", 20 * DEADLINE)
     with rig() as r:
         src_free = free_lists(r.layout, SRC_PAGES, 81)
         dst_free = free_lists(r.decode.layout, DST_PAGES, 82)
@@ -87,14 +87,14 @@ def test_256_half_open_connections_claiming_16_mib_frames_cost_little_and_honest
             for i in range(FLOOD):
                 flood.append(flood_connection(r.prefill.address, i))
             end = time.monotonic() + DEADLINE
-            while r.prefill.pending_hellos < MAX_PENDING_PER_SOURCE:  # the silent ones are taken in
-                assert time.monotonic() < end, r.prefill.pending_hellos
+            while r.prefill.unauthenticated < MAX_PENDING_PER_SOURCE:  # the silent ones are taken in
+                assert time.monotonic() < end, r.prefill.unauthenticated
                 time.sleep(0.01)
             flooded = [honest(i) for i in range(HONEST + 1, 2 * HONEST + 1)]  # while the flood is still connected
             grown = rss_bytes() - before
-            assert r.prefill.pending_hellos <= MAX_PENDING_PER_SOURCE
+            assert r.prefill.unauthenticated <= MAX_PENDING_PER_SOURCE
             print(f"\nflood of {FLOOD}: prefill RSS grew {grown / 2**20:.1f} MiB, "
-                  f"{r.prefill.pending_hellos} connections left before authentication; honest offer to acked "
+                  f"{r.prefill.unauthenticated} connections left before authentication; honest offer to acked "
                   f"fetch without the flood {milliseconds(quiet)}, during it {milliseconds(flooded)}")
             assert grown < 64 << 20, f"RSS grew by {grown / 2**20:.1f} MiB under the flood"
         finally:

@@ -416,7 +416,7 @@ def test_tls_channel_10k_garbage_before_the_handshake():
 def test_a_prefill_node_drops_50_garbage_connections_and_keeps_serving(monkeypatch, caplog):
     """Over real sockets: each garbage connection is closed by the prefill (at once, or at its handshake
     deadline), answered with nothing but TLS records; then an honest fetch is byte-exact."""
-    monkeypatch.setattr(kvlend.protocol.prefill, "HELLO_TIMEOUT", 0.5)
+    monkeypatch.setattr(kvlend.protocol.prefill, "AUTH_TIMEOUT", 0.5)
     rng = random.Random(0x7F06)
     sessions = [_handshake_flights() for _ in range(2)]
     inputs = [tls_garbage(rng, sessions, i)[0] for i in range(50)]
@@ -434,7 +434,7 @@ def test_a_prefill_node_drops_50_garbage_connections_and_keeps_serving(monkeypat
                 with sock:
                     reply = read_until_eof(sock)  # times out, failing the test, if the prefill keeps it open
                 assert set(_records(reply)) <= set(TLS_TYPES), reply[:64]
-        wait_until(lambda: r.prefill.pending_hellos == 0, "garbage connections dropped")
+        wait_until(lambda: r.prefill.unauthenticated == 0, "garbage connections dropped")
         assert r.prefill.ready_peers() == [r.peer]
         _serves_byte_exact(r, seed=21)
         with RawDecode(r.prefill.address, creds("late-decode")) as late:  # and a new decode still gets in
@@ -504,7 +504,7 @@ def test_a_prefill_node_survives_400_hostile_frames_inside_tls(caplog):
                         ready = True
                     counts[outcome] += 1
         wait_until(lambda: r.prefill.ready_peers() == [r.peer], "fuzzing decodes dropped")
-        assert r.prefill.pending_hellos == 0 and r.prefill.loop_thread.is_alive()
+        assert r.prefill.unauthenticated == 0 and r.prefill.loop_thread.is_alive()
         _serves_byte_exact(r, seed=31)
     assert not [rec.getMessage() for rec in caplog.records if rec.levelno >= logging.ERROR]
     print(f"frames inside TLS, over {n} connections: {dict(counts)}")

@@ -3,7 +3,7 @@
 The shell runs TLS 1.3 under it with both ranks' certificates and says who
 the peer is (``authenticate``) once the handshake verified its certificate.
 Until then the connection takes no bytes and sends nothing; the session
-gives it ``HELLO_TIMEOUT`` to get there.  It never touches a socket or a clock.
+gives it ``AUTH_TIMEOUT`` to get there.  It never touches a socket or a clock.
 """
 
 from __future__ import annotations
@@ -11,13 +11,13 @@ from __future__ import annotations
 from ..errors import ProtocolError
 from .wire import FrameDecoder, Message, encode_frame
 
-HELLO_TIMEOUT = 5.0  # seconds a connection may take to complete the TLS handshake
+AUTH_TIMEOUT = 5.0  # seconds a connection may take to complete the TLS handshake
 
 
 class Connection:
     """Framing of one connection; ``peer`` is the other side's verified identity once ``ready``."""
 
-    def __init__(self, now: float, timeout: float = HELLO_TIMEOUT) -> None:
+    def __init__(self, now: float, timeout: float = AUTH_TIMEOUT) -> None:
         self.deadline = now + timeout  # for the handshake; meaningless once ready
         self.peer: str | None = None
         self.ready = False

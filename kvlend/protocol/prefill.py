@@ -30,7 +30,7 @@ from ..core.text import printable
 from ..errors import AuthError, KvlendError, LayoutMismatch, PeerLost, ProtocolError, QuotaExceeded
 from .actions import Close, LeaseEnded, Outbox, PeerGone, PeerReady, Send
 from .config import NodeConfig
-from .connection import HELLO_TIMEOUT, Connection
+from .connection import AUTH_TIMEOUT, Connection
 from .ticket import Ticket
 from .wire import (
     Abort, Bye, Claim, Done, DoneAck, Handshake, Heartbeat, LeaseOffer, Message, Offer, Renewed, check_offer,
@@ -81,7 +81,7 @@ class PrefillSession(Outbox):
     # ----------------------------------------------------------- connections
     def accept(self, conn: int, now: float, source: str | None = None) -> None:
         """A decode rank connected (from address ``source``); it must authenticate within
-        ``HELLO_TIMEOUT``.  Past ``MAX_PENDING_PER_SOURCE`` connections not yet authenticated from one
+        ``AUTH_TIMEOUT``.  Past ``MAX_PENDING_PER_SOURCE`` connections not yet authenticated from one
         address, or ``MAX_PENDING`` in all, a new one is closed at once: a flood of half-open
         connections costs a bounded few KiB each and cannot crowd out a peer's retry for long."""
         if conn in self._peers:
@@ -93,7 +93,7 @@ class PrefillSession(Outbox):
                         printable(source), len(pending), from_source)
             self._actions.append(Close(conn, "too many connections not yet authenticated"))
             return
-        self._peers[conn] = _Peer(Connection(now, HELLO_TIMEOUT), source)
+        self._peers[conn] = _Peer(Connection(now, AUTH_TIMEOUT), source)
 
     def authenticated(self, conn: int, identity: str, now: float) -> None:
         """The channel verified that connection ``conn``'s peer holds a certificate for ``identity``.
@@ -208,7 +208,7 @@ class PrefillSession(Outbox):
         """Expire leases and drop connections that did not authenticate in time."""
         for conn, peer in list(self._peers.items()):
             if not peer.conn.ready and now > peer.conn.deadline:
-                self._drop(conn, f"no TLS handshake within {HELLO_TIMEOUT:.3g} s", notify=False)
+                self._drop(conn, f"no TLS handshake within {AUTH_TIMEOUT:.3g} s", notify=False)
         for lease_id, (conn, deadline) in list(self._waiting.items()):
             if now > deadline:
                 del self._waiting[lease_id]

@@ -106,7 +106,7 @@ class PrefillNode(Shell):
             return self.lender.locks.can_evict(region, ordinals)
 
     @property
-    def pending_hellos(self) -> int:
+    def unauthenticated(self) -> int:
         """Connections accepted and not yet authenticated (TLS handshake not done)."""
         with self._lock:
             return self.session.pending
