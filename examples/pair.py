@@ -157,9 +157,9 @@ def rank_envs(args, directory: str) -> tuple[list[dict], dict]:
     ca = Authority.create()  # in memory only: nobody can issue another rank for this cluster
     prefills = [save_rank(ca.issue(f"prefill-{rank}"), directory) for rank in range(args.prefills)]
     for rank in range(args.decode_tp):
-        decode = save_rank(ca.issue(f"decode-tp{rank}"), directory)
-    decode = {CA_ENV: decode[CA_ENV], **{name: decode[name].replace(f"decode-tp{rank}", f"decode-tp{RANK}")
-                                         for name in (CERT_ENV, KEY_ENV)}}
+        save_rank(ca.issue(f"decode-tp{rank}"), directory)
+    decode = {CA_ENV: os.path.join(directory, "ca.pem"), CERT_ENV: os.path.join(directory, f"decode-tp{RANK}.pem"),
+              KEY_ENV: os.path.join(directory, f"decode-tp{RANK}.key")}
     return prefills, decode
 
 
