@@ -176,10 +176,10 @@ class _Closer:
 
 def _cold_listener(arg: dict):
     """A raw NIXL agent with its listener on ``arg['port']`` and one stamped buffer."""
-    from nixl._api import nixl_agent, nixl_agent_config
+    from kvlend_nixl.nixl_build import api
 
     buf = np.arange(arg["bytes"] // 8, dtype=np.uint64)
-    agent = nixl_agent("cold-listener", nixl_agent_config(enable_listen_thread=True, listen_port=arg["port"]))
+    agent = api.nixl_agent("cold-listener", api.nixl_agent_config(enable_listen_thread=True, listen_port=arg["port"]))
     reg = agent.register_memory(_rows(np.array([buf.ctypes.data]), np.array([buf.nbytes])), "DRAM")
     return _Closer(lambda: (agent.deregister_memory(reg), buf)), (agent.name, buf.ctypes.data)
 
@@ -516,7 +516,7 @@ def scenario_4(lender: _Lender, backend, sizes: Sizes, progress) -> dict:
     import tempfile
 
     from kvlend_nixl import NixlBackend
-    from nixl._api import nixl_agent, nixl_agent_config
+    from kvlend_nixl.nixl_build import api
 
     from ..runtime import DecodeNode
     from ..security.certs import Authority, save_rank
@@ -548,7 +548,7 @@ def scenario_4(lender: _Lender, backend, sizes: Sizes, progress) -> dict:
     nbytes = n * 2 * PAGE_BYTES
     name, address = lender.call("listener", {"port": free, "bytes": nbytes})
     dst = np.zeros(nbytes // 8, np.uint64)
-    agent = nixl_agent(f"cold-raw-{os.getpid()}", nixl_agent_config(enable_listen_thread=True, listen_port=0))
+    agent = api.nixl_agent(f"cold-raw-{os.getpid()}", api.nixl_agent_config(enable_listen_thread=True, listen_port=0))
     reg = agent.register_memory(_rows(np.array([dst.ctypes.data]), np.array([nbytes])), "DRAM")
     try:
         start = time.perf_counter()

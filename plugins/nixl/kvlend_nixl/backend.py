@@ -53,12 +53,12 @@ from dataclasses import dataclass
 from typing import Mapping, Sequence
 
 import numpy as np
-from nixl import _bindings as _nb
-from nixl._api import nixl_agent, nixl_agent_config, nixl_thread_sync_t
 
 from kvlend.transport import Completion, ReadBatch
 from kvlend.errors import BackendError, KvlendError, PeerLost, TransferCancelled, TransferTimeout
 from kvlend.core.layout import MemoryKind, MemoryRegion
+
+from .nixl_build import api as nixl, bindings as _nb
 
 log = logging.getLogger(__name__)
 
@@ -192,11 +192,11 @@ class NixlBackend:
             params["num_threads"] = str(num_threads)
         # UCX worker threads need a locking mode too (nixl PR 686).
         locking = thread_safe or num_threads > 0
-        sync = nixl_thread_sync_t.NIXL_THREAD_SYNC_RW if locking else nixl_thread_sync_t.NIXL_THREAD_SYNC_NONE
+        sync = nixl.nixl_thread_sync_t.NIXL_THREAD_SYNC_RW if locking else nixl.nixl_thread_sync_t.NIXL_THREAD_SYNC_NONE
         self.name = name
-        self._config = nixl_agent_config(enable_prog_thread=progress_thread, backends=[], sync_mode=sync)
+        self._config = nixl.nixl_agent_config(enable_prog_thread=progress_thread, backends=[], sync_mode=sync)
         self._params = params
-        self._agent: nixl_agent | None = self._start_agent()  # None: lost in a reset, made again on use
+        self._agent: nixl.nixl_agent | None = self._start_agent()  # None: lost in a reset, made again on use
         self._closed = False
         self._lock = threading.RLock()
         self._registrations: list = []  # nixlRegDList per register() call and kind
@@ -208,9 +208,9 @@ class NixlBackend:
         self._completed: list[Completion] = []
         self._resets = 0
 
-    def _start_agent(self) -> nixl_agent:
+    def _start_agent(self) -> nixl.nixl_agent:
         try:
-            agent = nixl_agent(self.name, self._config)
+            agent = nixl.nixl_agent(self.name, self._config)
             agent.create_backend("UCX", self._params)
         except Exception as exc:
             raise _as_error(exc, f"creating NIXL agent {self.name!r} with UCX {self._params}") from None
@@ -223,7 +223,7 @@ class NixlBackend:
     def __exit__(self, *exc) -> None:
         self.close()
 
-    def _open_agent(self) -> nixl_agent:
+    def _open_agent(self) -> nixl.nixl_agent:
         if self._closed:
             raise BackendError(f"NIXL backend {self.name!r} is closed")
         if self._agent is None:
@@ -579,7 +579,7 @@ def _check_tag(tag) -> None:
         raise BackendError(f"tag must be bytes, got {type(tag).__name__}")
 
 
-def _post(agent: nixl_agent, handles: list, what: str) -> tuple[list[bool], KvlendError | None]:
+def _post(agent: nixl.nixl_agent, handles: list, what: str) -> tuple[list[bool], KvlendError | None]:
     """Post each handle; which are in flight, and the error that stopped posting."""
     live = []
     for h in handles:
@@ -593,7 +593,7 @@ def _post(agent: nixl_agent, handles: list, what: str) -> tuple[list[bool], Kvle
     return live, None
 
 
-def _register(agent: nixl_agent, keys) -> list:
+def _register(agent: nixl.nixl_agent, keys) -> list:
     """Register ``(kind, device, address, size)`` keys, one NIXL list per kind; all or none."""
     rows: dict[MemoryKind, list] = {}
     for kind, device, address, size in keys:
