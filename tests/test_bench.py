@@ -42,7 +42,8 @@ def test_plot_is_a_png_of_throughput_per_method(quick_run):
     assert labels[0].startswith("16 pages") and labels[-1].startswith("one contiguous lease")
     assert [i for i, _ in series["kvlend"]] == [0, 1, 2]  # kvlend is measured at every size
     assert set(series) == {"kvlend", "raw NIXL, kvlend's descriptors", "raw NIXL, one descriptor per page",
-                           "raw NIXL, prepared page lists by index", "host staging (gather + read + scatter)",
+                           "raw NIXL, prepared page lists by index", "kvlend through the nodes",
+                           "host staging (gather + read + scatter)",
                            "raw NIXL, one descriptor", "memcpy (same process)"}
     assert all(gbps > 0 for points in series.values() for _, gbps in points)
 
@@ -90,7 +91,8 @@ def test_scenario_3_latencies_and_notifications(quick_report):
     for r in s3["results"].values():
         _check_stats(r)
         assert r["verified"] is True
-    assert set(s3["results"]) == {"kvlend", "raw_nixl_notif", "raw_nixl_prepped"}
+    assert set(s3["results"]) == {"kvlend", "raw_nixl_notif", "raw_nixl_prepped", "kvlend_node"}
+    assert s3["node_overhead_ms"] == s3["results"]["kvlend_node"]["p50_ms"] - s3["results"]["kvlend"]["p50_ms"]
     n = s3["results"]["raw_nixl_notif"]["n"]
     # Both raw baselines notify every read, warm-up and verifying runs included: the target saw them all.
     assert s3["notifications"] == {"sent": 2 * (n + 6), "seen_by_target": 2 * (n + 6)}

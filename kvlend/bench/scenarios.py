@@ -98,6 +98,7 @@ def _lender_main(conn) -> None:
     backend = NixlBackend(f"bench-lender-{os.getpid()}", timeout=XFER_TIMEOUT)
     agent = backend._agent  # raw NIXL: the target only has to be progressed
     arrays: list[np.ndarray] = []
+    layout: PageLayout | None = None
     staging = np.zeros(0, np.uint8)
     spin, notifs = False, 0
     cold: list = []  # scenario 4 objects, kept alive until quit
@@ -123,6 +124,9 @@ def _lender_main(conn) -> None:
                         np.take(a, arg, axis=0, out=out)
                         offset += n
                     conn.send(time.perf_counter() - start)
+                elif cmd == "tickets":  # scenario 3 through the node: lend the current pools' pages, ticket each
+                    cold.append(_ticket_prefill(layout, arg))
+                    conn.send(cold[-1][1])
                 elif cmd == "prefill":  # scenario 4: a PrefillNode that offers one lease to its first peer
                     cold.append(_cold_prefill(arg))
                     conn.send(cold[-1][0].address)
@@ -143,6 +147,22 @@ def _lender_main(conn) -> None:
         for obj in cold:
             obj[0].close()
         backend.close()
+
+
+def _ticket_prefill(layout: PageLayout, arg: dict):
+    """A started PrefillNode over the lender's current pools, and ``arg['count']`` tickets, each for
+    ``arg['src']``'s pages (locks stack: the same pages are lent once per ticket)."""
+    from kvlend_nixl import NixlBackend
+
+    from ..runtime import PrefillNode
+    from ..security.credentials import Credentials
+
+    node = PrefillNode(layout, NixlBackend(f"bench-node-{os.getpid()}"), Credentials.from_env(arg["credentials"]))
+    node.start()
+    selection = layout.full_selection()
+    tickets = [node.lend(f"node-{i}", arg["tokens"], {GROUP: arg["src"]}, selection).to_text()
+               for i in range(arg["count"])]
+    return node, tickets
 
 
 def _cold_prefill(arg: dict):
@@ -531,6 +551,9 @@ def scenario_3(lender: _Lender, backend, sizes: Sizes, progress) -> dict:
         raw_methods = ("raw_nixl_notif", "raw_nixl_prepped")
         sent = len(raw_methods) * (sizes.s3_reps + 6)  # timed, warm-up and the verifying read of each
         seen = lender.call("notifs", sent)
+        progress(f"scenario 3: the same requests through the nodes (ticket, claim, read, done ack over TLS), "
+                 f"{sizes.s3_reps} rounds")
+        results["kvlend_node"] = _node_path(lender, reader, src, dst, tokens, sizes.s3_reps)
     finally:
         reader.close()
     kv = results["kvlend"]
@@ -538,14 +561,53 @@ def scenario_3(lender: _Lender, backend, sizes: Sizes, progress) -> dict:
     return {
         "name": "small requests back to back", "pages": n, "layers": sizes.s3_layers, "bytes": nbytes,
         "descriptors": len(local),
-        "path": "kvlend: lend + plan_reads + post_read + poll + tracker + release, in-process, no TCP control channel",
+        "path": "kvlend: lend + plan_reads + post_read + poll + tracker + release, in-process, no TCP control channel; "
+                "kvlend_node: the same request through PrefillNode and DecodeNode (ticket, claim, read, done ack over "
+                "TLS, two processes)",
         "notifications": {"sent": sent, "seen_by_target": seen},
         "results": results,
         "ratios": {f"p50 kvlend/{k}": kv["p50_ms"] / results[k]["p50_ms"] for k in raw_methods}
-        | {f"p99 kvlend/{k}": kv["p99_ms"] / results[k]["p99_ms"] for k in raw_methods},
+        | {f"p99 kvlend/{k}": kv["p99_ms"] / results[k]["p99_ms"] for k in raw_methods}
+        | {"p50 kvlend_node/kvlend": results["kvlend_node"]["p50_ms"] / kv["p50_ms"]},
+        "node_overhead_ms": results["kvlend_node"]["p50_ms"] - kv["p50_ms"],
         "targets": {f"p50 <= 1.5x the faster raw ({faster})": kv["p50_ms"] <= 1.5 * results[faster]["p50_ms"],
                     f"p99 <= 3x the faster raw ({faster})": kv["p99_ms"] <= 3 * results[faster]["p99_ms"]},
     }
+
+
+def _node_path(lender: _Lender, reader: _Reader, src: np.ndarray, dst: np.ndarray, tokens: int, reps: int) -> dict:
+    """Scenario 3's request through the nodes: a PrefillNode in the lender lends tickets ahead, and a
+    DecodeNode here redeems each (claim, offer, read, done and its ack over the TLS control channel),
+    driving its own loop from ``wait`` as an engine's step would."""
+    import tempfile
+
+    from kvlend_nixl import NixlBackend
+
+    from ..runtime import DecodeNode
+    from ..security.certs import Authority, save_rank
+
+    warmup = 5  # the first wires UCX up and does the TLS handshake
+    ca = Authority.create()
+    with tempfile.TemporaryDirectory(prefix="kvlend-bench-") as certs:
+        tickets = lender.call("tickets", {"credentials": save_rank(ca.issue("bench-node-prefill"), certs),
+                                          "src": src, "tokens": tokens, "count": warmup + reps + 1})
+    backend = NixlBackend(f"bench-node-decode-{os.getpid()}", timeout=XFER_TIMEOUT)
+    decode = DecodeNode(reader.local, backend, ca.issue("bench-node-decode"))
+    try:
+        times = []
+        for i, ticket in enumerate(tickets[:-1]):
+            start = time.perf_counter()
+            decode.start_fetch(ticket, {GROUP: dst}).wait(XFER_TIMEOUT)
+            if i >= warmup:
+                times.append(time.perf_counter() - start)
+        for a in reader.arrays:
+            a[dst] = 0
+        decode.start_fetch(tickets[-1], {GROUP: dst}).wait(XFER_TIMEOUT)
+        verified = all(_expected_ok(a, r, src, dst) for r, a in enumerate(reader.arrays))
+    finally:
+        decode.close()
+        backend.close()
+    return {**_stats(times), "verified": verified}
 
 
 def scenario_4(lender: _Lender, backend, sizes: Sizes, progress) -> dict:
@@ -715,7 +777,7 @@ def pyplot():
 
 _SERIES = {"kvlend": "kvlend", "raw_same_descriptors": "raw NIXL, kvlend's descriptors",
            "raw_nixl_notif": "raw NIXL, kvlend's descriptors", "raw_per_page": "raw NIXL, one descriptor per page",
-           "raw_nixl_prepped": "raw NIXL, prepared page lists by index",
+           "raw_nixl_prepped": "raw NIXL, prepared page lists by index", "kvlend_node": "kvlend through the nodes",
            "staging": "host staging (gather + read + scatter)", "raw_nixl": "raw NIXL, one descriptor",
            "memcpy": "memcpy (same process)"}
 
