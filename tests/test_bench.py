@@ -55,7 +55,7 @@ def _check_stats(r: dict) -> None:
 
 
 def test_quick_report_has_every_scenario_and_machine_facts(quick_report):
-    assert set(quick_report["scenarios"]) == {"1", "2", "3", "4"}
+    assert set(quick_report["scenarios"]) == {"1", "2", "3", "4", "5"}
     m = quick_report["machine"]
     assert m["nproc"] >= 1 and m["memory_gib"] > 0 and m["cpu"]
     assert not multiprocessing.active_children()  # the lender process was reaped
@@ -97,6 +97,17 @@ def test_scenario_3_latencies_and_notifications(quick_report):
     # Both raw baselines notify every read, warm-up and verifying runs included: the target saw them all.
     assert s3["notifications"] == {"sent": 2 * (n + 6), "seen_by_target": 2 * (n + 6)}
     assert "no TCP control channel" in s3["path"]
+
+
+def test_scenario_5_reads_every_request_with_many_in_flight_both_ways(quick_report):
+    s5 = quick_report["scenarios"]["5"]
+    assert (s5["count"], s5["inflight"]) == (24, 8)
+    for name in ("kvlend", "raw_nixl_notif"):
+        r = s5["results"][name]
+        assert r["verified"] is True and r["seconds"] > 0
+        assert r["gbps"] == pytest.approx(s5["bytes"] / r["seconds"] / 1e9)
+        assert r["requests_per_s"] == pytest.approx(24 / r["seconds"])
+    assert set(s5["targets"]) == {"GB/s kvlend/raw >= 0.90"}
 
 
 def test_scenario_4_cold_peer_reached_verified_bytes_both_ways(quick_report):

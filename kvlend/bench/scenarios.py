@@ -12,6 +12,7 @@ progressed by polling (see plugins/nixl/README.md).
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import multiprocessing
 import os
@@ -50,10 +51,13 @@ class Sizes:
     s3_pages: int
     reps: int
     s3_reps: int
+    s5_requests: int = 300  # from two prefill processes, 1..S5_MAX_PAGES pages each
+    s5_inflight: int = 32
 
 
 FULL = Sizes(256 << 20, ((1024, 32), (8192, 32), (32768, 8)), 1, 16, 10, 500)
-QUICK = Sizes(8 << 20, ((1024, 4),), 1, 16, 3, 30)
+QUICK = Sizes(8 << 20, ((1024, 4),), 1, 16, 3, 30, 24, 8)
+S5_MAX_PAGES = 64
 
 
 # ------------------------------------------------------------------ pools
@@ -150,8 +154,8 @@ def _lender_main(conn) -> None:
 
 
 def _ticket_prefill(layout: PageLayout, arg: dict):
-    """A started PrefillNode over the lender's current pools, and ``arg['count']`` tickets, each for
-    ``arg['src']``'s pages (locks stack: the same pages are lent once per ticket)."""
+    """A started PrefillNode over the lender's current pools, and a ticket for each source table in
+    ``arg['requests']`` (locks stack: pages lent by several tickets are locked once per ticket)."""
     from kvlend_nixl import NixlBackend
 
     from ..runtime import PrefillNode
@@ -160,8 +164,8 @@ def _ticket_prefill(layout: PageLayout, arg: dict):
     node = PrefillNode(layout, NixlBackend(f"bench-node-{os.getpid()}"), Credentials.from_env(arg["credentials"]))
     node.start()
     selection = layout.full_selection()
-    tickets = [node.lend(f"node-{i}", arg["tokens"], {GROUP: arg["src"]}, selection).to_text()
-               for i in range(arg["count"])]
+    tickets = [node.lend(f"node-{i}", len(src) * TPP, {GROUP: src}, selection).to_text()
+               for i, src in enumerate(arg["requests"])]
     return node, tickets
 
 
@@ -553,7 +557,7 @@ def scenario_3(lender: _Lender, backend, sizes: Sizes, progress) -> dict:
         seen = lender.call("notifs", sent)
         progress(f"scenario 3: the same requests through the nodes (ticket, claim, read, done ack over TLS), "
                  f"{sizes.s3_reps} rounds")
-        results["kvlend_node"] = _node_path(lender, reader, src, dst, tokens, sizes.s3_reps)
+        results["kvlend_node"] = _node_path(lender, reader, src, dst, sizes.s3_reps)
     finally:
         reader.close()
     kv = results["kvlend"]
@@ -575,7 +579,7 @@ def scenario_3(lender: _Lender, backend, sizes: Sizes, progress) -> dict:
     }
 
 
-def _node_path(lender: _Lender, reader: _Reader, src: np.ndarray, dst: np.ndarray, tokens: int, reps: int) -> dict:
+def _node_path(lender: _Lender, reader: _Reader, src: np.ndarray, dst: np.ndarray, reps: int) -> dict:
     """Scenario 3's request through the nodes: a PrefillNode in the lender lends tickets ahead, and a
     DecodeNode here redeems each (claim, offer, read, done and its ack over the TLS control channel),
     driving its own loop from ``wait`` as an engine's step would."""
@@ -590,7 +594,7 @@ def _node_path(lender: _Lender, reader: _Reader, src: np.ndarray, dst: np.ndarra
     ca = Authority.create()
     with tempfile.TemporaryDirectory(prefix="kvlend-bench-") as certs:
         tickets = lender.call("tickets", {"credentials": save_rank(ca.issue("bench-node-prefill"), certs),
-                                          "src": src, "tokens": tokens, "count": warmup + reps + 1})
+                                          "requests": [src] * (warmup + reps + 1)})
     backend = NixlBackend(f"bench-node-decode-{os.getpid()}", timeout=XFER_TIMEOUT)
     decode = DecodeNode(reader.local, backend, ca.issue("bench-node-decode"))
     try:
@@ -680,7 +684,157 @@ def scenario_4(lender: _Lender, backend, sizes: Sizes, progress) -> dict:
     }
 
 
-SCENARIOS = {1: scenario_1, 2: scenario_2, 3: scenario_3, 4: scenario_4}
+def scenario_5(lender: _Lender, backend, sizes: Sizes, progress) -> dict:
+    """Many requests in flight: two prefill processes lend 1..64-page requests, one decode reads them
+    with ``s5_inflight`` in flight (kvlend: DecodeNode over tickets; raw: NIXL READs of the same
+    descriptors at the same concurrency, each with a notification); aggregate GB/s and requests/s."""
+    import tempfile
+
+    from kvlend_nixl import NixlBackend
+
+    from ..runtime import DecodeNode
+    from ..security.certs import Authority, save_rank
+
+    rng = np.random.default_rng(5)
+    pool = 8 * S5_MAX_PAGES
+    lenders = [lender, _Lender()]
+    try:
+        remotes = [_Remote(lend, pool) for lend in lenders]
+        n = sizes.s5_requests
+        requests = [(i % 2, _fragmented(pool, int(rng.integers(1, S5_MAX_PAGES + 1)), seed=500 + i)) for i in range(n)]
+        local_pages = sizes.s5_inflight * S5_MAX_PAGES * 2
+        arrays, local = _pools(local_pages, 1, False, fill=False)
+        for a in arrays:  # fault every page in now: the first method would pay for the kernel's zeroing
+            a.fill(1)
+        ca = Authority.create()
+        tickets: list[list[str]] = [[], []]
+        with tempfile.TemporaryDirectory(prefix="kvlend-bench-") as certs:
+            for side, lend in enumerate(lenders):
+                tickets[side] = lend.call("tickets", {
+                    "credentials": save_rank(ca.issue(f"bench-prefill-{side}"), certs),
+                    "requests": [src for s_, src in requests if s_ == side]})
+        order = [iter(t) for t in tickets]
+        work = [(side, src, next(order[side])) for side, src in requests]
+        nbytes = sum(len(src) for _, src in requests) * 2 * PAGE_BYTES
+        progress(f"scenario 5: {n} requests of 1..{S5_MAX_PAGES} pages ({nbytes >> 20} MiB) from 2 prefill "
+                 f"processes, {sizes.s5_inflight} in flight: kvlend DecodeNode, then raw NIXL")
+        node_backend = NixlBackend(f"bench-many-{os.getpid()}", timeout=XFER_TIMEOUT)
+        decode = DecodeNode(local, node_backend, ca.issue("bench-decode"))
+        try:
+            kv = _many_kvlend(decode, work, arrays, sizes.s5_inflight)
+        finally:
+            decode.close()
+            node_backend.close()
+        raw = _many_raw(backend, local, arrays, remotes, requests, sizes.s5_inflight)
+    finally:
+        lenders[1].close()
+    for r in (kv, raw):
+        r["gbps"] = nbytes / r["seconds"] / 1e9
+        r["requests_per_s"] = n / r["seconds"]
+    return {"name": "many requests in flight", "count": n, "inflight": sizes.s5_inflight, "bytes": nbytes,
+            "results": {"kvlend": kv, "raw_nixl_notif": raw},
+            "ratios": {"GB/s kvlend/raw": kv["gbps"] / raw["gbps"]},
+            "targets": {"GB/s kvlend/raw >= 0.90": kv["gbps"] >= 0.9 * raw["gbps"]}}
+
+
+class _Remote:
+    """A lender process's pools, as this side's raw baseline and planner see them."""
+
+    def __init__(self, lender: _Lender, pages: int) -> None:
+        encoded, self.metadata, _ = lender.call("pools", {"pages": pages, "layers": 1, "combined": False, "staging": 0})
+        self.layout = PageLayout.decode(encoded)
+
+
+def _slots(free: list[int], n: int) -> np.ndarray:
+    out = np.array(free[:n], dtype=np.int64)
+    del free[:n]
+    return out
+
+
+def _many_kvlend(decode, work: list, arrays: list[np.ndarray], inflight: int) -> dict:
+    """Keep ``inflight`` ticket fetches going, each into pages of its own; check every byte as each ends
+    (the checks are not counted in the time)."""
+    free = list(range(arrays[0].shape[0]))
+    running: dict[int, tuple] = {}
+    pending = list(work)
+    checking, verified = 0.0, True
+    start = time.perf_counter()
+    while pending or running:
+        while pending and len(running) < inflight:
+            side, src, ticket = pending.pop(0)
+            dst = _slots(free, len(src))
+            handle = decode.start_fetch(ticket, {GROUP: dst}, timeout=XFER_TIMEOUT)
+            running[handle.id] = (handle, src, dst)
+        for handle in decode.finished():
+            _, src, dst = running.pop(handle.id)
+            t = time.perf_counter()
+            handle.result()  # raises its error
+            verified &= all(_expected_ok(a, r, src, dst) for r, a in enumerate(arrays))
+            checking += time.perf_counter() - t
+            free.extend(dst.tolist())
+        if time.perf_counter() - start > XFER_TIMEOUT * 4:
+            raise BenchError(f"scenario 5: {len(running)} kvlend fetches still running")
+    return {"seconds": time.perf_counter() - start - checking, "verified": verified}
+
+
+def _many_raw(backend, local: PageLayout, arrays: list[np.ndarray], remotes: list[_Remote], requests: list,
+              inflight: int) -> dict:
+    """The same reads straight through NIXL at the same concurrency: request i reads into lane
+    i % inflight's pages once that lane's previous read is done; descriptors are planned beforehand
+    (raw NIXL pays none of kvlend's work)."""
+    backend.deregister()
+    backend.register(local.regions)
+    peers = [backend.add_peer(r.metadata) for r in remotes]
+    agent = backend._agent
+    plans = [negotiate(local, r.layout) for r in remotes]
+    lenders = [Lender(r.layout) for r in remotes]
+    lanes = [np.random.default_rng(900 + k).permutation(np.arange(k * S5_MAX_PAGES, (k + 1) * S5_MAX_PAGES))
+             for k in range(inflight)]
+    posts = []
+    for i, (side, src) in enumerate(requests):
+        lease = lenders[side].lend(f"raw-{i}", len(src) * TPP, {GROUP: src}, local.full_selection(), 0.0, 60.0)
+        dst = lanes[i % inflight][:len(src)]
+        batches = plan_reads(plans[side], lease.pages, {GROUP: dst}, lease.selection)
+        lenders[side].release(lease.id)
+        posts.append((peers[side], np.concatenate([b.local for b in batches]),
+                      np.concatenate([b.remote for b in batches]), src, dst))
+    try:
+        busy: dict[int, object] = {}  # lane -> handle in flight
+        start = time.perf_counter()
+        for i, (peer, local_rows, remote_rows, _, _) in enumerate(posts):
+            lane = i % inflight
+            while lane in busy:
+                for k, h in list(busy.items()):
+                    state = agent.check_xfer_state(h)
+                    if state != "PROC":
+                        h.release()
+                        del busy[k]
+                        if state != "DONE":
+                            raise BenchError(f"scenario 5: raw NIXL read ended in state {state}")
+            h = agent.initialize_xfer("READ", agent.get_xfer_descs(local_rows, "DRAM"),
+                                      agent.get_xfer_descs(remote_rows, "DRAM"), peer, b"bench")
+            if agent.transfer(h) == "DONE":
+                h.release()
+            else:
+                busy[lane] = h
+        deadline = time.monotonic() + XFER_TIMEOUT
+        while busy:
+            for k, h in list(busy.items()):
+                if agent.check_xfer_state(h) != "PROC":
+                    h.release()
+                    del busy[k]
+            if time.monotonic() > deadline:
+                raise BenchError("scenario 5: raw NIXL reads still in flight")
+        seconds = time.perf_counter() - start
+    finally:
+        for peer in peers:
+            backend.remove_peer(peer)
+    # Lanes are reused: the last read of each lane still holds its bytes. Check those.
+    verified = all(_expected_ok(a, r, src, dst) for _, _, _, src, dst in posts[-inflight:] for r, a in enumerate(arrays))
+    return {"seconds": seconds, "verified": verified}
+
+
+SCENARIOS = {1: scenario_1, 2: scenario_2, 3: scenario_3, 4: scenario_4, 5: scenario_5}
 
 
 def machine() -> dict:
@@ -705,8 +859,8 @@ def run(scenarios: list[int], quick: bool, reps: int | None, progress=None) -> d
 
     progress = progress or (lambda line: print(line, file=sys.stderr, flush=True))
     sizes = QUICK if quick else FULL
-    if reps is not None:  # S1/S2 repetitions; S3 keeps its own request count
-        sizes = Sizes(sizes.s1_bytes, sizes.s2_requests, sizes.s3_layers, sizes.s3_pages, reps, sizes.s3_reps)
+    if reps is not None:  # S1/S2 repetitions; S3 and S5 keep their own request counts
+        sizes = dataclasses.replace(sizes, reps=reps)
     unknown = sorted(set(scenarios) - set(SCENARIOS))
     if unknown:
         raise BenchError(f"--scenario: unknown scenario(s) {unknown}; have {sorted(SCENARIOS)}")
@@ -750,6 +904,10 @@ def format_report(report: dict) -> str:
                     extra += "  [" + ", ".join(f"{k} {v['p50_ms']:.2f} ms" for k, v in r["steps"].items()) + "]"
                 if "p99_ms" in r and key == "3":
                     extra = f"  p99 {r['p99_ms']:.3f} ms" + extra
+                if "seconds" in r:  # scenario 5: one timed run of every request
+                    lines.append(f"    {name:22s} {r['seconds'] * 1e3:.1f} ms, {r['gbps']:.2f} GB/s, "
+                                 f"{r['requests_per_s']:.0f} requests/s{extra}")
+                    continue
                 if "ms" in r:  # scenario 4: one sample
                     more = f", handshake {r['handshake_ms']:.1f} ms" if "handshake_ms" in r else ""
                     lines.append(f"    {name:22s} {r['ms']:.1f} ms{more}{extra}")
