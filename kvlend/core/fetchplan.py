@@ -60,6 +60,8 @@ def _read(plan: TransferPlan, rg: str, gp: GroupPages, num_tokens: int) -> tuple
         return gp, np.zeros(min(len(gp), 1), dtype=np.int64)
     rtpp, ltpp = plan.remote.tokens_per_page, plan.local.tokens_per_page
     reads = plan.local.groups[lg].pages_read(num_tokens, ltpp)
+    if rtpp == ltpp and len(reads) == len(gp) and np.array_equal(reads, gp.token_pages):
+        return gp, gp.token_pages  # the common case: the lease holds exactly the pages this group reads
     local = np.intersect1d(reads, local_pages(gp.token_pages, rtpp, ltpp, num_tokens), assume_unique=True)
     keep = _holding(gp.token_pages, local, rtpp, ltpp)
     return (gp if keep.all() else gp.select(keep)), local
