@@ -22,7 +22,6 @@ class TlsChannel:
     def __init__(self, context: ssl.SSLContext, server: bool) -> None:
         self._in, self._out = ssl.MemoryBIO(), ssl.MemoryBIO()
         self._tls = context.wrap_bio(self._in, self._out, server_side=server)
-        self.server = server
         self.identity: str | None = None  # the peer's, once the handshake completed
         self.peer_closed = False  # the peer sent close_notify: nothing more will come
 
