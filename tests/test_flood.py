@@ -55,6 +55,19 @@ def flood_connection(address: tuple[str, int], i: int) -> socket.socket:
     return s
 
 
+def settled(prefill, quiet: float = 0.3) -> int:
+    """The prefill's count of unauthenticated connections once it has not changed for ``quiet`` s."""
+    end = time.monotonic() + DEADLINE
+    last, since = prefill.unauthenticated, time.monotonic()
+    while time.monotonic() - since < quiet:
+        assert time.monotonic() < end, f"still changing after {DEADLINE} s: {last}"
+        time.sleep(0.01)
+        now = prefill.unauthenticated
+        if now != last:
+            last, since = now, time.monotonic()
+    return last
+
+
 def milliseconds(durations: list[float]) -> str:
     return f"p50 {statistics.median(durations) * 1e3:.1f} ms, max {max(durations) * 1e3:.1f} ms"
 
@@ -92,13 +105,18 @@ def test_256_half_open_connections_claiming_16_mib_frames_cost_little_and_honest
         try:
             for i in range(FLOOD):
                 flood.append(flood_connection(r.prefill.address, i))
-            end = time.monotonic() + DEADLINE
-            while r.prefill.unauthenticated != held:  # taken in; the frame claims refused by TLS
-                assert time.monotonic() < end, (r.prefill.unauthenticated, held)
-                time.sleep(0.01)
+            if per_source >= FLOOD:  # every connection taken in: exactly the frame claims go
+                end = time.monotonic() + DEADLINE
+                while r.prefill.unauthenticated != held:
+                    assert time.monotonic() < end, (r.prefill.unauthenticated, held)
+                    time.sleep(0.01)
+                pending = held
+            else:  # a frame claim may hold a slot while the flood's last connections are refused: fewer stay
+                pending = settled(r.prefill)
+                assert 0 < pending <= held
             flooded = [honest(i) for i in range(HONEST + 1, 2 * HONEST + 1)]  # while the flood is still connected
             grown = rss_bytes() - before
-            assert r.prefill.unauthenticated == held
+            assert r.prefill.unauthenticated == pending
             print(f"\nflood of {FLOOD} (per-source cap {per_source}): prefill RSS grew {grown / 2**20:.1f} MiB, "
                   f"{r.prefill.unauthenticated} connections left before authentication; honest offer to acked "
                   f"fetch without the flood {milliseconds(quiet)}, during it {milliseconds(flooded)}")
