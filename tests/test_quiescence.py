@@ -188,8 +188,8 @@ class _Initiator:
 
     def _in_nixl_flight(self, tag: bytes) -> bool:
         """NIXL's own state: every handle of ``tag`` still PROC."""
-        handles = self.backend._reads[tag].handles
-        return all(self.backend._agent.check_xfer_state(h) == "PROC" for h in handles)
+        read = self.backend._reads.get(tag)  # settled at once if transfer() finished the copy
+        return read is not None and all(self.backend._agent.check_xfer_state(h) == "PROC" for h in read.handles)
 
     def _landed(self) -> float:
         """Share of destination pages whose first 8 bytes are no longer the sentinel."""

@@ -46,7 +46,7 @@ from ..errors import (
     QuotaExceeded,
 )
 from .layout import PageLayout, RowSelection
-from .locks import PageLocks
+from .locks import PageLocks, Slots
 from .pages import GroupPages, int_array
 
 LEASE_ID_BYTES = 16
@@ -98,7 +98,7 @@ NO_LIMITS = LeaseLimits()
 @dataclass(frozen=True)
 class _Loan:
     lease: Lease
-    locked: tuple[tuple[str, np.ndarray], ...]  # (region, unique ordinals) locked once each, layout order
+    locked: Slots  # the page-lock slots this lease holds, validated once at the lend
 
 
 def _time(where: str, value: Any) -> float:
@@ -190,7 +190,7 @@ class Lender:
         if ttl > limits.max_lease_lifetime:
             raise QuotaExceeded("max_lease_lifetime", ttl, limits.max_lease_lifetime, "a lease ttl of")
         peer = _peer(peer)
-        lent, locked = self._plan(num_tokens, pages, targets)
+        lent, slots = self._plan(num_tokens, pages, targets)
         num_pages = sum(len(g) for g in lent.values())
         self._check_quota(peer, num_pages, now, limits)
         key = (request, peer)
@@ -207,13 +207,13 @@ class Lender:
             raise LeaseError(f"{source} {LEASE_ID_BYTES} bytes, got {lease_id!r}")
         if self.known(lease_id):
             raise LeaseError(f"{source.split(':')[0]}: repeated lease id {lease_id.hex()}")
-        self.locks.lock_many(locked)
+        self.locks.lock_slots(slots)
         lease = Lease(
             id=lease_id, request=request, num_tokens=num_tokens, pages=MappingProxyType(lent),
             selection=selection, peer=peer, ttl=ttl, expires_at=now + ttl,
             lent_at=now, ends_by=now + limits.max_lease_lifetime,
         )
-        self._live[lease_id] = _Loan(lease, locked)
+        self._live[lease_id] = _Loan(lease, slots)
         self._by_key[key] = lease_id
         self._count(peer, lease_id, num_pages)
         self._push(lease)
@@ -275,10 +275,10 @@ class Lender:
 
     def _plan(
         self, num_tokens: int, pages: Mapping[str, Any], targets: Mapping[str, tuple[tuple[str, ...], int]],
-    ) -> tuple[dict[str, GroupPages], tuple[tuple[str, np.ndarray], ...]]:
-        """Validate the page tables; return the lent rows and the ordinals to lock per region (layout order)."""
+    ) -> tuple[dict[str, GroupPages], Slots]:
+        """Validate the page tables; return the lent rows and the page-lock slots they hold."""
         groups = self.layout.groups
-        if not isinstance(pages, Mapping):
+        if type(pages) is not dict and not isinstance(pages, Mapping):
             raise PageRangeError(f"pages: must be a mapping of group name to page table, got {type(pages).__name__}")
         if pages.keys() != groups.keys():
             missing, unknown = sorted(set(groups) - set(pages)), sorted(map(repr, set(pages) - set(groups)))
@@ -299,8 +299,8 @@ class Lender:
                 self._range_error(name, rows, ordinals, used)
             uses.append((used, unique))
             lent[name] = GroupPages._checked(rows, ordinals)
-        if len(uses) == 1:  # one group lent: its regions, in layout order, share its slots
-            return lent, tuple((r, uses[0][1]) for r in uses[0][0])
+        if len(uses) == 1:  # one group lent: its regions, in layout order, share its checked slots
+            return lent, self.locks._shared_slots(*uses[0])
         per_region: dict[str, list[np.ndarray]] = {}
         for used, unique in uses:
             for r in used:
@@ -310,7 +310,7 @@ class Lender:
             (r, parts[0] if len(parts) == 1 else _unique(np.concatenate(parts)))
             for r, parts in sorted(per_region.items(), key=lambda item: order[item[0]])
         )
-        return lent, locked
+        return lent, self.locks._flatten(locked)
 
     def _range_error(self, group: str, rows: np.ndarray, ordinals: np.ndarray, used: tuple[str, ...]) -> None:
         """Raise for the first region (by name) and row whose slot is out of range."""
@@ -466,7 +466,7 @@ class Lender:
 
     def _end(self, lease_id: bytes, why: str) -> Lease:
         loan = self._live.pop(lease_id)
-        self.locks.unlock_many(loan.locked)
+        self.locks.unlock_slots(loan.locked)
         key = (loan.lease.request, loan.lease.peer)
         if self._by_key.get(key) == lease_id:
             del self._by_key[key]

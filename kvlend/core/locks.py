@@ -21,6 +21,9 @@ from .pages import int_array
 
 _INT32_MAX = np.iinfo(np.int32).max
 
+# Validated flat slots (sorted, unique) and how often each is listed (None: once each).
+Slots = tuple[np.ndarray, "np.ndarray | None"]
+
 
 class PageLocks:
     """Refcounted locks per (region, page slot) of one layout."""
@@ -34,6 +37,7 @@ class PageLocks:
         self._flat = np.zeros(sum(sizes), dtype=np.int32)
         self._index = {r.name: i for i, r in enumerate(layout.regions)}
         self._counts = {r.name: self._flat[b:b + r.num_pages] for r, b in zip(layout.regions, self._bases.tolist())}
+        self._bases_of: dict[tuple[str, ...], np.ndarray] = {}  # region names -> their bases, a column
 
     def _region(self, region: Any) -> np.ndarray:
         counts = self._counts.get(region) if isinstance(region, str) else None
@@ -52,7 +56,7 @@ class PageLocks:
             raise PageRangeError(f"ordinal {int(bad)} is outside region {region!r} of {counts.size} pages")
         return counts, arr
 
-    def _flatten(self, items: Iterable[tuple[str, Any]]) -> tuple[np.ndarray, np.ndarray | None]:
+    def _flatten(self, items: Iterable[tuple[str, Any]]) -> Slots:
         """Validate every (region, ordinals) before any count changes.
 
         Returns the flat slots to change (sorted, unique) and how many times
@@ -89,6 +93,18 @@ class PageLocks:
         starts = np.flatnonzero(keep)
         return flat[starts], np.diff(np.append(starts, flat.size))
 
+    def _shared_slots(self, regions: tuple[str, ...], ordinals: np.ndarray) -> Slots:
+        """The flat slots of the same ``ordinals`` in each of ``regions``: the lender's hot path.
+
+        The caller vouches that ``regions`` are distinct names of this layout in layout order and
+        that ``ordinals`` is a sorted, unique int64 array within the smallest of them (the lender
+        checked both); what ``_flatten`` would otherwise check again on every lease.
+        """
+        bases = self._bases_of.get(regions)
+        if bases is None:
+            bases = self._bases_of[regions] = self._bases[[self._index[r] for r in regions]][:, None]
+        return (bases + ordinals).ravel(), None
+
     def _range_error(self, regions: list[int], parts: list[np.ndarray]) -> None:
         """Raise for the first region with an ordinal out of range, as ``lock`` of it alone would."""
         for index, arr in zip(regions, parts):
@@ -108,7 +124,17 @@ class PageLocks:
 
     def lock_many(self, items: Iterable[tuple[str, Any]]) -> None:
         """``lock`` for several (region, ordinals) at once; all or nothing."""
-        pages, n = self._flatten(items)
+        self._add(*self._flatten(items))
+
+    def lock_slots(self, slots: Slots) -> None:
+        """Lock validated ``slots`` (``_flatten``'s or ``_shared_slots``'s) once more; all or nothing.
+
+        The lender validates a lease's slots once and keeps them, so its release unlocks exactly
+        what its lend locked without validating them again.
+        """
+        self._add(*slots)
+
+    def _add(self, pages: np.ndarray, n: np.ndarray | None) -> None:
         if not pages.size:
             return
         before = self._flat[pages]
@@ -124,7 +150,11 @@ class PageLocks:
 
     def unlock_many(self, items: Iterable[tuple[str, Any]]) -> None:
         """``unlock`` for several (region, ordinals) at once; all or nothing."""
-        pages, n = self._flatten(items)
+        self.unlock_slots(self._flatten(items))
+
+    def unlock_slots(self, slots: Slots) -> None:
+        """Drop one lock per validated slot (as ``lock_slots`` took them); all or nothing."""
+        pages, n = slots
         if not pages.size:
             return
         after = self._flat[pages] - (1 if n is None else n)

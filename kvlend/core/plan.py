@@ -231,6 +231,8 @@ def _resolve_pairs(plan: TransferPlan, work: tuple[_Work, ...], src: Mapping[str
 
 
 def _check_names(side: str, given: Mapping, groups: Mapping) -> None:
+    if type(given) is dict and given.keys() <= groups.keys():  # the common case, without building sets
+        return
     unknown = sorted(set(given) - set(groups))
     if unknown:
         raise LayoutError(f"{side}: unknown groups {unknown}; the layout has {sorted(groups)}")
@@ -334,4 +336,4 @@ def _batch(kinds, parts) -> ReadBatch:
     remote, local = np.empty((src.size, 3), dtype=_U64), np.empty((src.size, 3), dtype=_U64)
     remote[:, 0], remote[:, 1], remote[:, 2] = src, lengths, src_dev
     local[:, 0], local[:, 1], local[:, 2] = dst, lengths, dst_dev
-    return ReadBatch(kinds[0], kinds[1], remote, local)
+    return ReadBatch._planned(kinds[0], kinds[1], remote, local)

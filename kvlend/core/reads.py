@@ -36,6 +36,17 @@ class ReadBatch:
         if not np.array_equal(self.remote[:, 1], self.local[:, 1]):
             raise BackendError("remote and local descriptor lengths differ")
 
+    @classmethod
+    def _planned(cls, remote_kind: MemoryKind, local_kind: MemoryKind, remote: np.ndarray,
+                 local: np.ndarray) -> ReadBatch:
+        """A batch the planner built (fresh (N, 3) uint64 arrays, equal lengths by construction):
+        the per-request hot path, which skips ``__post_init__``'s checks."""
+        obj = object.__new__(cls)
+        for name, value in (("remote_kind", remote_kind), ("local_kind", local_kind),
+                            ("remote", remote), ("local", local)):
+            object.__setattr__(obj, name, value)
+        return obj
+
     @property
     def count(self) -> int:
         return int(self.remote.shape[0])

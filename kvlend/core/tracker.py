@@ -43,6 +43,7 @@ class _Request:
     num_tokens: int
     needed: dict[str, np.ndarray]  # group -> bool per token page: will be delivered
     delivered: dict[str, np.ndarray]  # group -> bool per token page: its chunk is done
+    missing: int  # needed pages not yet delivered, over all groups
     pending: dict[Hashable, dict[str, np.ndarray]] = field(default_factory=dict)
     settled: set[Hashable] = field(default_factory=set)
     errors: dict[Hashable, BaseException | None] = field(default_factory=dict)  # failed chunks
@@ -85,16 +86,17 @@ class DeliveryTracker:
                 f"needed: must map every group; missing {sorted(set(groups) - have)}, "
                 f"unknown [{', '.join(sorted(map(repr, have - set(groups))))}]"
             )
-        masks = {}
+        masks, missing = {}, 0
         for name, g in groups.items():
             size = 1 if g.recurrent else -(-num_tokens // tpp)
             pages = needed[name] if checked else _pages(f"needed[{name!r}]", needed[name], size)
             mask = np.zeros(size, dtype=bool)
             mask[pages] = True
             masks[name] = mask
+            missing += len(pages)
         self._aborted.pop(request, None)
         self._requests[request] = _Request(
-            num_tokens, masks, {name: np.zeros(m.size, dtype=bool) for name, m in masks.items()},
+            num_tokens, masks, {name: np.zeros(m.size, dtype=bool) for name, m in masks.items()}, missing,
         )
 
     def abort(self, request: str) -> None:
@@ -145,7 +147,9 @@ class DeliveryTracker:
         if chunk is None:
             return False
         for name, idx in chunk.items():
-            r.delivered[name][idx] = True
+            have = r.delivered[name]
+            r.missing -= idx.size - int(np.count_nonzero(have[idx]))
+            have[idx] = True
         r.bound = None
         self._done += 1
         return True
@@ -202,8 +206,7 @@ class DeliveryTracker:
 
     def complete(self, request: str) -> bool:
         """Every needed page of every group is delivered."""
-        r = self._get(request)
-        return not any(np.any(need & ~r.delivered[name]) for name, need in r.needed.items())
+        return self._get(request).missing == 0
 
     def failed(self, request: str) -> bool:
         """Some chunk of ``request`` failed (what was delivered still counts for the bound)."""

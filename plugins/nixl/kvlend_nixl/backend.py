@@ -31,8 +31,9 @@ Also shaped by NIXL's measured behaviour:
 * Reads are built per post with ``initialize_xfer``: descriptors are
   variable-length coalesced runs, which a list prepped once per peer cannot
   index.
-* Over cma (one host) ``transfer()`` copies synchronously; it runs outside
-  this object's lock, but the agent itself is unlocked by default
+* Over cma (one host) ``transfer()`` copies synchronously; a read it
+  reports DONE is settled there and then (handles released, its completion
+  queued for the next ``poll()``).  It runs outside this object's lock, but the agent itself is unlocked by default
   (``NIXL_THREAD_SYNC_NONE``): using one backend from several threads at
   once (say, polling during a post) needs ``thread_safe=True``.
 * Every NIXL exception becomes a ``BackendError``/``PeerLost``; runtime
@@ -394,6 +395,10 @@ class NixlBackend:
             read.posted = True
             if error is not None:
                 read.fail(error, time.monotonic())
+            elif not any(live):  # over cma transfer() copies synchronously: terminal already
+                del self._reads[tag]
+                _release(handles)
+                self._completed.append(Completion(tag))
 
     def cancel(self, tag: bytes) -> None:
         """Start cancelling ``tag``; ``poll()`` still reports it, once it cannot write any more.
@@ -486,6 +491,8 @@ class NixlBackend:
             read = self._reads.pop(tag)
             _release(read.handles)  # terminal: releasing only frees
             self._completed.append(Completion(tag, read.error))
+        if not self._leaving:
+            return
         busy = {r.peer for r in self._reads.values()}
         for peer in [p for p in self._leaving if p not in busy]:
             del self._leaving[peer]
