@@ -122,3 +122,7 @@ class NegotiationLimit(QuotaExceeded, LayoutMismatch):
     def __reduce__(self):
         (field, local_value, remote_value, _), = self.fields
         return type(self), (self.limit, self.value, self.cap, field, local_value, remote_value, self._what)
+
+
+class RegistryError(KvlendError):
+    """A rank record is malformed, or the cluster registry (etcd) could not be reached in time."""

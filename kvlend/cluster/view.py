@@ -1,0 +1,183 @@
+"""``ClusterView``: the live ranks, rebuilt from an etcd snapshot and its watch events.
+
+Pure: the registry shell feeds it what etcd said (a snapshot at a revision,
+then every event after it) and the time; it answers who is alive, who can
+exchange bytes with a given layout, and which prefill to send the next
+request to.  Every change comes back as a ``Change`` so the shell can drop
+links to ranks that left.  Events at or below the revision already applied
+are ignored, so a watch restarted from ``revision + 1`` after a snapshot
+misses nothing and counts nothing twice; a record that does not decode is
+kept out (and listed in ``rejected``) rather than trusted or fatal.
+
+Health: the shell reports when etcd stops answering (``degraded``) and when
+it answers again; the ranks known meanwhile stay known, since a registry
+outage is not evidence that any rank died.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterable, Mapping
+
+from ..core.layout import PageLayout
+from ..core.negotiate import negotiate
+from ..errors import KvlendError, RegistryError
+from .records import RankRecord, ranks_prefix
+
+JOINED, LEFT, UPDATED = "joined", "left", "updated"
+
+
+@dataclass(frozen=True)
+class Change:
+    kind: str  # JOINED, LEFT or UPDATED
+    record: RankRecord  # the new record (the last one known for LEFT)
+
+
+class ClusterView:
+    """The ranks under one registry prefix, as of ``revision``."""
+
+    def __init__(self, prefix: str) -> None:
+        self.prefix = ranks_prefix(prefix)
+        self.revision = 0
+        self._ranks: dict[str, RankRecord] = {}
+        self.rejected: dict[str, str] = {}  # key -> why its value was refused
+        self.degraded_since: float | None = None
+        self.degraded_why = ""
+        self._compatible: dict[tuple[str, str], bool] = {}  # (local layout id, remote layout id) -> negotiates
+
+    # ------------------------------------------------------------- feeding
+    def reset(self, revision: int, items: Iterable[tuple[bytes, bytes]]) -> list[Change]:
+        """Replace everything with a snapshot taken at ``revision``; the changes against what was known."""
+        fresh: dict[str, RankRecord] = {}
+        self.rejected = {}
+        for key, value in items:
+            record = self._decode(key, value)
+            if record is not None:
+                fresh[record.identity] = record
+        old, self._ranks = self._ranks, fresh
+        self.revision = max(self.revision, _revision(revision))
+        changes = [Change(LEFT, r) for i, r in old.items() if i not in fresh]
+        for identity, record in fresh.items():
+            before = old.get(identity)
+            if before is None:
+                changes.append(Change(JOINED, record))
+            elif before != record:
+                changes.append(Change(UPDATED, record))
+        return changes
+
+    def put(self, revision: int, key: bytes, value: bytes) -> list[Change]:
+        """A watch event: ``key`` was written at ``revision``."""
+        if _revision(revision) <= self.revision:
+            return []
+        self.revision = revision
+        identity = self._identity(key)
+        record = self._decode(key, value)
+        before = self._ranks.get(identity) if identity else None
+        if record is None:  # unreadable now: whatever it said before no longer holds
+            if before is not None:
+                del self._ranks[identity]
+                return [Change(LEFT, before)]
+            return []
+        self._ranks[record.identity] = record
+        if before is None:
+            return [Change(JOINED, record)]
+        return [Change(UPDATED, record)] if before != record else []
+
+    def delete(self, revision: int, key: bytes) -> list[Change]:
+        """A watch event: ``key`` was deleted (lease expired or revoked) at ``revision``."""
+        if _revision(revision) <= self.revision:
+            return []
+        self.revision = revision
+        text = _text(key)
+        self.rejected.pop(text, None)
+        identity = self._identity(key)
+        gone = self._ranks.pop(identity, None) if identity else None
+        return [Change(LEFT, gone)] if gone is not None else []
+
+    def mark_degraded(self, now: float, why: str) -> None:
+        if self.degraded_since is None:
+            self.degraded_since = now
+        self.degraded_why = why
+
+    def mark_healthy(self) -> None:
+        self.degraded_since, self.degraded_why = None, ""
+
+    # ------------------------------------------------------------- queries
+    @property
+    def degraded(self) -> bool:
+        return self.degraded_since is not None
+
+    def ranks(self, role: str | None = None) -> list[RankRecord]:
+        """Live ranks (of ``role``), by identity."""
+        return sorted((r for r in self._ranks.values() if role is None or r.role == role), key=lambda r: r.identity)
+
+    def get(self, identity: str) -> RankRecord | None:
+        return self._ranks.get(identity)
+
+    def compatible(self, layout: PageLayout, role: str = "prefill") -> list[RankRecord]:
+        """Ranks of ``role`` whose layout ``negotiate`` accepts against ``layout`` (ours, the reader's)."""
+        out = []
+        for record in self.ranks(role):
+            key = (layout.layout_id, record.layout_id)
+            ok = self._compatible.get(key)
+            if ok is None:
+                try:
+                    negotiate(layout, record.page_layout)
+                    ok = True
+                except KvlendError:
+                    ok = False
+                if len(self._compatible) > 1024:
+                    self._compatible.clear()
+                self._compatible[key] = ok
+            if ok:
+                out.append(record)
+        return out
+
+    def pick(self, layout: PageLayout, routed: Mapping[str, int] | None = None,
+             exclude: Iterable[str] = ()) -> RankRecord:
+        """The compatible prefill with the most room: least (published load + ``routed`` to it since) per
+        unit of capacity, ties by identity.  ``routed`` counts what the caller sent that the records may
+        not show yet (etcd lags by an update interval).  ``RegistryError`` if none is live."""
+        routed = routed or {}
+        skip = set(exclude)
+        live = [r for r in self.compatible(layout) if r.identity not in skip]
+        if not live:
+            known = [r.identity for r in self.ranks("prefill")]
+            raise RegistryError(f"no live prefill rank is compatible with layout {layout.layout_id[:12]} "
+                                f"(live prefills: {known or 'none'}; excluded: {sorted(skip) or 'none'})")
+        return min(live, key=lambda r: ((r.load + routed.get(r.identity, 0)) / r.capacity, r.identity))
+
+    # ------------------------------------------------------------- helpers
+    def _identity(self, key: bytes) -> str | None:
+        text = _text(key)
+        if text is None or not text.startswith(self.prefix):
+            return None
+        return text[len(self.prefix):]
+
+    def _decode(self, key: bytes, value: bytes) -> RankRecord | None:
+        text = _text(key) or repr(key)
+        identity = self._identity(key)
+        try:
+            if identity is None:
+                raise RegistryError(f"key is not under {self.prefix!r}")
+            record = RankRecord.decode(value)
+            if record.identity != identity:
+                raise RegistryError(f"record names {record.identity!r}, its key {identity!r}")
+        except RegistryError as exc:
+            self.rejected[text] = str(exc)
+            return None
+        self.rejected.pop(text, None)
+        return record
+
+
+def _text(key: bytes) -> str | None:
+    try:
+        return bytes(key).decode("utf-8")
+    except (TypeError, UnicodeDecodeError):
+        return None
+
+
+def _revision(value: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise RegistryError(f"revision: expected an int >= 0, got {value!r}")
+    return value
