@@ -307,6 +307,52 @@ def _run_certs_check(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+# ---------------------------------------------------------------- cluster
+def _add_cluster_status(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--etcd", default=os.environ.get("KVLEND_ETCD_ENDPOINTS", "127.0.0.1:2379"),
+                        help="etcd endpoints, host:port[,host:port...] (default: $KVLEND_ETCD_ENDPOINTS)")
+    parser.add_argument("--prefix", default=os.environ.get("KVLEND_CLUSTER_PREFIX", "/kvlend/default"),
+                        help="the cluster's key prefix (default: $KVLEND_CLUSTER_PREFIX)")
+    parser.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for etcd")
+    parser.add_argument("--json", action="store_true", help="print the status as JSON")
+
+
+def _run_cluster_status(args: argparse.Namespace) -> int:
+    try:
+        from .cluster.registry import Registry
+    except ImportError as exc:
+        raise CliError(f"cluster status needs the etcd client (pip install 'kvlend[cluster]'): {exc}") from None
+    if not 0 < args.timeout < 3600:
+        raise CliError(f"--timeout: expected seconds in (0, 3600), got {args.timeout}")
+    import logging
+
+    logging.getLogger("kvlend.cluster.registry").setLevel(logging.ERROR)  # the failure is our one line
+    registry = Registry([e.strip() for e in args.etcd.split(",") if e.strip()], args.prefix,
+                        timeout=min(args.timeout, 2.0))
+    try:
+        registry.start()
+        if not registry.ready(args.timeout):
+            raise CliError(f"etcd at {args.etcd} did not answer within {args.timeout:g} s: "
+                           f"{registry.status()['why'] or 'no connection'}")
+        status = registry.status()
+    finally:
+        registry.close()
+    if args.json:
+        print(json.dumps(status, indent=1))
+        return EXIT_OK
+    ranks = status["ranks"]
+    print(f"cluster {args.prefix} at etcd {status['endpoint']} (revision {status['revision']}): {len(ranks)} live ranks")
+    rows = [("IDENTITY", "ROLE", "ENDPOINT", "LAYOUT", "TP", "PP", "LOAD")] + [
+        (r["identity"], r["role"], r["endpoint"], r["layout_id"] or "-", r["tp"], r["pp"],
+         f"{r['load']}/{r['capacity']}") for r in ranks]
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    for row in rows:
+        print("  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip())
+    for key, why in status["rejected"].items():
+        print(f"unreadable record {key!r}: {why}")
+    return EXIT_OK
+
+
 COMMANDS: tuple[Command, ...] = (
     Command(("layout", "show"), "print a human summary of a layout file", _add_layout_show, _run_layout_show),
     Command(("layout", "check"), "negotiate two layouts: exit 0 with the plan, or 1 naming every mismatch",
@@ -326,9 +372,14 @@ COMMANDS: tuple[Command, ...] = (
             _add_certs_issue, _run_certs_issue),
     Command(("certs", "check"), "load and check this rank's credentials ($KVLEND_CA, $KVLEND_CERT, $KVLEND_KEY)",
             _add_certs_check, _run_certs_check),
+    Command(("cluster", "status"), "print the live ranks of a cluster from etcd (role, endpoint, layout, load)",
+            _add_cluster_status, _run_cluster_status,
+            "exit status: 0 etcd answered (the live ranks are printed, possibly none), 2 etcd did not answer "
+            "within --timeout or bad options"),
 )
 GROUP_HELP = {("layout",): "inspect and compare PageLayout files",
-              ("certs",): "TLS credentials: a cluster CA and one certificate per rank"}
+              ("certs",): "TLS credentials: a cluster CA and one certificate per rank",
+              ("cluster",): "the cluster registry in etcd: which ranks are alive"}
 
 
 def build_parser() -> argparse.ArgumentParser:

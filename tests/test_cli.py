@@ -284,3 +284,32 @@ def test_demo_text_report_says_how_many_were_in_flight():
                               "max_inflight": 1, "verified": False, "mismatched": ["req-3"]})
     assert "in flight             1 (max seen 1) from 1 prefill rank" in one
     assert one.splitlines()[-1].strip() == "verified              NO: req-3"
+
+
+# ---------------------------------------------------------------- cluster
+def test_cluster_status_lists_the_live_ranks_from_a_real_etcd(capsys):
+    from kvlend.cluster import RankRecord
+    from kvlend.cluster.etcd_members import EtcdMembers
+    from kvlend.cluster.registry import Registry
+
+    layout = load(LLAMA)
+    with EtcdMembers(1) as etcd, Registry(etcd.endpoints, "/kvlend/cli-test", ttl=2, timeout=1) as rank:
+        rank.publish(RankRecord("prefill-7", "prefill", "10.1.2.3", 4100, layout.encode(), capacity=8, load=3))
+        assert rank.wait_for(lambda view: view.get("prefill-7") is not None, 10)
+        code, out, err = run(capsys, "cluster", "status", "--etcd", etcd.endpoints[0], "--prefix", "/kvlend/cli-test")
+        assert code == 0, err
+        assert "1 live ranks" in out and has_row(out, f"prefill-7 prefill 10.1.2.3:4100 {layout.layout_id[:16]} 0/1 0/1 3/8")
+        code, out, _ = run(capsys, "cluster", "status", "--etcd", etcd.endpoints[0], "--prefix", "/kvlend/cli-test",
+                           "--json")
+        assert code == 0 and [r["identity"] for r in json.loads(out)["ranks"]] == ["prefill-7"]
+
+
+def test_cluster_status_without_etcd_is_one_line_and_exit_2(capsys):
+    import socket
+
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    code, out, err = run(capsys, "cluster", "status", "--etcd", f"127.0.0.1:{port}", "--timeout", "1")
+    assert code == 2 and out == "" and f"etcd at 127.0.0.1:{port} did not answer within 1 s" in err
+    assert len(err.strip().splitlines()) == 1
