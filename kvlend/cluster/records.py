@@ -143,9 +143,9 @@ class RankRecord:
             raise RegistryError(f"record: expected 1..{MAX_RECORD_BYTES} bytes")
         try:
             obj = json.loads(bytes(data))
-        except (ValueError, UnicodeDecodeError):
+        except (ValueError, UnicodeDecodeError, RecursionError):  # a hostile record may nest deep
             raise RegistryError("record: not JSON") from None
-        if not isinstance(obj, dict) or obj.get("version") != RECORD_VERSION:
+        if not isinstance(obj, dict) or type(obj.get("version")) is not int or obj["version"] != RECORD_VERSION:
             raise RegistryError(f"record: expected a JSON object of version {RECORD_VERSION}")
         missing = [f for f in _FIELDS if f not in obj]
         if missing:

@@ -4,9 +4,11 @@ Pure: the registry shell feeds it what etcd said (a snapshot at a revision,
 then every event after it) and the time; it answers who is alive, who can
 exchange bytes with a given layout, and which prefill to send the next
 request to.  Every change comes back as a ``Change`` so the shell can drop
-links to ranks that left.  Events at or below the revision already applied
-are ignored, so a watch restarted from ``revision + 1`` after a snapshot
-misses nothing and counts nothing twice; a record that does not decode is
+links to ranks that left.  Events below the revision already applied are
+ignored, and one at it is applied again (etcd gives every key one
+transaction touches the same revision; a key changes once per revision,
+so applying its event twice changes nothing), so a watch restarted from
+``revision + 1`` after a snapshot misses nothing and counts nothing twice; a record that does not decode is
 kept out (and listed in ``rejected``) rather than trusted or fatal.
 
 Health: the shell reports when etcd stops answering (``degraded``) and when
@@ -17,6 +19,7 @@ outage is not evidence that any rank died.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from fractions import Fraction  # exact: floats tie loads near 2**40 apart
 from typing import Iterable, Mapping
 
 from ..core.layout import PageLayout
@@ -43,11 +46,12 @@ class ClusterView:
         self.rejected: dict[str, str] = {}  # key -> why its value was refused
         self.degraded_since: float | None = None
         self.degraded_why = ""
-        self._compatible: dict[tuple[str, str], bool] = {}  # (local layout id, remote layout id) -> negotiates
+        self._compatible: dict[tuple[bytes, bytes], bool] = {}  # (local, remote layout encoded) -> negotiates
 
     # ------------------------------------------------------------- feeding
     def reset(self, revision: int, items: Iterable[tuple[bytes, bytes]]) -> list[Change]:
         """Replace everything with a snapshot taken at ``revision``; the changes against what was known."""
+        revision = _revision(revision)
         fresh: dict[str, RankRecord] = {}
         self.rejected = {}
         for key, value in items:
@@ -55,7 +59,7 @@ class ClusterView:
             if record is not None:
                 fresh[record.identity] = record
         old, self._ranks = self._ranks, fresh
-        self.revision = max(self.revision, _revision(revision))
+        self.revision = revision  # the watch resumes after it, even from a member that lags
         changes = [Change(LEFT, r) for i, r in old.items() if i not in fresh]
         for identity, record in fresh.items():
             before = old.get(identity)
@@ -67,7 +71,7 @@ class ClusterView:
 
     def put(self, revision: int, key: bytes, value: bytes) -> list[Change]:
         """A watch event: ``key`` was written at ``revision``."""
-        if _revision(revision) <= self.revision:
+        if _revision(revision) < self.revision:
             return []
         self.revision = revision
         identity = self._identity(key)
@@ -85,11 +89,10 @@ class ClusterView:
 
     def delete(self, revision: int, key: bytes) -> list[Change]:
         """A watch event: ``key`` was deleted (lease expired or revoked) at ``revision``."""
-        if _revision(revision) <= self.revision:
+        if _revision(revision) < self.revision:
             return []
         self.revision = revision
-        text = _text(key)
-        self.rejected.pop(text, None)
+        self.rejected.pop(_shown(key), None)
         identity = self._identity(key)
         gone = self._ranks.pop(identity, None) if identity else None
         return [Change(LEFT, gone)] if gone is not None else []
@@ -117,8 +120,11 @@ class ClusterView:
     def compatible(self, layout: PageLayout, role: str = "prefill") -> list[RankRecord]:
         """Ranks of ``role`` whose layout ``negotiate`` accepts against ``layout`` (ours, the reader's)."""
         out = []
+        mine = layout.encode()  # the id leaves out windows and sinks, which negotiate checks
         for record in self.ranks(role):
-            key = (layout.layout_id, record.layout_id)
+            if not record.layout:
+                continue  # a router: nothing to exchange
+            key = (mine, record.layout)
             ok = self._compatible.get(key)
             if ok is None:
                 try:
@@ -145,7 +151,7 @@ class ClusterView:
             known = [r.identity for r in self.ranks("prefill")]
             raise RegistryError(f"no live prefill rank is compatible with layout {layout.layout_id[:12]} "
                                 f"(live prefills: {known or 'none'}; excluded: {sorted(skip) or 'none'})")
-        return min(live, key=lambda r: ((r.load + routed.get(r.identity, 0)) / r.capacity, r.identity))
+        return min(live, key=lambda r: (Fraction(r.load + routed.get(r.identity, 0), r.capacity), r.identity))
 
     # ------------------------------------------------------------- helpers
     def _identity(self, key: bytes) -> str | None:
@@ -155,7 +161,7 @@ class ClusterView:
         return text[len(self.prefix):]
 
     def _decode(self, key: bytes, value: bytes) -> RankRecord | None:
-        text = _text(key) or repr(key)
+        text = _shown(key)
         identity = self._identity(key)
         try:
             if identity is None:
@@ -175,6 +181,12 @@ def _text(key: bytes) -> str | None:
         return bytes(key).decode("utf-8")
     except (TypeError, UnicodeDecodeError):
         return None
+
+
+def _shown(key: bytes) -> str:
+    """How ``rejected`` names a key: its text, or its repr when it is not UTF-8."""
+    text = _text(key)
+    return text if text is not None else repr(key)
 
 
 def _revision(value: int) -> int:
