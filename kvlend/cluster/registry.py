@@ -130,7 +130,10 @@ class Registry:
         with self._cond:
             if self._record is None:
                 raise RegistryError("update: nothing published yet")
-            record = dataclasses.replace(self._record, **fields)
+            try:
+                record = dataclasses.replace(self._record, **fields)
+            except TypeError as exc:  # a field RankRecord does not have
+                raise RegistryError(f"update: {exc}") from None
             if record == self._record:
                 return
             self._record = record
@@ -228,7 +231,11 @@ class Registry:
         await self._revoke(aetcd)
 
     async def _call(self, coro):
-        return await asyncio.wait_for(coro, self.timeout)
+        try:
+            return await asyncio.wait_for(coro, self.timeout)
+        except asyncio.TimeoutError:
+            name = getattr(coro, "__qualname__", "call")
+            raise RegistryError(f"{name} did not answer within {self.timeout:g} s") from None
 
     async def _pass(self, aetcd, host: str, port: int) -> None:
         client = aetcd.Client(host, port, timeout=max(1, round(self.timeout)), connect_wait_timeout=max(1, round(self.timeout)))
@@ -270,9 +277,15 @@ class Registry:
                 with self._cond:
                     if event.kind == delete:
                         changes = self.view.delete(kv.mod_revision, kv.key)
+                        mine = self._record is not None and any(
+                            c.record.identity == self._record.identity for c in changes)
+                        if mine:  # deleted by hand while we live: put it back (``_keep`` wakes now)
+                            self._published = None
                     else:
                         changes = self.view.put(kv.mod_revision, kv.key, kv.value)
                 self._notify(changes)
+                if event.kind == delete:
+                    self._wake.set()
             raise RegistryError("the watch stream ended")
         finally:
             self._wake.set()  # ``_keep`` notices at once
