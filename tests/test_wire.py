@@ -20,7 +20,7 @@ from kvlend.errors import ProtocolError
 from kvlend.core.layout import RowSelection
 from kvlend.core.pages import GroupPages
 from kvlend.protocol.wire import (
-    MAX_FRAME_BYTES, MESSAGES, PROTOCOL_VERSION, Abort, Bye, Claim, Renewed, Done, DoneAck, FrameDecoder,
+    MAX_FRAME_BYTES, MESSAGES, PROTOCOL_VERSION, Abort, Bye, Claim, Renewed, Done, DoneAck, Extend, FrameDecoder,
     Handshake, Heartbeat, LeaseOffer, Offer, encode_frame, message_from_wire,
 )
 
@@ -57,6 +57,10 @@ SAMPLES = [
     Abort(LID, "decode gave up"),
     Claim(LID2),
     Bye("shutdown"),
+    Offer(LeaseOffer(LID2, "req-2", 300, {"full": GroupPages(np.arange(2), np.array([5, 9]))}, RowSelection.all(),
+                     2.5, ready=40)),  # progressive: 2 pages of 16 tokens committed so far
+    Extend(LID2, 72, {"full": GroupPages(np.array([2, 3]), np.array([1, 0]))}),
+    Extend(LID2, 300, {}),  # final, nothing more to read
 ]
 
 
@@ -92,7 +96,7 @@ def test_every_message_round_trips_in_one_feed():
     got = decode_all(stream)
     assert [type(m) for m in got] == [type(m) for m in SAMPLES]
     assert [wire_bytes(m) for m in got] == [wire_bytes(m) for m in SAMPLES]
-    simple = [(a, b) for a, b in zip(SAMPLES, got) if not isinstance(a, Offer)]
+    simple = [(a, b) for a, b in zip(SAMPLES, got) if not isinstance(a, (Offer, Extend))]  # hold GroupPages (no ==)
     assert all(a == b for a, b in simple)
 
 
@@ -143,7 +147,7 @@ def test_offer_arrays_selection_and_meta_survive():
 def test_a_frame_is_a_length_then_msgpack_version_and_message():
     frame = encode_frame(Bye("x"))
     assert frame == framed(msgpack.packb([PROTOCOL_VERSION, {"t": "bye", "reason": "x"}], use_bin_type=True))
-    assert PROTOCOL_VERSION == 2
+    assert PROTOCOL_VERSION == 3
 
 
 # ------------------------------------------------------------ malformed bits
@@ -182,15 +186,15 @@ def test_a_flipped_payload_bit_is_refused_or_decodes_to_a_valid_message():
         assert outcomes["refused"] > 0, (m.TYPE, outcomes)
 
 
-@pytest.mark.parametrize("version", [1, 3, 0, True, 2.0, "2", None, -1, 2**64 - 1])
-def test_the_version_must_be_exactly_two(version):
+@pytest.mark.parametrize("version", [1, 2, 4, 0, True, 3.0, "3", None, -1, 2**64 - 1])
+def test_the_version_must_be_exactly_three(version):
     with pytest.raises(ProtocolError, match="protocol version"):
         decode_all(framed(msgpack.packb([version, Bye("x").to_wire()], use_bin_type=True)))
     assert decode_all(framed(msgpack.packb([PROTOCOL_VERSION, Bye("x").to_wire()]))) == [Bye("x")]
 
 
 def test_a_version_1_frame_is_refused():
-    """Version 1 framed ``[1, sequence, message]`` and appended a MAC: neither fits version 2."""
+    """Version 1 framed ``[1, sequence, message]`` and appended a MAC: neither fits version 3."""
     payload = msgpack.packb([1, 0, Bye("x").to_wire()], use_bin_type=True)
     with pytest.raises(ProtocolError, match=r"\[version, message\]"):
         decode_all(framed(payload))

@@ -67,6 +67,15 @@ def _read(plan: TransferPlan, rg: str, gp: GroupPages, num_tokens: int) -> tuple
     return (gp if keep.all() else gp.select(keep)), local
 
 
+def rows_read(plan: TransferPlan, pages: Mapping[str, GroupPages], num_tokens: int) -> dict[str, np.ndarray]:
+    """Per remote group, the token pages of ``pages`` worth reading (those ``needed_pages`` counts).
+
+    A progressive lease's reader reads these once; a remote page left out (it holds part of a local
+    page whose other part is not lent yet) is read once a later extension completes that page.
+    """
+    return {rg: _read(plan, rg, gp, num_tokens)[0].token_pages for rg, gp in pages.items() if rg in plan.group_map}
+
+
 def needed_pages(plan: TransferPlan, pages: Mapping[str, GroupPages], num_tokens: int) -> dict[str, np.ndarray]:
     """Per local group, the local token pages that reading ``pages`` delivers (every group keyed)."""
     needed = {name: np.zeros(0, dtype=np.int64) for name in plan.local.groups}

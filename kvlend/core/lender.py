@@ -68,9 +68,15 @@ class Lease:
     expires_at: float
     lent_at: float = -math.inf
     ends_by: float = math.inf  # lent_at + the lifetime cap: no renewal pushes expires_at past it
+    ready: int = 0  # tokens the prefill has committed; the lease is final once ``ready == num_tokens``
 
     def __hash__(self) -> int:
         return hash(self.id)
+
+    @property
+    def final(self) -> bool:
+        """Every page a reader needs is lent: nothing more will be added (``extend``)."""
+        return self.ready == self.num_tokens
 
     @property
     def hex(self) -> str:
@@ -98,7 +104,7 @@ NO_LIMITS = LeaseLimits()
 @dataclass(frozen=True)
 class _Loan:
     lease: Lease
-    locked: Slots  # the page-lock slots this lease holds, validated once at the lend
+    locked: tuple[Slots, ...]  # the page-lock slots this lease holds, one entry per lend or extend, validated then
 
 
 def _time(where: str, value: Any) -> float:
@@ -159,6 +165,7 @@ class Lender:
         peer: str | None = None,
         limits: LeaseLimits = NO_LIMITS,
         lease_id: bytes | None = None,
+        ready: int | None = None,
     ) -> Lease:
         """Lend what a decoder at ``num_tokens`` reads; validates everything first.
 
@@ -168,6 +175,9 @@ class Lender:
         checked, so stale rows of a windowed group may hold -1.  ``limits``: see the module doc.
         ``lease_id`` (default: a fresh random one) lets a caller mint the ticket before the lend,
         as vLLM's scheduler must; it is a capability, so it must be as unguessable as ours.
+        ``ready`` (default ``num_tokens``): lend progressively, while prefill still computes. Only the
+        pages wholly below ``ready`` tokens are lent (recurrent state only at ``num_tokens``); rows
+        past it may hold -1, and ``extend`` lends the rest as chunks are committed.
         """
         if not isinstance(request, str) or not request:
             raise LeaseError(f"request: must be a non-empty str, got {request!r}")
@@ -190,7 +200,8 @@ class Lender:
         if ttl > limits.max_lease_lifetime:
             raise QuotaExceeded("max_lease_lifetime", ttl, limits.max_lease_lifetime, "a lease ttl of")
         peer = _peer(peer)
-        lent, slots = self._plan(num_tokens, pages, targets)
+        ready = _ready(ready, num_tokens, 0)
+        lent, slots = self._plan(num_tokens, pages, targets, ready)
         num_pages = sum(len(g) for g in lent.values())
         self._check_quota(peer, num_pages, now, limits)
         key = (request, peer)
@@ -211,19 +222,27 @@ class Lender:
         lease = Lease(
             id=lease_id, request=request, num_tokens=num_tokens, pages=MappingProxyType(lent),
             selection=selection, peer=peer, ttl=ttl, expires_at=now + ttl,
-            lent_at=now, ends_by=now + limits.max_lease_lifetime,
+            lent_at=now, ends_by=now + limits.max_lease_lifetime, ready=ready,
         )
-        self._live[lease_id] = _Loan(lease, slots)
+        self._live[lease_id] = _Loan(lease, (slots,))
         self._by_key[key] = lease_id
         self._count(peer, lease_id, num_pages)
         self._push(lease)
         return lease
 
-    def _check_quota(self, peer: str | None, num_pages: int, now: float, limits: LeaseLimits) -> None:
-        """Refuse one more lease of ``num_pages`` for ``peer`` past its lease or page quota."""
+    def _check_quota(self, peer: str | None, num_pages: int, now: float, limits: LeaseLimits,
+                     extra: int | None = None) -> None:
+        """Refuse one more lease of ``num_pages`` for ``peer`` past its lease or page quota
+        (``extra``: a lease the peer holds grows by that many pages instead)."""
         if peer is None:
             return
         ids = self._of_peer.get(peer, {})
+        if extra is not None:
+            pages = self._peer_pages.get(peer, 0) + extra
+            if pages > limits.max_locked_pages_per_peer:
+                raise QuotaExceeded("max_locked_pages_per_peer", pages, limits.max_locked_pages_per_peer,
+                                    f"peer {_show_peer(peer)} would hold locked pages:")
+            return
         leases, pages = len(ids) + 1, self._peer_pages.get(peer, 0) + num_pages
         if leases > limits.max_leases_per_peer or pages > limits.max_locked_pages_per_peer:
             # Only now look closer: leases past their expiry that no sweep ended yet do not count.
@@ -275,8 +294,10 @@ class Lender:
 
     def _plan(
         self, num_tokens: int, pages: Mapping[str, Any], targets: Mapping[str, tuple[tuple[str, ...], int]],
+        ready: int, before: Mapping[str, GroupPages] | None = None,
     ) -> tuple[dict[str, GroupPages], Slots]:
-        """Validate the page tables; return the lent rows and the page-lock slots they hold."""
+        """Validate the page tables; return the rows lent (those complete at ``ready``, less those
+        lent ``before``) and the page-lock slots they hold."""
         groups = self.layout.groups
         if type(pages) is not dict and not isinstance(pages, Mapping):
             raise PageRangeError(f"pages: must be a mapping of group name to page table, got {type(pages).__name__}")
@@ -292,6 +313,10 @@ class Lender:
             if target is None:
                 continue
             rows = group.pages_read(num_tokens, tpp)
+            if ready < num_tokens:  # progressive: complete pages only, recurrent state once final
+                rows = rows[:0] if group.recurrent else rows[:np.searchsorted(rows, ready // tpp)]
+            if before is not None:
+                rows = self._new_rows(name, rows, table, before[name])
             ordinals = table[rows]
             used, fewest = target
             unique = _unique(ordinals)
@@ -311,6 +336,51 @@ class Lender:
             for r, parts in sorted(per_region.items(), key=lambda item: order[item[0]])
         )
         return lent, self.locks._flatten(locked)
+
+    @staticmethod
+    def _new_rows(group: str, rows: np.ndarray, table: np.ndarray, lent: GroupPages) -> np.ndarray:
+        """``rows`` not lent yet; ``LeaseError`` if a row already lent is now in another slot."""
+        old = np.isin(rows, lent.token_pages, assume_unique=True)
+        if old.sum() != len(lent):
+            raise LeaseError(f"pages[{group!r}]: the rows already lent are not all still lent at this point")
+        moved = np.flatnonzero(table[lent.token_pages] != lent.ordinals)
+        if moved.size:
+            i = int(moved[0])
+            raise LeaseError(f"pages[{group!r}]: token page {int(lent.token_pages[i])} was lent in slot "
+                             f"{int(lent.ordinals[i])}, the table now says {int(table[lent.token_pages[i]])}")
+        return rows[~old]
+
+    def extend(self, lease_id: bytes, ready: int, pages: Mapping[str, Any], now: float,
+               limits: LeaseLimits = NO_LIMITS) -> tuple[Lease, dict[str, GroupPages]]:
+        """Lend what prefill has committed up to ``ready`` tokens: the lease grows in place.
+
+        ``pages`` is the request's whole page table as in ``lend`` (rows past ``ready`` may hold -1);
+        rows lent before must keep their slots.  Pages newly complete at ``ready`` are locked and
+        lent (recurrent state only once ``ready == num_tokens``, which makes the lease final).
+        Returns the lease and the rows this call added, per group (empty groups left out), which is
+        what a reader needs to hear.  Everything is checked (and the peer's page quota) before
+        anything changes; a final or ended lease cannot grow.
+        """
+        lease = self.get(lease_id, now)
+        if lease.final:
+            raise LeaseError(f"lease {lease.hex} is final: every page of its {lease.num_tokens} tokens is lent")
+        ready = _ready(ready, lease.num_tokens, lease.ready + 1)
+        if not isinstance(limits, LeaseLimits):
+            raise LeaseError(f"limits: must be a LeaseLimits, got {type(limits).__name__}")
+        targets = self._targets(lease.selection)
+        added, slots = self._plan(lease.num_tokens, pages, targets, ready, before=_all_groups(self, lease))
+        more = sum(len(g) for g in added.values())
+        if lease.peer is not None and more:
+            self._check_quota(lease.peer, lease.num_pages + more, now, limits, extra=more)
+        self.locks.lock_slots(slots)
+        merged = {name: _merged(gp, added.get(name)) for name, gp in lease.pages.items()}
+        merged.update((name, gp) for name, gp in added.items() if name not in merged)
+        grown = replace(lease, ready=ready, pages=MappingProxyType(merged))
+        loan = self._live[lease_id]
+        self._live[lease_id] = _Loan(grown, loan.locked + (slots,))
+        self._of_peer[lease.peer][lease_id] += more
+        self._peer_pages[lease.peer] += more
+        return grown, {name: gp for name, gp in added.items() if len(gp)}
 
     def _range_error(self, group: str, rows: np.ndarray, ordinals: np.ndarray, used: tuple[str, ...]) -> None:
         """Raise for the first region (by name) and row whose slot is out of range."""
@@ -466,7 +536,8 @@ class Lender:
 
     def _end(self, lease_id: bytes, why: str) -> Lease:
         loan = self._live.pop(lease_id)
-        self.locks.unlock_slots(loan.locked)
+        for slots in loan.locked:
+            self.locks.unlock_slots(slots)
         key = (loan.lease.request, loan.lease.peer)
         if self._by_key.get(key) == lease_id:
             del self._by_key[key]
@@ -489,6 +560,31 @@ def _check_id(lease_id: Any) -> None:
 
 def _table(group: str, value: Any, length: int) -> np.ndarray:
     return int_array(f"pages[{group!r}]", value, length=length)
+
+
+def _ready(value: Any, num_tokens: int, low: int) -> int:
+    """``ready`` of a lend (``low`` 0) or an extend (``low``: one past what is lent): an int in
+    ``[low, num_tokens]``; None means final."""
+    if value is None:
+        return num_tokens
+    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= num_tokens:
+        raise PageRangeError(f"ready: must be an int in [{low}, {num_tokens}], got {value!r}")
+    return value
+
+
+def _all_groups(lender: Lender, lease: Lease) -> dict[str, GroupPages]:
+    """What ``lease`` holds per group of the layout (groups it lends nothing of yet: empty)."""
+    empty = GroupPages._checked(np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64))
+    return {name: lease.pages.get(name, empty) for name in lender.layout.groups}
+
+
+def _merged(a: GroupPages, b: GroupPages | None) -> GroupPages:
+    """The rows of both (disjoint), sorted by token page."""
+    if b is None or not len(b):
+        return a
+    tokens = np.concatenate([a.token_pages, b.token_pages])
+    order = np.argsort(tokens, kind="stable")
+    return GroupPages._checked(tokens[order], np.concatenate([a.ordinals, b.ordinals])[order])
 
 
 def _unique(values: np.ndarray) -> np.ndarray:

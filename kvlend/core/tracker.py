@@ -8,7 +8,8 @@ from there.  Full attention needs the delivered prefix, a windowed group only
 its sinks and read window at ``t``, and recurrent state is valid only whole and
 only at ``t == num_tokens``.  Pure: no clocks, no I/O.
 
-Lifecycle: ``begin`` -> ``post``/``done``/``fail`` -> ``finish``.  ``abort``
+Lifecycle: ``begin`` -> ``post``/``done``/``fail`` (and ``need``, as a
+progressive lease grows) -> ``finish``.  ``abort``
 freezes a request: completions that arrive later (reads already in flight)
 are ignored and return False, but still leave ``pending``, so the caller knows
 when its destination pages are quiet.  An aborted request may be finished at
@@ -98,6 +99,26 @@ class DeliveryTracker:
         self._requests[request] = _Request(
             num_tokens, masks, {name: np.zeros(m.size, dtype=bool) for name, m in masks.items()}, missing,
         )
+
+    def need(self, request: str, pages: Mapping[str, Any]) -> None:
+        """More token pages will be delivered (a progressive lease grew): add them to what is needed.
+
+        ``pages[group]`` as in ``post``; pages already needed are fine.  Checked before anything changes.
+        """
+        r = self._get(request)
+        if r.aborted:
+            raise TrackerError(f"request {request!r} was aborted; it needs nothing more")
+        if not isinstance(pages, Mapping):
+            raise PageRangeError(f"pages: must be a mapping of group name to token pages, got {type(pages).__name__}")
+        unknown = sorted(map(repr, set(pages) - set(r.needed)))
+        if unknown:
+            raise PageRangeError(f"pages: unknown groups [{', '.join(unknown)}]")
+        checked = {name: _pages(f"pages[{name!r}]", value, r.needed[name].size) for name, value in pages.items()}
+        for name, idx in checked.items():
+            need, have = r.needed[name], r.delivered[name]
+            fresh = idx[~need[idx]]
+            r.missing += int(np.count_nonzero(~have[fresh]))
+            need[fresh] = True
 
     def abort(self, request: str) -> None:
         """Give up on ``request``: later completions of its chunks are ignored."""

@@ -6,7 +6,9 @@ cancel reads) and events (offers pushed, fetches finished).  It runs many
 fetches at once over many links, each link one prefill endpoint.
 
 A fetch's life: (claim a ticket's lease) -> post its chunks -> every chunk
-done -> ``Done`` -> the prefill's ack -> ``done``.  Any failure (a chunk
+done -> ``Done`` -> the prefill's ack -> ``done``.  A progressive lease
+(offered before prefill finished) grows by ``Extend`` messages: each one's
+new pages are posted at once, and ``Done`` waits for the final extension.  Any failure (a chunk
 failed, the deadline passed, the link died, the engine cancelled) first
 cancels the reads still in flight and waits until the backend reports each
 one terminal: only then is the fetch ``failed``, its destination quiet and
@@ -27,7 +29,7 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from ..core.fetchplan import destination_pages, needed_pages, skip_below, split_chunks
+from ..core.fetchplan import destination_pages, needed_pages, rows_read, skip_below, split_chunks
 from ..core.layout import PageLayout
 from ..core.negotiate import TransferPlan, negotiate
 from ..core.pages import int_array
@@ -46,7 +48,9 @@ from .config import NodeConfig
 from .connection import Connection
 from .prefill import peer_layout
 from .ticket import Ticket
-from .wire import Abort, Bye, Claim, Done, DoneAck, Handshake, Heartbeat, LeaseOffer, Message, Offer, Renewed
+from .wire import (
+    Abort, Bye, Claim, Done, DoneAck, Extend, Handshake, Heartbeat, LeaseOffer, Message, Offer, Renewed,
+)
 
 log = logging.getLogger("kvlend.session")
 _REASON = 4000
@@ -94,6 +98,7 @@ class Fetch:
     posted: float | None = None  # reads posted (all chunks at once)
     landed: float | None = None  # every read landed (before the done ack)
     quiet_by: float = math.inf  # CANCELLING: tear the link down if reads are still in flight then
+    read_rows: dict = field(default_factory=dict)  # remote group -> token pages read or skipped so far
 
     @property
     def done(self) -> bool:
@@ -284,6 +289,7 @@ class DecodeSession(Outbox):
             raise ProtocolError(f"lease {offer.id.hex()} is no longer offered on this link "
                                 "(fetched, declined or withdrawn): ask the prefill to lend it again")
         resume_from = _resume_point(resume_from, offer.num_tokens)
+        offer = link.offers[offer.id]  # as grown by any extension since it was offered
         work = self._work(link.plan, offer, dst, resume_from)  # may raise: nothing changed yet
         fetch = self._new_fetch(conn, offer.id, offer.num_tokens, dst, resume_from, now, timeout, FetchState.READING)
         fetch.sure_until = link.sure.get(offer.id, -math.inf)
@@ -486,6 +492,8 @@ class DecodeSession(Outbox):
             self._handshake(conn, link, message, now)
         elif isinstance(message, Offer):
             self._offer(conn, link, message.lease, now)
+        elif isinstance(message, Extend):
+            self._extended(conn, link, message, now)
         elif isinstance(message, Renewed):
             self._renewed(conn, link, message)
         elif isinstance(message, DoneAck):
@@ -572,6 +580,28 @@ class DecodeSession(Outbox):
             fetch.claimed_at = None  # nothing was posted: the lease stays ours to claim again, or to expire
             self._fail(fetch, error, now)
 
+    def _extended(self, conn: int, link: _Link, message: Extend, now: float) -> None:
+        """A progressive lease grew: an offer not yet fetched grows; a fetch reading it posts the new pages."""
+        offer = link.offers.get(message.lease)
+        if offer is not None:
+            link.offers[message.lease] = _grown(link, offer, message)
+            return
+        fetch = self._fetch_of(conn, message.lease, FetchState.READING)
+        if fetch is None:
+            if any(f.link == conn and f.lease == message.lease and f.state is FetchState.ACKING
+                   for f in self._fetches.values()):
+                raise ProtocolError(f"prefill {link.peer} extended lease {message.lease.hex()} after it was final")
+            return  # a fetch that failed, or a claim given up: nothing to read
+        grown = _grown(link, fetch.offer, message)  # a malformed extension fails the link
+        try:
+            work = self._work(link.plan, grown, fetch.dst, fetch.resume_from, fetch.read_rows)
+            fetch.offer = grown
+            self._post_work(fetch, work, now, begin=False)
+        except Exception as exc:  # the engine's table, or a bug: this fetch fails, the link stays
+            error = exc if isinstance(exc, KvlendError) else KvlendError(
+                f"request {fetch.request}: reading an extension failed: {type(exc).__name__}: {exc}")
+            self._fail(fetch, error, now)
+
     def _renewed(self, conn: int, link: _Link, message: Renewed) -> None:
         """A heartbeat's answer: its leases were renewed after we sent it, so they hold a TTL from then."""
         if not link.beats:
@@ -654,16 +684,24 @@ class DecodeSession(Outbox):
         fetch.claimed_at = now
         link.conn.send(Claim(fetch.lease))
 
-    def _work(self, plan: TransferPlan, offer: LeaseOffer, dst: Mapping[str, Any], resume_from: int):
-        """Every chunk's descriptors and local pages, and what the tracker waits for.
+    def _work(self, plan: TransferPlan, offer: LeaseOffer, dst: Mapping[str, Any], resume_from: int,
+              done_rows: Mapping[str, np.ndarray] | None = None):
+        """Every chunk's descriptors and local pages, what the tracker waits for, and the remote rows
+        this reads; of a grown offer, only rows not read (or skipped) before (``done_rows``).
 
         Computed before any state changes, so a bad destination table fails first.
         """
-        pages, kept = skip_below(plan, offer.pages, offer.num_tokens, resume_from)
+        given = offer.pages if not done_rows else {
+            rg: gp.select(~np.isin(gp.token_pages, done_rows[rg])) if rg in done_rows else gp
+            for rg, gp in offer.pages.items()}
+        pages, kept = skip_below(plan, given, offer.num_tokens, resume_from)
         chunks = [(plan_reads(plan, src, dst, offer.selection), local)
                   for src, local in split_chunks(plan, pages, offer.num_tokens, self.config.chunk_pages)]
-        needed = needed_pages(plan, offer.pages, offer.num_tokens)
-        return chunks, kept, needed
+        needed = needed_pages(plan, given, offer.num_tokens)
+        read = rows_read(plan, given, offer.num_tokens)
+        if done_rows:
+            read = {rg: np.union1d(done_rows.get(rg, read[rg][:0]), rows) for rg, rows in read.items()}
+        return chunks, kept, needed, read
 
     def _begin(self, fetch: Fetch, offer: LeaseOffer, work, now: float, created: bool) -> None:
         """Track the fetch and post its chunks; all or nothing.
@@ -671,15 +709,33 @@ class DecodeSession(Outbox):
         On failure everything is undone and the exception propagates; a fetch ``created`` for
         this call is forgotten too (its caller never saw it).
         """
-        chunks, kept, needed = work
         fetch.offer, fetch.request = offer, offer.request
+        try:
+            self._post_work(fetch, work, now, begin=True)
+        except BaseException:
+            self._forget_tracking(fetch)
+            fetch.bytes = fetch.descriptors = 0
+            fetch.offer = None
+            fetch.read_rows = {}
+            if created:
+                del self._fetches[fetch.id]
+            raise
+
+    def _post_work(self, fetch: Fetch, work, now: float, begin: bool) -> None:
+        """Post ``work``'s chunks (tracking the fetch first if ``begin``); the posts are all or nothing."""
+        chunks, kept, needed, read = work
         mark = len(self._actions)
         tags: list[bytes] = []
+        counted = fetch.bytes, fetch.descriptors
         try:
-            self.tracker.begin(fetch.key, offer.num_tokens, needed)
+            if begin:
+                self.tracker.begin(fetch.key, fetch.offer.num_tokens, needed)
+            else:
+                self.tracker.need(fetch.key, needed)
             if kept:
-                self.tracker.post(fetch.key, "resumed", kept)  # read by an earlier lease, verified then
-                self.tracker.done(fetch.key, "resumed")
+                self._seq += 1  # read by an earlier lease, verified then
+                self.tracker.post(fetch.key, f"resumed-{self._seq}", kept)
+                self.tracker.done(fetch.key, f"resumed-{self._seq}")
             for batches, local in chunks:
                 self._seq += 1
                 tag = f"{self.name}:{self._seq}".encode()
@@ -693,14 +749,12 @@ class DecodeSession(Outbox):
             del self._actions[mark:]
             for tag in tags:
                 self._tags.pop(tag, None)
-            self._forget_tracking(fetch)
-            fetch.bytes = fetch.descriptors = 0
-            fetch.offer = None
-            if created:
-                del self._fetches[fetch.id]
+            fetch.bytes, fetch.descriptors = counted
             raise
         fetch.tags.update(tags)
-        fetch.posted = now
+        fetch.read_rows = read
+        if fetch.posted is None:
+            fetch.posted = now
         if now < fetch.sure_until:
             fetch.bound = max(fetch.resume_from, self.tracker.bound(fetch.key))
         self._progress(fetch, now)
@@ -710,6 +764,8 @@ class DecodeSession(Outbox):
         if fetch.tags:
             return
         if fetch.state is FetchState.READING:
+            if not fetch.offer.final:
+                return  # a progressive lease: the prefill has more to lend (``Extend``)
             fetch.state = FetchState.ACKING
             fetch.landed = now
             self._links[fetch.link].conn.send(Done(fetch.lease, self.tracker.bound(fetch.key)))
@@ -802,6 +858,18 @@ class DecodeSession(Outbox):
         ids = [f.lease for f in self._fetches.values()
                if f.link == link.id and not f.done and (f.offer is not None or f.claimed_at is not None)]
         return ids + [i for i in link.offers if i not in ids]
+
+
+def _grown(link: _Link, offer: LeaseOffer, message: Extend) -> LeaseOffer:
+    """``offer`` with ``message``'s rows; ``ProtocolError`` for an extension no prefill sends."""
+    if not offer.ready < message.ready <= offer.num_tokens:
+        raise ProtocolError(f"prefill {link.peer} extended lease {message.lease.hex()} from {offer.ready} to "
+                            f"{message.ready} tokens (of {offer.num_tokens})")
+    unknown = sorted(map(repr, set(message.pages) - set(link.plan.remote.groups)))
+    if unknown:
+        raise ProtocolError(f"prefill {link.peer} extended lease {message.lease.hex()} with unknown groups "
+                            f"[{', '.join(unknown)}]")
+    return offer.extended(message.ready, message.pages)
 
 
 def check_destination(plan: TransferPlan, dst: Any, num_tokens: int) -> None:

@@ -33,7 +33,7 @@ from .config import NodeConfig
 from .connection import AUTH_TIMEOUT, Connection
 from .ticket import Ticket
 from .wire import (
-    Abort, Bye, Claim, Done, DoneAck, Handshake, Heartbeat, LeaseOffer, Message, Offer, Renewed, check_offer,
+    Abort, Bye, Claim, Done, DoneAck, Extend, Handshake, Heartbeat, LeaseOffer, Message, Offer, Renewed, check_offer,
 )
 
 log = logging.getLogger("kvlend.session")
@@ -145,15 +145,16 @@ class PrefillSession(Outbox):
     # ---------------------------------------------------------------- engine
     def lend(self, request: str, num_tokens: int, pages: Mapping[str, Any], selection: RowSelection,
              now: float, *, meta: Mapping[str, Any] | None = None, peer: str | None = None,
-             lease_id: bytes | None = None) -> Lease:
+             lease_id: bytes | None = None, ready: int | None = None) -> Lease:
         """Lend ``request``'s pages; with ``peer`` None any decode may claim it through a ticket.
 
         ``lease_id``: the id of a ticket minted before the lend (a claim already waiting is answered now).
+        ``ready``: lend progressively (see ``Lender.lend``); ``extend`` lends the rest.
         ``QuotaExceeded`` (nothing lent) past ``max_num_tokens``, or past ``peer``'s lease or page quota.
         """
         meta = check_offer(request, meta or {})  # what the decode would refuse must not take locks
         lease = self.lender.lend(request, num_tokens, pages, selection, now, self.config.ttl, peer=peer,
-                                 limits=self._limits, lease_id=lease_id)
+                                 limits=self._limits, lease_id=lease_id, ready=ready)
         self._loans[lease.id] = _Loaned(meta)
         conn, _ = self._waiting.pop(lease.id, (None, 0.0))
         if conn is not None:
@@ -173,6 +174,15 @@ class PrefillSession(Outbox):
         except ProtocolError:  # too large to frame: nothing was queued
             self._end(lease.id, "aborted")
             raise
+        return lease
+
+    def extend(self, lease_id: bytes, ready: int, pages: Mapping[str, Any], now: float) -> Lease:
+        """A progressive lease grows to ``ready`` tokens (see ``Lender.extend``); its reader, if it has
+        the offer, is told at once (``Extend``, pushed: no polling round trip)."""
+        lease, added = self.lender.extend(lease_id, ready, pages, now, self._limits)
+        conn = self._by_name.get(lease.peer) if lease.peer is not None else None
+        if conn is not None and self._peers[conn].layout is not None:
+            self._peers[conn].conn.send(Extend(lease.id, lease.ready, added))
         return lease
 
     def ticket(self, lease: Lease, host: str, port: int) -> Ticket:
@@ -320,7 +330,7 @@ class PrefillSession(Outbox):
     def _offer_of(self, lease: Lease) -> LeaseOffer:
         loaned = self._loans.get(lease.id)  # a lease lent through a shared lender has no meta of ours
         return LeaseOffer(lease.id, lease.request, lease.num_tokens, lease.pages, lease.selection, lease.ttl,
-                          loaned.meta if loaned is not None else {})
+                          loaned.meta if loaned is not None else {}, lease.ready)
 
     def _end(self, lease_id: bytes, reason: str) -> None:
         lease = self.lender.release(lease_id)

@@ -25,7 +25,7 @@ from ..core.layout import RowSelection, SelectionMode, _show  # _show: a short, 
 from ..core.lender import LEASE_ID_BYTES
 from ..core.pages import GroupPages
 
-PROTOCOL_VERSION = 2  # 2: inside TLS, no MAC or sequence numbers
+PROTOCOL_VERSION = 3  # 2: inside TLS, no MAC or sequence numbers; 3: progressive leases (ready, Extend)
 MAX_FRAME_BYTES = 16 << 20
 MAX_GROUP_PAGES = 1 << 22
 _LEN = struct.Struct(">I")
@@ -108,6 +108,8 @@ class LeaseOffer:
     """What the decode side needs to read a lease: pages per (prefill) group, selection, TTL.
 
     ``meta`` carries the engine's own small per-request data (first token, ...).
+    ``ready``: tokens the prefill had committed (None: ``num_tokens``, final); a
+    progressive lease's later pages come in ``Extend`` messages.
     """
 
     id: bytes
@@ -117,32 +119,35 @@ class LeaseOffer:
     selection: RowSelection
     ttl: float
     meta: Mapping[str, Any] = field(default_factory=dict)
+    ready: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.ready is None:
+            object.__setattr__(self, "ready", self.num_tokens)
+
+    @property
+    def final(self) -> bool:
+        return self.ready == self.num_tokens
+
+    def extended(self, ready: int, added: Mapping[str, GroupPages]) -> LeaseOffer:
+        """This offer grown by an ``Extend``: ``added`` rows merged in, ``ready`` advanced."""
+        pages = dict(self.pages)
+        for group, more in added.items():
+            pages[group] = merge_pages(pages[group], more) if group in pages else more
+        return LeaseOffer(self.id, self.request, self.num_tokens, pages, self.selection, self.ttl, self.meta, ready)
 
     def to_wire(self) -> dict:
         return {
             "id": self.id, "request": self.request, "num_tokens": self.num_tokens,
-            "pages": {g: [p.token_pages.astype("<i8").tobytes(), p.ordinals.astype("<i8").tobytes()]
-                      for g, p in self.pages.items()},
+            "pages": _pages_to_wire(self.pages),
             "selection": [self.selection.mode.value, list(self.selection.names)],
-            "ttl": self.ttl, "meta": dict(self.meta),
+            "ttl": self.ttl, "meta": dict(self.meta), "ready": self.ready,
         }
 
     @classmethod
     def from_wire(cls, v: Any, where: str = "offer.lease") -> LeaseOffer:
-        d = _exact(v, where, {"id", "request", "num_tokens", "pages", "selection", "ttl", "meta"})
-        pages_in = d["pages"]
-        if not isinstance(pages_in, dict) or not 0 < len(pages_in) <= 256:
-            raise ProtocolError(f"{where}.pages: expected a map of 1..256 groups")
-        pages = {}
-        for g, arrays in pages_in.items():
-            _str(g, f"{where}.pages key")
-            if not isinstance(arrays, list) or len(arrays) != 2:
-                raise ProtocolError(f"{where}.pages[{g!r}]: expected [token_pages, ordinals]")
-            tp, od = (_int64_array(a, f"{where}.pages[{g!r}]") for a in arrays)
-            try:
-                pages[g] = GroupPages(tp, od)
-            except Exception as exc:
-                raise ProtocolError(f"{where}.pages[{g!r}]: {exc}") from None
+        d = _exact(v, where, {"id", "request", "num_tokens", "pages", "selection", "ttl", "meta", "ready"})
+        pages = _group_pages(d["pages"], f"{where}.pages", allow_empty=False)
         sel = d["selection"]
         if not isinstance(sel, list) or len(sel) != 2 or not isinstance(sel[1], list) or len(sel[1]) > 65536:
             raise ProtocolError(f"{where}.selection: expected [mode, names]")
@@ -154,11 +159,45 @@ class LeaseOffer:
         ttl = _float(d["ttl"], f"{where}.ttl")
         if num_tokens <= 0 or ttl <= 0:
             raise ProtocolError(f"{where}: num_tokens and ttl must be positive")
+        ready = _int(d["ready"], f"{where}.ready")
+        if not 0 <= ready <= num_tokens:
+            raise ProtocolError(f"{where}.ready: {ready} is outside [0, num_tokens {num_tokens}]")
         return cls(
             id=_lease_id(d["id"], f"{where}.id"), request=_str(d["request"], f"{where}.request"),
             num_tokens=num_tokens, pages=pages, selection=selection, ttl=ttl,
-            meta=_map(d["meta"], f"{where}.meta"),
+            meta=_map(d["meta"], f"{where}.meta"), ready=ready,
         )
+
+
+def _pages_to_wire(pages: Mapping[str, GroupPages]) -> dict:
+    return {g: [p.token_pages.astype("<i8").tobytes(), p.ordinals.astype("<i8").tobytes()] for g, p in pages.items()}
+
+
+def _group_pages(v: Any, where: str, allow_empty: bool = True) -> dict[str, GroupPages]:
+    """A peer's ``{group: [token_pages, ordinals]}``, each pair checked as ``GroupPages`` checks it."""
+    if not isinstance(v, dict) or not (0 if allow_empty else 1) <= len(v) <= 256:
+        raise ProtocolError(f"{where}: expected a map of {0 if allow_empty else 1}..256 groups")
+    pages = {}
+    for g, arrays in v.items():
+        _str(g, f"{where} key")
+        if not isinstance(arrays, list) or len(arrays) != 2:
+            raise ProtocolError(f"{where}[{g!r}]: expected [token_pages, ordinals]")
+        tp, od = (_int64_array(a, f"{where}[{g!r}]") for a in arrays)
+        try:
+            pages[g] = GroupPages(tp, od)
+        except Exception as exc:
+            raise ProtocolError(f"{where}[{g!r}]: {exc}") from None
+    return pages
+
+
+def merge_pages(a: GroupPages, b: GroupPages) -> GroupPages:
+    """Rows of ``a`` and then ``b``; ``ProtocolError`` unless ``b`` only adds token pages ``a`` lacks."""
+    tokens = np.concatenate([a.token_pages, b.token_pages])
+    order = np.argsort(tokens, kind="stable")
+    try:
+        return GroupPages(tokens[order], np.concatenate([a.ordinals, b.ordinals])[order])
+    except Exception as exc:  # a token page given twice
+        raise ProtocolError(f"extension repeats rows already lent: {exc}") from None
 
 
 def _int64_array(v: Any, where: str) -> np.ndarray:
@@ -194,6 +233,23 @@ class Offer(Message):
     TYPE: ClassVar[str] = "offer"
     SCHEMA: ClassVar = {"lease": _offer}
     lease: LeaseOffer
+
+
+@dataclass(frozen=True)
+class Extend(Message):
+    """Prefill -> decode: a progressive lease grew to ``ready`` tokens; ``pages`` are the rows added.
+
+    Final once ``ready`` is the lease's ``num_tokens``; sent only to the peer the lease is bound to,
+    after its ``Offer``, so on one ordered channel the decode always knows the lease first.
+    """
+    TYPE: ClassVar[str] = "extend"
+    SCHEMA: ClassVar = {"lease": _lease_id, "ready": _int, "pages": lambda v, where: _group_pages(v, where)}
+    lease: bytes
+    ready: int
+    pages: Mapping[str, GroupPages]
+
+    def to_wire(self) -> dict:
+        return {"t": self.TYPE, "lease": self.lease, "ready": self.ready, "pages": _pages_to_wire(self.pages)}
 
 
 @dataclass(frozen=True)
@@ -269,7 +325,7 @@ class Bye(Message):
 
 
 MESSAGES: dict[str, type[Message]] = {
-    m.TYPE: m for m in (Handshake, Offer, Heartbeat, Renewed, Done, DoneAck, Abort, Claim, Bye)
+    m.TYPE: m for m in (Handshake, Offer, Extend, Heartbeat, Renewed, Done, DoneAck, Abort, Claim, Bye)
 }
 
 
