@@ -170,3 +170,86 @@ class EtcdMembers:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _command(members: EtcdMembers, line: str) -> dict:
+    """One stdin command of the command line below, answered as a JSON-able dict."""
+    words = line.split()
+    verb, rest = (words[0], words[1:]) if words else ("", [])
+
+    def index() -> int:
+        if len(rest) != 1 or not rest[0].isdigit() or not 0 <= int(rest[0]) < len(members.procs):
+            raise RegistryError(f"{verb}: expected a member index in [0, {len(members.procs)}), got {' '.join(rest)!r}")
+        return int(rest[0])
+
+    if verb == "leader":
+        return {"leader": members.leader()}
+    if verb == "kill":
+        i = index()
+        members.kill(i)
+        return {"killed": i}
+    if verb == "start":
+        i = index()
+        members.start(i)
+        return {"started": i, "pid": members.procs[i].pid}
+    if verb == "kill-leader":
+        i = members.leader()
+        members.kill(i)
+        return {"killed": i, "leader": i}
+    if verb == "status":
+        return {"members": [{"index": i, "name": members.names[i], "endpoint": members.endpoints[i],
+                             "alive": members.alive(i), "healthy": members.alive(i) and members.healthy(i)}
+                            for i in range(len(members.procs))]}
+    raise RegistryError(f"unknown command {line.strip()!r}: expected leader, kill I, start I, kill-leader, "
+                        "status or quit")
+
+
+def main(argv=None) -> int:
+    """``python -m kvlend.cluster.etcd_members``: run members and take commands on stdin, one per line.
+
+    Prints ``{"endpoints": [...], "pids": [...]}`` once the members are healthy, then one JSON line
+    per command (``{"error": ...}`` for a bad one).  ``quit``, end of input, SIGTERM or SIGINT stop
+    every member, so a driver that dies takes its etcd with it.  Run it where its ``--host`` is
+    reachable (inside the network namespace that holds the address): the health checks run from here.
+    """
+    import argparse
+    import sys
+
+    p = argparse.ArgumentParser(prog="python -m kvlend.cluster.etcd_members", description=main.__doc__.splitlines()[0])
+    p.add_argument("--members", type=int, default=1, help="members of the cluster, 1..7 (default 1)")
+    p.add_argument("--host", default="127.0.0.1", help="address every member listens on (default 127.0.0.1)")
+    p.add_argument("--workdir", help="data and log directory (default: a fresh temporary one, removed at exit)")
+    args = p.parse_args(argv)
+
+    def stop(signum, frame):
+        raise SystemExit(128 + signum)
+
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        signal.signal(sig, stop)
+    try:
+        if args.workdir:
+            os.makedirs(args.workdir, exist_ok=True)
+        members = EtcdMembers(args.members, workdir=args.workdir, host=args.host)
+    except (RegistryError, OSError) as exc:
+        print(json.dumps({"error": str(exc)}), flush=True)
+        return 1
+    try:
+        print(json.dumps({"endpoints": members.endpoints, "pids": [proc.pid for proc in members.procs]}), flush=True)
+        for line in sys.stdin:
+            if not line.strip():
+                continue
+            if line.strip() == "quit":
+                break
+            try:
+                answer = _command(members, line)
+            except RegistryError as exc:
+                answer = {"error": str(exc)}
+            print(json.dumps(answer), flush=True)
+    finally:
+        members.close()
+    print(json.dumps({"quit": True}), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

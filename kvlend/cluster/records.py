@@ -17,7 +17,7 @@ import base64
 import binascii
 import json
 from dataclasses import dataclass, field
-from functools import cached_property
+from functools import cached_property, lru_cache
 from types import MappingProxyType
 from typing import Mapping
 
@@ -32,6 +32,15 @@ _MAX_HOST = 255
 _FIELDS = ("version", "identity", "role", "host", "port", "layout", "tp_size", "tp_rank", "pp_size", "pp_rank",
            "capacity", "load", "meta")
 _MAX_META, _MAX_META_TEXT = 16, 256
+
+
+@lru_cache(maxsize=256)
+def _layout(data: bytes) -> PageLayout:
+    """Decoded once per distinct layout: a record's load changes often, its layout never."""
+    try:
+        return PageLayout.decode(data)
+    except KvlendError as exc:
+        raise RegistryError(f"record.layout: {exc}") from None
 
 
 def ranks_prefix(prefix: str) -> str:
@@ -109,12 +118,7 @@ class RankRecord:
 
     @cached_property
     def page_layout(self) -> PageLayout | None:
-        if not self.layout:
-            return None
-        try:
-            return PageLayout.decode(self.layout)
-        except KvlendError as exc:
-            raise RegistryError(f"record.layout: {exc}") from None
+        return _layout(self.layout) if self.layout else None
 
     @property
     def layout_id(self) -> str:

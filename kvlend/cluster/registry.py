@@ -79,6 +79,7 @@ class Registry:
         self._record: RankRecord | None = None
         self._lease: int | None = None
         self._published: RankRecord | None = None  # what etcd holds for us, as far as we know
+        self._withdrawn = False  # ``withdraw`` asked for the lease to go
         self._ready = False
         self._stopping = False
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -123,6 +124,7 @@ class Registry:
             if self._record is not None and self._record.identity != record.identity:
                 raise RegistryError(f"this registry publishes {self._record.identity!r}, not {record.identity!r}")
             self._record = record
+            self._withdrawn = False  # a lease still held is reused
         self._poke()
 
     def update(self, **fields) -> None:
@@ -137,6 +139,19 @@ class Registry:
             if record == self._record:
                 return
             self._record = record
+        self._poke()
+
+    def withdraw(self) -> None:
+        """Stop publishing: this rank's record leaves now (its lease is revoked); the view stays live.
+
+        For a node that stops serving while its process, and the registry, go on; ``publish``
+        puts the record back under a new lease.
+        """
+        with self._cond:
+            if self._record is None:
+                return
+            self._record = None
+            self._withdrawn = True
         self._poke()
 
     def close(self, timeout: float | None = None) -> None:
@@ -311,9 +326,18 @@ class Registry:
                 await self._nap(next_probe - time.monotonic())
 
     async def _keep_record(self, client) -> bool:
-        """Put the record if etcd may not hold the current one (first time, changed, reconnected)."""
+        """Put the record if etcd may not hold the current one (first time, changed, reconnected);
+        revoke the lease of a withdrawn one."""
         with self._cond:
-            record = self._record
+            record, withdrawn = self._record, self._withdrawn
+        if withdrawn and record is None and self._lease is not None:
+            try:
+                await self._call(client.revoke_lease(self._lease))
+            except Exception as exc:  # gone already, or etcd is out: unrefreshed, it lapses within the TTL
+                log.info("revoking the withdrawn record's lease failed: %s", exc)
+            with self._cond:
+                self._lease, self._published, self._withdrawn = None, None, False
+            return False
         if record is None or record == self._published:
             return False
         if self._lease is None:

@@ -239,6 +239,8 @@ class Lender:
         ids = self._of_peer.get(peer, {})
         if extra is not None:
             pages = self._peer_pages.get(peer, 0) + extra
+            if pages > limits.max_locked_pages_per_peer:  # recount without leases past their expiry
+                pages = sum(n for i, n in ids.items() if now <= self._live[i].lease.expires_at) + extra
             if pages > limits.max_locked_pages_per_peer:
                 raise QuotaExceeded("max_locked_pages_per_peer", pages, limits.max_locked_pages_per_peer,
                                     f"peer {_show_peer(peer)} would hold locked pages:")
@@ -358,7 +360,7 @@ class Lender:
         rows lent before must keep their slots.  Pages newly complete at ``ready`` are locked and
         lent (recurrent state only once ``ready == num_tokens``, which makes the lease final).
         Returns the lease and the rows this call added, per group (empty groups left out), which is
-        what a reader needs to hear.  Everything is checked (and the peer's page quota) before
+        what a reader needs to hear.  ``ready`` None means ``num_tokens`` (final).  Everything is checked (and the peer's page quota) before
         anything changes; a final or ended lease cannot grow.
         """
         lease = self.get(lease_id, now)

@@ -9,18 +9,29 @@ Thread-safety: every public method may be called from any engine thread;
 after ``start()`` the node's thread does all I/O, otherwise the engine's
 calls to ``step``, ``wait``, ``fetch`` and ``next_offer`` drive it.  Handles
 are safe to read from any thread.
+
+With a ``Registry`` the node publishes a ``decode`` record (port 0: it only
+dials out; ``load`` = fetches in flight) and trusts the registry, while it is
+healthy, on which prefills exist: a ticket naming a prefill the registry
+does not list fails at once without dialling, and the links to a prefill
+whose record leaves are closed (their fetches fail ``PeerLost``, once
+quiet).  While the registry is degraded, tickets are redeemed at the
+endpoint they name (an etcd outage says nothing about the prefills).
 """
 
 from __future__ import annotations
 
+import socket
 import time
 from collections import deque
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Mapping
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping
 
+from ..cluster.records import RankRecord
+from ..cluster.view import LEFT, Change
 from ..core.negotiate import TransferPlan
 from ..core.text import printable
-from ..errors import KvlendError, PeerLost, ProtocolError, TransferTimeout
+from ..errors import ConfigError, KvlendError, LeaseUnknown, PeerLost, ProtocolError, TransferTimeout
 from ..metrics import METRICS
 from ..protocol.actions import FetchFinished, Offered, PeerReady
 from ..protocol.config import NodeConfig
@@ -30,6 +41,9 @@ from ..security.credentials import Credentials
 from ..protocol.wire import LeaseOffer
 from ..transport import TransferBackend
 from .shell import Shell, log
+
+if TYPE_CHECKING:
+    from ..cluster.registry import Registry
 
 
 @dataclass(frozen=True)
@@ -133,11 +147,23 @@ class FetchHandle:
 
 
 class DecodeNode(Shell):
-    """Reads leases offered by, or ticketed from, prefill ranks into this rank's pages."""
+    """Reads leases offered by, or ticketed from, prefill ranks into this rank's pages.
+
+    ``registry``: publish this rank there and check tickets against it (one registry per rank;
+    the caller starts it and closes it after the node).  ``capacity``: the fetches this rank
+    takes at once (default ``config.quotas.max_leases_per_peer``).  ``meta``: a few strings for
+    the record (the engine's API address, say); its host is this machine's name.
+    """
 
     def __init__(self, layout, backend: TransferBackend, credentials: Credentials, *,
-                 config: NodeConfig = NodeConfig(), clock: Callable[[], float] = time.monotonic) -> None:
+                 config: NodeConfig = NodeConfig(), clock: Callable[[], float] = time.monotonic,
+                 registry: Registry | None = None, capacity: int | None = None,
+                 meta: Mapping[str, str] | None = None) -> None:
         super().__init__(None, backend, credentials, clock)
+        record = None if registry is None else RankRecord(
+            self.name, "decode", (socket.gethostname() or "localhost")[:255], 0, layout.encode(),
+            layout.replica.tp_size, layout.replica.tp_rank, layout.replica.pp_size, layout.replica.pp_rank,
+            capacity if capacity is not None else config.quotas.max_leases_per_peer, 0, meta or {})
         backend.register(layout.regions)
         self.layout = layout
         self.config = config
@@ -146,6 +172,12 @@ class DecodeNode(Shell):
         self._handles: dict[int, FetchHandle] = {}
         self._finished: list[FetchHandle] = []
         self._offers: deque[tuple[Link, LeaseOffer]] = deque()
+        self.registry = registry
+        self._cluster: deque[Change] = deque()  # prefills that left, for the loop (appended on the registry thread)
+        self._load, self._load_at = 0, 0.0  # the load last handed to the registry, and when
+        if registry is not None:
+            registry.publish(record)  # refused if this registry already publishes another rank
+            registry.add_listener(self._on_cluster)
 
     # ----------------------------------------------------------------- links
     def connect(self, host: str, port: int, timeout: float | None = None) -> Link:
@@ -191,7 +223,9 @@ class DecodeNode(Shell):
 
         ``source`` is a ticket (object, bytes or text: the prefill is connected on first use) or an
         offer pushed over ``link``.  ``timeout`` (default ``config.transfer_timeout``) bounds the
-        fetch up to the prefill's done ack.  Bad arguments raise here, before anything changes.
+        fetch up to the prefill's done ack.  Bad arguments raise here, before anything changes, and
+        so does a ticket the registry (when healthy) rules out: ``PeerLost`` if its prefill is not
+        listed, ``LeaseUnknown`` if it is listed at another endpoint (see ``_registered``).
         """
         started = time.perf_counter()
         with self._lock:
@@ -201,7 +235,8 @@ class DecodeNode(Shell):
                     raise ProtocolError("a pushed offer needs the link it came over")
                 fetch = self.session.fetch_offer(link.id, source, dst, now, resume_from, timeout)
             else:
-                fetch = self.session.fetch_ticket(_ticket(source), dst, now, resume_from, timeout)
+                fetch = self.session.fetch_ticket(self._registered(_ticket(source), resume_from), dst, now,
+                                                  resume_from, timeout)
             handle = self._handles[fetch.id] = FetchHandle(self, fetch)
         self._wake()
         if not self.threaded:
@@ -213,10 +248,12 @@ class DecodeNode(Shell):
         """Claim ``ticket``'s lease now and keep it alive until ``start_fetch(ticket, ...)`` reads it.
 
         For an engine that learns of a request before it has pages for it (vLLM: at arrival,
-        before blocks are allocated); ``unclaim`` gives it back unread.  Never blocks.
+        before blocks are allocated); ``unclaim`` gives it back unread.  Never blocks; refuses what
+        ``start_fetch`` would refuse by the registry.
         """
+        ticket = self._registered(_ticket(ticket))
         with self._lock:
-            self.session.claim_ticket(_ticket(ticket), self.clock())
+            self.session.claim_ticket(ticket, self.clock())
         self._wake()
         if not self.threaded:
             self.flush()
@@ -263,6 +300,71 @@ class DecodeNode(Shell):
         with self._lock:
             return self.session.in_flight
 
+    # -------------------------------------------------------------- registry
+    def compatible_prefills(self) -> list[RankRecord]:
+        """The live prefills whose layout this rank can read (``negotiate`` accepts it), by identity."""
+        if self.registry is None:
+            raise ConfigError("compatible_prefills: this decode node was built without a registry")
+        return self.registry.compatible(self.layout)
+
+    def _registered(self, ticket: Ticket, resume_from: Any = 0) -> Ticket:
+        """``ticket`` if the registry may hold its lease; else raise without dialling.
+
+        Not listed (healthy registry): ``PeerLost``, the prefill is gone.  Listed at another endpoint:
+        ``LeaseUnknown``, since a lease lives in the process that lent it and a new endpoint is a new
+        process (a restart), so dialling either endpoint could only be refused; failing now lets the
+        engine re-prefill at once.  Degraded (or not yet ready): the ticket as is.
+        """
+        registry = self.registry
+        if registry is None or registry.degraded:
+            return ticket
+        record = registry.get(ticket.prefill)
+        where = f"{ticket.host}:{ticket.port}"
+        if record is None or record.role != "prefill":
+            error: KvlendError = PeerLost(
+                f"prefill {ticket.prefill!r} is not in the cluster registry (it left or never joined): lease "
+                f"{ticket.lease.hex()} cannot be read; not dialling {where}")
+        elif record.endpoint != ticket.endpoint:
+            error = LeaseUnknown(
+                f"lease {ticket.lease.hex()} was lent by prefill {ticket.prefill!r} at {where}, but the registry "
+                f"lists it at {record.host}:{record.port} now: a restarted process, which does not hold the lease")
+        else:
+            return ticket
+        error.request, error.bound = "", resume_from  # as on a fetch's error: nothing was read
+        raise error
+
+    def _on_cluster(self, changes: list[Change]) -> None:
+        """On the registry thread: hand prefills that left to the loop (never the lock here)."""
+        gone = [c for c in changes if c.kind == LEFT and c.record.role == "prefill"]
+        if gone:
+            self._cluster.extend(gone)
+            self._wake()
+
+    def _step(self, timeout: float) -> None:
+        super()._step(timeout)
+        if self.registry is not None:
+            self._cluster_turn()
+
+    def _cluster_turn(self) -> None:
+        """On the loop's turn: close the links to prefills that left, and publish the load if it moved."""
+        closed = False
+        while self._cluster:
+            record = self._cluster.popleft().record
+            with self._lock:
+                for conn in self.session.links:
+                    info = self.session.link_info(conn)
+                    peer = info["peer"]  # None until TLS named it: then the endpoint says who it is
+                    if peer == record.identity or (peer is None and tuple(info["endpoint"]) == record.endpoint):
+                        self.session.disconnect(conn, self.clock(), f"prefill {record.identity} left the cluster "
+                                                                    "registry")
+                        closed = True
+        load = len(self._handles)
+        if load != self._load and time.monotonic() >= self._load_at + self.registry.update_interval:
+            self._load, self._load_at = load, time.monotonic()  # paced: each update re-validates the record
+            self.registry.update(load=load)
+        if closed:
+            self._flush()
+
     # ---------------------------------------------------------------- offers
     def next_offer(self, timeout: float) -> tuple[Link, LeaseOffer]:
         """The next lease pushed by a prefill rank still connected (offers from lost links are dropped)."""
@@ -287,6 +389,9 @@ class DecodeNode(Shell):
         """Close every link in order; fetches still in flight fail once quiet.  Idempotent."""
         if self._closed:
             return
+        if self.registry is not None:
+            self.registry.remove_listener(self._on_cluster)
+            self.registry.withdraw()  # the record leaves now; the caller still owns the registry
         with self._lock:
             for conn in self.session.links:
                 self.session.disconnect(conn, self.clock(), "decode shutting down")

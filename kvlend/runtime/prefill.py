@@ -5,13 +5,23 @@ while the node serves; ``on_release`` runs on the loop's thread (the node's
 own after ``start()``), never under the node's lock, so it may call back
 into the node.  Hand released requests to the engine's thread (a queue)
 rather than freeing pages from the callback if the cache is not thread-safe.
+
+With a ``Registry`` the node publishes its ``RankRecord`` (role ``prefill``,
+its advertised endpoint, its layout, ``load`` = leases holding locks, kept
+current from the loop) and listens for decode ranks leaving: a decode whose
+record left holds locks for nothing, so its leases are released at once
+rather than at their TTL.  The caller owns the registry (closing the node
+withdraws its record; close the registry after the node).
 """
 
 from __future__ import annotations
 
 import time
-from typing import Any, Callable, Mapping
+from collections import deque
+from typing import TYPE_CHECKING, Any, Callable, Mapping
 
+from ..cluster.records import RankRecord
+from ..cluster.view import JOINED, LEFT, Change
 from ..core.layout import PageLayout, RowSelection
 from ..core.lender import Lease
 from ..core.text import printable
@@ -23,6 +33,9 @@ from ..protocol.ticket import Ticket
 from ..security.credentials import Credentials
 from ..transport import TransferBackend
 from .shell import Shell, log
+
+if TYPE_CHECKING:
+    from ..cluster.registry import Registry
 
 DEFAULT_HOST = "127.0.0.1"  # listen on loopback unless told otherwise
 
@@ -36,13 +49,26 @@ class PrefillNode(Shell):
     ``"aborted"``, ``"expired"`` or ``"released"``): the engine may then reuse its pages.
     ``advertise`` is the host that tickets name (default ``host``; set it when
     listening on a wildcard address).
+
+    ``registry``: publish this rank there (one registry per rank; the caller starts it and closes
+    it after the node).  ``capacity``: the leases this rank takes at once, which routers divide
+    its load by; default ``config.quotas.max_leases_per_peer``, fine while the prefills are alike
+    (set it, say to the engine's batch size, when they differ).  ``meta``: a few strings for the record (the
+    engine's API address, say).
+
+    A decode rank whose record leaves the registry has its leases released at once (reason
+    ``"released"``) if it has no live link to this node; if it is still connected (its link
+    renews its leases, so it is alive: its record may have run out because it lost etcd, and it
+    keeps serving known peers), they are released when that link drops instead.
     """
 
     def __init__(self, layout: PageLayout, backend: TransferBackend, credentials: Credentials, *,
                  host: str = DEFAULT_HOST, port: int = 0, advertise: str | None = None,
                  config: NodeConfig = NodeConfig(),
                  on_release: Callable[[Lease, str], None] | None = None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic,
+                 registry: Registry | None = None, capacity: int | None = None,
+                 meta: Mapping[str, str] | None = None) -> None:
         self.layout = layout
         self.config = config
         self.on_release = on_release or (lambda lease, reason: None)
@@ -50,6 +76,10 @@ class PrefillNode(Shell):
         try:
             self.host, self.port = self._sockets.listen(host, port)  # a port in use fails before registering
             self.advertise = advertise or self.host
+            record = None if registry is None else RankRecord(
+                self.name, "prefill", self.advertise, self.port, layout.encode(),
+                layout.replica.tp_size, layout.replica.tp_rank, layout.replica.pp_size, layout.replica.pp_rank,
+                capacity if capacity is not None else config.quotas.max_leases_per_peer, 0, meta or {})
             backend.register(layout.regions)
         except BaseException:
             self._sockets.close_all()
@@ -57,6 +87,17 @@ class PrefillNode(Shell):
         self.session = PrefillSession(layout, backend.kind, backend.metadata(), name=self.name, config=config)
         self.lender = self.session.lender
         self._next_conn = 0
+        self.registry = registry
+        self._cluster: deque[Change] = deque()  # registry changes for the loop (appended on the registry thread)
+        self._departed: set[str] = set()  # decodes whose record left while still connected
+        self._load, self._load_at = 0, 0.0  # the load last handed to the registry, and when
+        if registry is not None:
+            try:
+                registry.publish(record)  # refused if this registry already publishes another rank
+            except BaseException:
+                self._sockets.close_all()
+                raise
+            registry.add_listener(self._on_cluster)
         METRICS.gauge("kvlend_active_leases", lambda: self.lender.active_leases, self.name)
         METRICS.gauge("kvlend_locked_pages", lambda: self.lender.locks.locked_pages(), self.name)
 
@@ -128,11 +169,61 @@ class PrefillNode(Shell):
         """Say goodbye to every decode and stop serving (leases are not released).  Idempotent."""
         if self._closed:
             return
+        if self.registry is not None:
+            self.registry.remove_listener(self._on_cluster)
+            self.registry.withdraw()  # the record leaves now; the caller still owns the registry
         with self._lock:
             self.session.shutdown("prefill shutting down")
         self._shutdown()
         METRICS.remove_gauge("kvlend_active_leases", self.name)
         METRICS.remove_gauge("kvlend_locked_pages", self.name)
+
+    # ------------------------------------------------------------- registry
+    def _on_cluster(self, changes: list[Change]) -> None:
+        """On the registry thread: hand decode joins and departures to the loop (never the lock here)."""
+        mine = [c for c in changes if c.kind in (JOINED, LEFT) and c.record.role == "decode"]
+        if mine:
+            self._cluster.extend(mine)
+            self._wake()
+
+    def _step(self, timeout: float) -> None:
+        super()._step(timeout)
+        if self.registry is not None:
+            self._cluster_turn()
+
+    def _cluster_turn(self) -> None:
+        """On the loop's turn: release the leases of decodes that left, and publish the load if it moved."""
+        released = False
+        while self._cluster:
+            change = self._cluster.popleft()
+            identity = change.record.identity
+            if change.kind == JOINED:
+                self._departed.discard(identity)  # back in the registry: its leases stay its own
+                continue
+            with self._lock:
+                if identity in self.session.peers:
+                    self._departed.add(identity)
+                    log.info("prefill %s: decode rank %s left the registry but is still connected: its leases "
+                             "stay until its link drops", self.name, printable(identity))
+                else:
+                    released |= self._release_peer(identity, "left the cluster registry")
+        load = self.lender.active_leases
+        if load != self._load and time.monotonic() >= self._load_at + self.registry.update_interval:
+            self._load, self._load_at = load, time.monotonic()  # paced: each update re-validates the record
+            self.registry.update(load=load)
+        if released:
+            self._flush()
+
+    def _release_peer(self, identity: str, why: str) -> bool:
+        """Release every lease bound to ``identity`` (under the lock); whether there were any."""
+        self._departed.discard(identity)
+        leases = self.lender.leases_of(identity)
+        for lease in leases:
+            self.session.release(lease.id)
+        if leases:
+            log.warning("prefill %s: decode rank %s %s: released its %d leases", self.name, printable(identity),
+                        why, len(leases))
+        return bool(leases)
 
     # ------------------------------------------------------------------ loop
     def _busy(self) -> float | None:
@@ -167,3 +258,7 @@ class PrefillNode(Shell):
                 log.info("prefill %s: decode rank %s ready", self.name, printable(event.peer))
             elif isinstance(event, PeerGone):
                 log.debug("prefill %s: connection %d gone: %s", self.name, event.conn, printable(event.reason))
+                if event.peer is not None and event.peer in self._departed:
+                    with self._lock:
+                        if event.peer not in self.session.peers:  # not a refused duplicate of a live peer
+                            self._release_peer(event.peer, "left the cluster registry and its link dropped")
