@@ -4,9 +4,9 @@ One process connects to every prefill rank (``--connect HOST:PORT``, once
 per prefill), collects the leases they push, and keeps up to ``--inflight``
 requests' fetches in flight with ``DecodeNode.start_fetch``, each into
 freshly allocated pages; it collects the finished ones with ``finished()``,
-generates from each, checks the tokens against what one process generates
-alone from the same prompt with the prefill's model, frees the pages and
-starts more.  With ``--decode-tp N`` the process runs the N decode
+generates from each, frees the pages and starts more; once every request is
+in, it checks each one's tokens against what one process generates alone
+from the same prompt with the prefill's model (and chunking).  With ``--decode-tp N`` the process runs the N decode
 tensor-parallel ranks: N nodes with N NIXL agents, each reading its head
 slice into its own shard; a request is done when every rank's fetch is,
 and the shards are merged into one cache to generate.  Writes a JSON
@@ -96,6 +96,21 @@ def _busy_seconds(spans: list[tuple[float, float]]) -> float:
     return total
 
 
+def _progressive_report(args, after: dict[str, list[float]], read_times: list[float], mean_tokens: float) -> dict:
+    """From each request's last prefill chunk to "decode may start", per lending mode, and how much of
+    the transfer progressive lending hid behind prefill compute (against the off mode's tail)."""
+    if args.chunk_tokens is None:
+        return {}
+    out: dict = {"chunk_tokens": args.chunk_tokens, "progressive": args.progressive, "after_last_chunk": {
+        mode: {"requests": len(v), "p50_ms": float(np.percentile(v, 50) * 1e3), "p99_ms": float(np.percentile(v, 99) * 1e3)}
+        for mode, v in after.items() if v}}
+    if after["on"] and after["off"]:
+        on, off = np.median(after["on"]), np.median(after["off"])
+        out["transfer_hidden"] = float(max(0.0, 1 - on / off))
+        out["one_chunk_ms"] = float(np.median(read_times) * 1e3 * min(1.0, args.chunk_tokens / mean_tokens))
+    return out
+
+
 def rank_credentials(tp: int) -> list[Credentials]:
     """Each decode TP rank's credentials: ``{rank}`` in ``$KVLEND_CERT`` and ``$KVLEND_KEY`` names its files."""
     ranks = [Credentials.from_env(rank=r, ranks=tp) for r in range(tp)]
@@ -153,6 +168,10 @@ def main(argv=None) -> int:
     owner: dict[tuple[int, int], Request] = {}  # (decode TP rank, fetch id) -> request
     completed: deque[Request] = deque()  # every rank's fetch finished, not yet decoded
     latencies, spans, descriptors, failures = [], [], [], []
+    generated: list[tuple[str, list[int], list[int]]] = []  # (request, prompt, tokens decoded from the fetched KV)
+    after_last_chunk: dict[str, list[float]] = {"on": [], "off": []}
+    read_times: list[float] = []  # lent once prefill was done: the whole transfer after the last chunk
+    wall = time.time() - time.monotonic()  # this process's clocks: the prefill stamps its chunks in wall time
     from_prefill = [0] * len(addresses)
     nbytes = nbytes_full = tokens = max_inflight = 0
     start = time.monotonic()
@@ -202,7 +221,8 @@ def main(argv=None) -> int:
             """Page-table entries a request's destination needs (one table serves every attention group)."""
             if destination_pages is None:
                 return -(-offer.num_tokens // span) * (span // tpp)
-            need = destination_pages(link.plan, offer.num_tokens, offer.pages)
+            # A progressive offer's later pages are not known yet: make room for the whole lease.
+            need = destination_pages(link.plan, offer.num_tokens, offer.pages if offer.final else None)
             return max(n for g, n in need.items() if not link.plan.local.groups[g].recurrent)
 
         def start_request(name: str) -> None:
@@ -244,16 +264,23 @@ def main(argv=None) -> int:
             nonlocal nbytes, nbytes_full, tokens
             del active[req.name]
             results = [h.result() for h in req.handles]  # a failed fetch raises its error here
+            meta = dict(req.handles[0].meta)  # as the final extension left it (a progressive lease's first token)
             try:
                 if tp > 1:
                     toy_engine.merge_shards(cache, shards, req.table, req.slot)
-                out = toy_engine.decode(model, cache, req.table, req.num_tokens, req.meta["first"],
+                out = toy_engine.decode(model, cache, req.table, req.num_tokens, meta["first"],
                                         args.max_new_tokens, req.slot)
             finally:
                 cache.free(req.table)  # every rank's fetch is done: nothing can still land in these pages
                 cache.free_state(req.slot)
-            reference = toy_engine.generate_reference(reference_model, req.meta["prompt"], args.max_new_tokens)
-            if out != reference or any(r.bound != req.num_tokens for r in results):
+            generated.append((req.name, meta["prompt"], out))  # checked once every fetch is in (see below)
+            if "last_chunk_at" in meta:  # the prefill's last chunk done -> every rank may start decoding
+                ready_at = wall + req.started + max(h.timeline["finished"] for h in req.handles)
+                tail = after_last_chunk["on" if meta.get("progressive") else "off"]
+                tail.append(ready_at - meta["last_chunk_at"])
+                if not meta.get("progressive"):
+                    read_times.append(max(r.read_seconds or 0.0 for r in results))
+            if any(r.bound != req.num_tokens for r in results):
                 failures.append(req.name)
             seconds = max(r.seconds for r in results)  # start_fetch -> finished, the slowest rank
             latencies.append(seconds)
@@ -320,6 +347,11 @@ def main(argv=None) -> int:
         for node in nodes:
             node.close()
             node.backend.close()
+    # The reference (prefill and decode alone, with the prefill's model and chunking) runs after the
+    # transfers: computed in the loop, it would hold up fetches (and time) behind a second prefill.
+    for name, prompt, out in generated:
+        if out != toy_engine.generate_reference(reference_model, prompt, args.max_new_tokens, args.chunk_tokens):
+            failures.append(name)
     busy = _busy_seconds(spans)
     report = {
         "requests": len(latencies),
@@ -342,6 +374,7 @@ def main(argv=None) -> int:
         "verified": not failures and len(latencies) == args.requests,
         "mismatched": failures,
     }
+    report.update(_progressive_report(args, after_last_chunk, read_times, tokens / max(1, len(latencies))))
     text = json.dumps(report)
     if args.report:
         with open(args.report, "w") as f:

@@ -77,6 +77,11 @@ def check_args(args: argparse.Namespace) -> None:
         raise KvlendError(f"--max-len: {args.max_len} is shorter than --min-len {args.min_len}")
     if not args.timeout > 0:
         raise KvlendError(f"--timeout: must be > 0 seconds, got {args.timeout:g}")
+    if args.chunk_tokens is not None and args.chunk_tokens < 1:
+        raise KvlendError(f"--chunk-tokens: must be >= 1, got {args.chunk_tokens}")
+    if args.progressive != "off" and args.chunk_tokens is None:
+        raise KvlendError(f"--progressive {args.progressive}: lending chunk by chunk needs chunked prefill "
+                          "(--chunk-tokens N)")
     if args.metrics_port is not None:
         if not 1 <= args.metrics_port <= 65534:
             raise KvlendError(f"--metrics-port: must be in [1, 65534] (the prefill ranks take the next ports), "
@@ -217,9 +222,26 @@ def format_report(r: dict) -> str:
         f"  transfer latency      p50 {r['latency_ms_p50']:.2f} ms, p99 {r['latency_ms_p99']:.2f} ms (per fetch)",
         f"  descriptors/request   {r['descriptors_per_request']:.1f}",
         f"  handshake             {r['handshake_ms']:.1f} ms",
+        *_progressive_lines(r),
         f"  wall time             {r['wall_s']:.1f} s",
         f"  verified              {'yes' if r['verified'] else 'NO: ' + ', '.join(r['mismatched'] or ['a rank failed'])}",
     ])
+
+
+def _progressive_lines(r: dict) -> list[str]:
+    """Chunked prefill: from the last prefill chunk to "decode may start", per lending mode."""
+    modes = r.get("after_last_chunk") or {}
+    lines = []
+    for mode in ("on", "off"):
+        m = modes.get(mode)
+        if m:
+            lines.append(f"  last chunk -> ready   progressive {mode:3s}: p50 {m['p50_ms']:.2f} ms, "
+                         f"p99 {m['p99_ms']:.2f} ms ({m['requests']} requests)")
+    hidden = r.get("transfer_hidden")
+    if hidden is not None:
+        lines.append(f"  transfer hidden       {hidden * 100:.0f} % of the off-mode tail overlapped with prefill "
+                     f"compute (one chunk's transfer is about {r['one_chunk_ms']:.2f} ms)")
+    return lines
 
 
 def build_parser(p: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:

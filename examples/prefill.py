@@ -8,7 +8,10 @@ It prints ``LISTENING <host> <port>`` once a decode rank may connect, waits
 for ``--decode-tp`` decode ranks, and pushes its share of the requests
 (those ``i`` with ``i % --prefills == --rank``) to each of them (each reads
 its head slice), keeping at most ``--max-inflight`` requests lent at once;
-then waits for the leases to end, and exits 0.
+then waits for the leases to end, and exits 0.  With ``--chunk-tokens`` it
+prefills chunk by chunk; a request lent progressively (``--progressive``) is
+offered after its first chunk and extended after each later one, so the
+decode reads while the rest computes.
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ from collections import Counter
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import toy_engine  # noqa: E402
-from workload import add_workload_args, run_rank  # noqa: E402
+from workload import add_workload_args, progressive, run_rank  # noqa: E402
 
 from kvlend.transport import load_backend  # noqa: E402
 from kvlend.errors import TransferTimeout  # noqa: E402
@@ -108,11 +111,19 @@ def main(argv=None) -> int:
                 reclaim()
             request = f"req-{i}"
             slot = cache.alloc_state()
-            table, first = toy_engine.prefill(model, cache, prompt, slot)
-            held[request] = (table, slot)
-            for peer in peers:
-                node.offer(peer, request, len(prompt), cache.group_tables(table, slot), layout.full_selection(),
-                           meta={"first": first, "prompt": prompt})
+            lend_chunks = progressive(args, i)
+            leases = []
+            for table, done, first in toy_engine.prefill_chunks(model, cache, prompt, slot, args.chunk_tokens):
+                tables = cache.group_tables(table, slot)
+                final = {} if first is None else {"first": first, "last_chunk_at": time.time()}
+                if leases:  # progressive: the readers hear of the new pages at once and read them now
+                    for lease in leases:
+                        node.extend(lease.id, done, tables, meta=final)
+                elif lend_chunks or first is not None:
+                    held[request] = (table, slot)
+                    leases = [node.offer(peer, request, len(prompt), tables, layout.full_selection(),
+                                         meta={"prompt": prompt, "progressive": lend_chunks, **final}, ready=done)
+                              for peer in peers]
         deadline = time.monotonic() + args.timeout
         while held and time.monotonic() < deadline:
             time.sleep(0.005)

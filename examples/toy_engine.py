@@ -628,9 +628,28 @@ def _check_tokens(model: ToyModel, tokens: Sequence[int], where: str) -> list[in
 
 
 def prefill(model: ToyModel, cache: PagedKVCache, prompt_tokens: Sequence[int],
-            state: int | None = None) -> tuple[np.ndarray, int]:
+            state: int | None = None, chunk: int | None = None) -> tuple[np.ndarray, int]:
     """Allocate pages, write the prompt's K/V (and its recurrent state into slot ``state``, from
-    ``cache.alloc_state()``, for a model with recurrent layers); return (page table, first generated token)."""
+    ``cache.alloc_state()``, for a model with recurrent layers); return (page table, first generated token).
+
+    ``chunk``: prefill ``chunk`` tokens at a time (see ``prefill_chunks``), as a chunked-prefill engine does.
+    """
+    table, first = None, None
+    for table, _, first in prefill_chunks(model, cache, prompt_tokens, state, chunk):
+        pass
+    return table, first
+
+
+def prefill_chunks(model: ToyModel, cache: PagedKVCache, prompt_tokens: Sequence[int],
+                   state: int | None = None, chunk: int | None = None) -> Iterator[tuple[np.ndarray, int, int | None]]:
+    """Chunked prefill: after each chunk of ``chunk`` tokens (None: the whole prompt at once) yield
+    (page table, tokens committed, first generated token once the last chunk is done, else None).
+
+    The page table covers the whole prompt from the start (its pages are allocated up front) and
+    the pages of committed tokens never change again, so a lender may lend them while later chunks
+    run.  Chunked and one-shot prefill round alike only up to float32 reduction order: compare a
+    transfer with ``generate_reference(..., chunk=)`` of the same chunking.
+    """
     _check_compatible(model, cache)
     prompt = _check_tokens(model, prompt_tokens, "prompt")
     slot = cache.check_state(state)
@@ -638,14 +657,23 @@ def prefill(model: ToyModel, cache: PagedKVCache, prompt_tokens: Sequence[int],
         raise ToyEngineError("prompt: must hold at least one token")
     if len(prompt) > model.config.max_context:
         raise ToyEngineError(f"prompt: {len(prompt)} tokens exceed max_context {model.config.max_context}")
+    if chunk is not None:
+        _check_int("chunk", chunk, 1)
+    step = chunk or len(prompt)
     table = cache.alloc(-(-len(prompt) // model.config.tokens_per_page))
+    done = 0
     try:
-        with _deterministic(model.device):
-            first = int(model._forward(cache, table, prompt, 0, slot).argmax())
+        while done < len(prompt):
+            end = min(done + step, len(prompt))
+            with _deterministic(model.device):
+                logits = model._forward(cache, table, prompt[done:end], done, slot)
+            done = end
+            yield table, done, int(logits.argmax()) if done == len(prompt) else None
+    except GeneratorExit:  # the caller stopped early: the pages are its own (it holds the table)
+        raise
     except BaseException:
         cache.free(table)
         raise
-    return table, first
 
 
 def decode(model: ToyModel, cache: PagedKVCache, page_table: Sequence[int] | np.ndarray, num_tokens: int,
@@ -680,14 +708,16 @@ def decode(model: ToyModel, cache: PagedKVCache, page_table: Sequence[int] | np.
         cache.free(extra)
 
 
-def generate_reference(model: ToyModel, prompt: Sequence[int], max_new_tokens: int) -> list[int]:
-    """Prefill then decode in one private cache: what decode must reproduce after a transfer."""
+def generate_reference(model: ToyModel, prompt: Sequence[int], max_new_tokens: int,
+                       chunk: int | None = None) -> list[int]:
+    """Prefill (in chunks of ``chunk`` tokens) then decode in one private cache: what decode must
+    reproduce after a transfer."""
     _check_int("max_new_tokens", max_new_tokens, 1)
     tpp = model.config.tokens_per_page
     cache = PagedKVCache(model.config, max(1, -(-(len(prompt) + max_new_tokens) // tpp)), model.device,
                          state_slots=1)
     state = cache.alloc_state()
-    table, first = prefill(model, cache, prompt, state)
+    table, first = prefill(model, cache, prompt, state, chunk)
     return decode(model, cache, table, len(prompt), first, max_new_tokens, state)
 
 

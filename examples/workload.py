@@ -10,6 +10,7 @@ from kvlend.errors import KvlendError
 
 PRESET_NAMES = ("tiny", "llama", "hybrid")  # toy_engine.PRESETS; the engine rejects anything else
 MODEL_NAMES = ("llama", "hybrid")
+PROGRESSIVE = ("off", "on", "both")
 
 
 def add_workload_args(p: argparse.ArgumentParser) -> None:
@@ -33,9 +34,20 @@ def add_workload_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-len", type=int, default=640, help="longest prompt in tokens (default 640)")
     p.add_argument("--max-new-tokens", type=int, default=8, help="tokens decode generates (default 8)")
     p.add_argument("--timeout", type=float, default=60.0, help="seconds any one wait may take (default 60)")
+    p.add_argument("--chunk-tokens", type=int, default=None,
+                   help="chunked prefill: compute each prompt this many tokens at a time (default: all at once)")
+    p.add_argument("--progressive", default="off", choices=PROGRESSIVE,
+                   help="with --chunk-tokens: lend each request's pages as its chunks commit (on), only once "
+                        "its prefill is done (off), or alternate the two request by request, to compare them "
+                        "in one run (both) (default off)")
     p.add_argument("--metrics-port", type=int, default=None,
                    help="serve Prometheus metrics while the pair runs: the decode rank on this port, "
                         "prefill rank r on this port + 1 + r (needs prometheus_client)")
+
+
+def progressive(args: argparse.Namespace, index: int) -> bool:
+    """Whether request ``index`` is lent as its chunks commit (``--progressive both``: the even ones)."""
+    return args.chunk_tokens is not None and (args.progressive == "on" or args.progressive == "both" and index % 2 == 0)
 
 
 def workload_argv(args: argparse.Namespace) -> list[str]:
@@ -48,6 +60,9 @@ def workload_argv(args: argparse.Namespace) -> list[str]:
     ]
     if args.metrics_port is not None:
         argv += ["--metrics-port", str(args.metrics_port)]
+    if args.chunk_tokens is not None:
+        argv += ["--chunk-tokens", str(args.chunk_tokens)]
+    argv += ["--progressive", args.progressive]
     for flag, value in (("--tokens-per-page", args.tokens_per_page),
                         ("--decode-tokens-per-page", args.decode_tokens_per_page)):
         if value is not None:

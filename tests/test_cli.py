@@ -187,7 +187,8 @@ def test_help_exits_0(capsys):
 
 def test_commands_are_a_table(capsys, monkeypatch):
     assert [c.path for c in cli.COMMANDS] == [("layout", "show"), ("layout", "check"), ("demo",), ("bench",),
-                                              ("certs", "ca"), ("certs", "issue"), ("certs", "check")]
+                                              ("certs", "ca"), ("certs", "issue"), ("certs", "check"),
+                                              ("cluster", "status")]
     seen = []
 
     def add(parser):

@@ -81,3 +81,26 @@ def test_kvlend_demo_reports_json_with_many_in_flight_from_two_prefills():
     assert 0 < report["latency_ms_p50"] <= report["latency_ms_p99"]
     assert report["descriptors_per_request"] >= toy_engine.preset("tiny").layers  # one region per layer at least
     assert report["handshake_ms"] > 0
+
+
+@pytest.mark.slow
+def test_chunked_prefill_lent_progressively_verifies_and_reports_both_modes():
+    """``--progressive both``: even requests are lent as their chunks commit, odd ones once prefill is
+    done; every request's tokens equal the chunked single-process reference, every page was read."""
+    requests, min_len, max_len = 6, 300, 700
+    report = run_json([sys.executable, str(EXAMPLES / "pair.py"), "--json", "--requests", str(requests),
+                       "--min-len", str(min_len), "--max-len", str(max_len), "--chunk-tokens", "128",
+                       "--progressive", "both", "--prefills", "1", "--inflight", "3", "--timeout", "60"])
+    tokens, nbytes = expected(requests, max_len, min_len)
+    assert report["verified"] is True and report["mismatched"] == [] and report["requests"] == requests
+    assert report["tokens"] == tokens and report["bytes"] == nbytes  # progressive leases read every page once
+    modes = report["after_last_chunk"]
+    assert {m: modes[m]["requests"] for m in modes} == {"on": 3, "off": 3}
+    assert all(modes[m]["p50_ms"] > 0 for m in modes)
+    assert 0.0 <= report["transfer_hidden"] <= 1.0 and report["chunk_tokens"] == 128
+
+
+def test_progressive_lending_needs_chunked_prefill():
+    proc = subprocess.run([str(Path(sys.executable).parent / "kvlend"), "demo", "--progressive", "on"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and "needs chunked prefill (--chunk-tokens N)" in proc.stderr

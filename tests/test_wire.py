@@ -60,6 +60,7 @@ SAMPLES = [
     Offer(LeaseOffer(LID2, "req-2", 300, {"full": GroupPages(np.arange(2), np.array([5, 9]))}, RowSelection.all(),
                      2.5, ready=40)),  # progressive: 2 pages of 16 tokens committed so far
     Extend(LID2, 72, {"full": GroupPages(np.array([2, 3]), np.array([1, 0]))}),
+    Extend(LID2, 299, {}, {"first": 17}),
     Extend(LID2, 300, {}),  # final, nothing more to read
 ]
 

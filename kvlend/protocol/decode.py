@@ -869,7 +869,7 @@ def _grown(link: _Link, offer: LeaseOffer, message: Extend) -> LeaseOffer:
     if unknown:
         raise ProtocolError(f"prefill {link.peer} extended lease {message.lease.hex()} with unknown groups "
                             f"[{', '.join(unknown)}]")
-    return offer.extended(message.ready, message.pages)
+    return offer.extended(message.ready, message.pages, message.meta)
 
 
 def check_destination(plan: TransferPlan, dst: Any, num_tokens: int) -> None:

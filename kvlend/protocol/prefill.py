@@ -162,12 +162,13 @@ class PrefillSession(Outbox):
         return lease
 
     def offer(self, peer: str, request: str, num_tokens: int, pages: Mapping[str, Any],
-              selection: RowSelection, now: float, *, meta: Mapping[str, Any] | None = None) -> Lease:
+              selection: RowSelection, now: float, *, meta: Mapping[str, Any] | None = None,
+              ready: int | None = None) -> Lease:
         """Lend to a connected ``peer`` and push the offer to it."""
         conn = self._by_name.get(peer)
         if conn is None or self._peers[conn].layout is None:
             raise PeerLost(f"decode rank {peer!r} is not connected")
-        lease = self.lend(request, num_tokens, pages, selection, now, meta=meta, peer=peer)
+        lease = self.lend(request, num_tokens, pages, selection, now, meta=meta, peer=peer, ready=ready)
         offer = self._offer_of(lease)
         try:
             self._peers[conn].conn.send(Offer(offer))
@@ -176,13 +177,20 @@ class PrefillSession(Outbox):
             raise
         return lease
 
-    def extend(self, lease_id: bytes, ready: int, pages: Mapping[str, Any], now: float) -> Lease:
+    def extend(self, lease_id: bytes, ready: int, pages: Mapping[str, Any], now: float, *,
+               meta: Mapping[str, Any] | None = None) -> Lease:
         """A progressive lease grows to ``ready`` tokens (see ``Lender.extend``); its reader, if it has
-        the offer, is told at once (``Extend``, pushed: no polling round trip)."""
+        the offer, is told at once (``Extend``, pushed: no polling round trip).  ``meta`` updates the
+        offer's engine data (the first generated token, say, once the last chunk is done)."""
+        meta = check_offer("", meta or {})  # what the decode would refuse must not take locks
+        loaned = self._loans.get(lease_id)
+        merged = None if loaned is None or not meta else check_offer("", {**loaned.meta, **meta})
         lease, added = self.lender.extend(lease_id, ready, pages, now, self._limits)
+        if merged is not None:
+            loaned.meta = merged  # an offer made later (a claim) carries it whole
         conn = self._by_name.get(lease.peer) if lease.peer is not None else None
         if conn is not None and self._peers[conn].layout is not None:
-            self._peers[conn].conn.send(Extend(lease.id, lease.ready, added))
+            self._peers[conn].conn.send(Extend(lease.id, lease.ready, added, meta))
         return lease
 
     def ticket(self, lease: Lease, host: str, port: int) -> Ticket:

@@ -129,12 +129,13 @@ class LeaseOffer:
     def final(self) -> bool:
         return self.ready == self.num_tokens
 
-    def extended(self, ready: int, added: Mapping[str, GroupPages]) -> LeaseOffer:
-        """This offer grown by an ``Extend``: ``added`` rows merged in, ``ready`` advanced."""
+    def extended(self, ready: int, added: Mapping[str, GroupPages], meta: Mapping[str, Any]) -> LeaseOffer:
+        """This offer grown by an ``Extend``: ``added`` rows merged in, ``ready`` advanced, ``meta`` updated."""
         pages = dict(self.pages)
         for group, more in added.items():
             pages[group] = merge_pages(pages[group], more) if group in pages else more
-        return LeaseOffer(self.id, self.request, self.num_tokens, pages, self.selection, self.ttl, self.meta, ready)
+        return LeaseOffer(self.id, self.request, self.num_tokens, pages, self.selection, self.ttl,
+                          {**self.meta, **meta}, ready)
 
     def to_wire(self) -> dict:
         return {
@@ -241,15 +242,19 @@ class Extend(Message):
 
     Final once ``ready`` is the lease's ``num_tokens``; sent only to the peer the lease is bound to,
     after its ``Offer``, so on one ordered channel the decode always knows the lease first.
+    ``meta`` updates the offer's (say, the first generated token, known only once prefill is done).
     """
     TYPE: ClassVar[str] = "extend"
-    SCHEMA: ClassVar = {"lease": _lease_id, "ready": _int, "pages": lambda v, where: _group_pages(v, where)}
+    SCHEMA: ClassVar = {"lease": _lease_id, "ready": _int, "pages": lambda v, where: _group_pages(v, where),
+                        "meta": _map}
     lease: bytes
     ready: int
     pages: Mapping[str, GroupPages]
+    meta: Mapping[str, Any] = field(default_factory=dict)
 
     def to_wire(self) -> dict:
-        return {"t": self.TYPE, "lease": self.lease, "ready": self.ready, "pages": _pages_to_wire(self.pages)}
+        return {"t": self.TYPE, "lease": self.lease, "ready": self.ready, "pages": _pages_to_wire(self.pages),
+                "meta": dict(self.meta)}
 
 
 @dataclass(frozen=True)

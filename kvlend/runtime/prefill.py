@@ -107,10 +107,13 @@ class PrefillNode(Shell):
 
     # ---------------------------------------------------------------- engine
     def offer(self, peer: str, request: str, num_tokens: int, pages: Mapping[str, Any],
-              selection: RowSelection = RowSelection.all(), meta: Mapping[str, Any] | None = None) -> Lease:
-        """Lend ``request``'s pages to the connected decode rank ``peer`` and push it the offer."""
+              selection: RowSelection = RowSelection.all(), meta: Mapping[str, Any] | None = None,
+              ready: int | None = None) -> Lease:
+        """Lend ``request``'s pages to the connected decode rank ``peer`` and push it the offer
+        (``ready``: progressively, as in ``lend``)."""
         with self._lock:
-            lease = self.session.offer(peer, request, num_tokens, pages, selection, self.clock(), meta=meta)
+            lease = self.session.offer(peer, request, num_tokens, pages, selection, self.clock(), meta=meta,
+                                       ready=ready)
         METRICS.inc("kvlend_leases_total")
         log.debug("lease %s: offered request %s (%d pages) to %s", lease.hex, printable(request), lease.num_pages,
                   printable(peer))
@@ -119,20 +122,33 @@ class PrefillNode(Shell):
 
     def lend(self, request: str, num_tokens: int, pages: Mapping[str, Any],
              selection: RowSelection = RowSelection.all(), meta: Mapping[str, Any] | None = None,
-             lease_id: bytes | None = None) -> Ticket:
+             lease_id: bytes | None = None, ready: int | None = None) -> Ticket:
         """Lend ``request``'s pages to whichever decode redeems the returned ticket.
 
         ``lease_id``: lend under the id of a ``Ticket`` minted earlier from this node's ``advertise``,
         ``port``, name and layout id, for engines whose scheduler answers the client before the
         process owning the pages can lend (set ``NodeConfig.claim_wait`` so an early claim waits).
+        ``ready``: lend progressively, while prefill still computes: only the pages of the first
+        ``ready`` tokens now (rows past them may hold -1), the rest by ``extend`` as chunks commit.
         """
         with self._lock:
             lease = self.session.lend(request, num_tokens, pages, selection, self.clock(), meta=meta,
-                                      lease_id=lease_id)
+                                      lease_id=lease_id, ready=ready)
             ticket = self.session.ticket(lease, self.advertise, self.port)
         METRICS.inc("kvlend_leases_total")
         self._wake()
         return ticket
+
+    def extend(self, lease_id: bytes, ready: int, pages: Mapping[str, Any],
+               meta: Mapping[str, Any] | None = None) -> Lease:
+        """A progressive lease grows: prefill has committed ``ready`` tokens (``pages``: the request's
+        whole table, as in ``lend``).  Its reader, once it holds the offer, hears at once and reads the
+        new pages while later chunks compute; ``ready == num_tokens`` makes the lease final.  ``meta``
+        updates the offer's engine data (the first generated token, known only at the end)."""
+        with self._lock:
+            lease = self.session.extend(lease_id, ready, pages, self.clock(), meta=meta)
+        self._wake()
+        return lease
 
     def release(self, lease_id: bytes) -> Lease | None:
         """End a lease the engine no longer wants read (its request was cancelled)."""
