@@ -55,7 +55,7 @@ def _check_stats(r: dict) -> None:
 
 
 def test_quick_report_has_every_scenario_and_machine_facts(quick_report):
-    assert set(quick_report["scenarios"]) == {"1", "2", "3", "4", "5"}
+    assert set(quick_report["scenarios"]) == {"1", "2", "3", "4", "5", "6"}
     m = quick_report["machine"]
     assert m["nproc"] >= 1 and m["memory_gib"] > 0 and m["cpu"]
     assert not multiprocessing.active_children()  # the lender process was reaped
@@ -117,9 +117,21 @@ def test_scenario_4_cold_peer_reached_verified_bytes_both_ways(quick_report):
     assert 0 < s4["results"]["kvlend"]["handshake_ms"] <= s4["results"]["kvlend"]["ms"]
 
 
+def test_scenario_6_times_both_lending_modes_from_the_last_chunk(quick_report):
+    s6 = quick_report["scenarios"]["6"]
+    assert (s6["tokens"], s6["chunk_tokens"]) == (1024, 256)
+    for mode in ("progressive_on", "progressive_off"):
+        r = s6["results"][mode]
+        assert r["verified"] is True and r["n"] == 2 and r["p50_ms"] > 0  # two timed rounds after a warm-up
+    assert 0 < s6["one_chunk_transfer_ms"] < s6["transfer_ms_off"]
+    assert s6["ratios"]["tail on/off"] == pytest.approx(
+        s6["results"]["progressive_on"]["p50_ms"] / s6["results"]["progressive_off"]["p50_ms"])
+
+
 def test_human_table_names_every_method(quick_report):
     text = bench.format_report(quick_report)
-    for word in ("kvlend", "raw_nixl", "memcpy", "raw_per_page", "staging", "raw_nixl_notif", "targets:"):
+    for word in ("kvlend", "raw_nixl", "memcpy", "raw_per_page", "staging", "raw_nixl_notif", "targets:",
+                 "progressive_on", "progressive_off", "one chunk's"):
         assert word in text
 
 

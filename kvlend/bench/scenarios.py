@@ -53,10 +53,15 @@ class Sizes:
     s3_reps: int
     s5_requests: int = 300  # from two prefill processes, 1..S5_MAX_PAGES pages each
     s5_inflight: int = 32
+    s6_pages: int = 512  # one prompt: 8192 tokens
+    s6_layers: int = 4
+    s6_chunk_pages: int = 64  # chunked prefill: 1024 tokens a chunk
+    s6_compute_s: float = 0.040  # simulated compute per chunk (the prefill's GPU time)
+    s6_rounds: int = 6  # per mode
 
 
 FULL = Sizes(256 << 20, ((1024, 32), (8192, 32), (32768, 8)), 1, 16, 10, 500)
-QUICK = Sizes(8 << 20, ((1024, 4),), 1, 16, 3, 30, 24, 8)
+QUICK = Sizes(8 << 20, ((1024, 4),), 1, 16, 3, 30, 24, 8, 64, 1, 16, 0.005, 2)
 S5_MAX_PAGES = 64
 
 
@@ -106,6 +111,7 @@ def _lender_main(conn) -> None:
     staging = np.zeros(0, np.uint8)
     spin, notifs = False, 0
     cold: list = []  # scenario 4 objects, kept alive until quit
+    streamer = None  # scenario 6's PrefillNode
     try:
         while True:
             if conn.poll(0 if spin else 0.0005):
@@ -131,6 +137,11 @@ def _lender_main(conn) -> None:
                 elif cmd == "tickets":  # scenario 3 through the node: lend the current pools' pages, ticket each
                     cold.append(_ticket_prefill(layout, arg))
                     conn.send(cold[-1][1])
+                elif cmd == "stream":  # scenario 6: chunked prefill of one prompt, lent as it goes or at the end
+                    if streamer is None:
+                        streamer = _stream_prefill(layout, arg)
+                        cold.append((streamer,))
+                    _stream(streamer, layout, arg, conn)
                 elif cmd == "prefill":  # scenario 4: a PrefillNode that offers one lease to its first peer
                     cold.append(_cold_prefill(arg))
                     conn.send(cold[-1][0].address)
@@ -167,6 +178,41 @@ def _ticket_prefill(layout: PageLayout, arg: dict):
     tickets = [node.lend(f"node-{i}", len(src) * TPP, {GROUP: src}, selection).to_text()
                for i, src in enumerate(arg["requests"])]
     return node, tickets
+
+
+def _stream_prefill(layout: PageLayout, arg: dict):
+    """Scenario 6's PrefillNode over the lender's current pools."""
+    from kvlend_nixl import NixlBackend
+
+    from ..runtime import PrefillNode
+    from ..security.credentials import Credentials
+
+    node = PrefillNode(layout, NixlBackend(f"bench-stream-{os.getpid()}", timeout=XFER_TIMEOUT),
+                       Credentials.from_env(arg["credentials"]))
+    node.start()
+    return node
+
+
+def _stream(node, layout: PageLayout, arg: dict, conn) -> None:
+    """One prompt's chunked prefill, each chunk's compute simulated by a sleep (a GPU's time, which
+    leaves the CPU free).  Progressive: lend after the first chunk and send the ticket at once, extend
+    after each later chunk; otherwise lend once the last chunk is done.  Sends ("ticket", text), then
+    ("last", wall time the last chunk finished)."""
+    pages, chunk = arg["pages"], arg["chunk_pages"]
+    src = {GROUP: np.arange(pages, dtype=np.int64)}
+    tokens, lease = pages * TPP, None
+    for done in range(chunk, pages + chunk, chunk):
+        time.sleep(arg["compute_s"])
+        ready = min(done, pages) * TPP
+        if ready == tokens:
+            last = time.time()
+        if lease is not None:
+            node.extend(lease, ready, src)
+        elif arg["progressive"] or ready == tokens:
+            ticket = node.lend(f"stream-{arg['round']}", tokens, src, layout.full_selection(), ready=ready)
+            lease = ticket.lease
+            conn.send(("ticket", ticket.to_text()))
+    conn.send(("last", last))
 
 
 def _cold_prefill(arg: dict):
@@ -230,6 +276,19 @@ class _Lender:
             return self.conn.recv()
         except (EOFError, BrokenPipeError, ConnectionResetError) as exc:
             raise BenchError(f"lender pipe closed during {cmd!r}: {exc}") from None
+
+    def receive(self, what: str, timeout: float = CALL_TIMEOUT):
+        """The next message the lender sends on its own (a command answered in several parts)."""
+        deadline = time.monotonic() + timeout
+        while not self.conn.poll(0.01):
+            if not self.proc.is_alive():
+                raise BenchError(f"lender process died (exit code {self.proc.exitcode}) before sending {what}")
+            if time.monotonic() > deadline:
+                raise BenchError(f"lender sent no {what} within {timeout:g} s")
+        kind, value = self.conn.recv()
+        if kind != what:
+            raise BenchError(f"lender sent {kind!r}, expected {what!r}")
+        return value
 
     def close(self) -> None:
         try:
@@ -834,7 +893,72 @@ def _many_raw(backend, local: PageLayout, arrays: list[np.ndarray], remotes: lis
     return {"seconds": seconds, "verified": verified}
 
 
-SCENARIOS = {1: scenario_1, 2: scenario_2, 3: scenario_3, 4: scenario_4, 5: scenario_5}
+def scenario_6(lender: _Lender, backend, sizes: Sizes, progress) -> dict:
+    """Progressive lending: one long prompt prefilled in chunks (compute simulated), read by a DecodeNode
+    over a ticket, lent as its chunks commit (on) or once prefill is done (off), rounds alternating.
+    Measured: from the last chunk's end to "decode may start" (the fetch done, ack included)."""
+    import tempfile
+
+    from kvlend_nixl import NixlBackend
+
+    from ..runtime import DecodeNode
+    from ..security.certs import Authority, save_rank
+
+    pages, chunk = sizes.s6_pages, sizes.s6_chunk_pages
+    reader = _Reader(lender, backend, pages, sizes.s6_layers, False, 0)
+    nbytes = pages * 2 * sizes.s6_layers * PAGE_BYTES
+    dst = _fragmented(pages, pages, seed=6)
+    ca = Authority.create()
+    tails: dict[str, list[float]] = {"on": [], "off": []}
+    reads: list[float] = []
+    verified = {}
+    wall = time.time() - time.monotonic()
+    progress(f"scenario 6: a {pages * TPP}-token prompt ({nbytes >> 20} MiB) prefilled in chunks of {chunk * TPP} "
+             f"tokens ({sizes.s6_compute_s * 1e3:g} ms of simulated compute each), lent progressively or at the "
+             f"end, {sizes.s6_rounds} rounds each")
+    node_backend = NixlBackend(f"bench-stream-decode-{os.getpid()}", timeout=XFER_TIMEOUT)
+    decode = DecodeNode(reader.local, node_backend, ca.issue("bench-stream-decode"))
+    try:
+        with tempfile.TemporaryDirectory(prefix="kvlend-bench-") as certs:
+            credentials = save_rank(ca.issue("bench-stream-prefill"), certs)
+            for i in range(2 * (sizes.s6_rounds + 1)):  # the first round of each mode warms up
+                mode = ("on", "off")[i % 2]
+                for a in reader.arrays:
+                    a[dst] = 0
+                lender.conn.send(("stream", {"credentials": credentials, "pages": pages, "chunk_pages": chunk,
+                                             "compute_s": sizes.s6_compute_s, "progressive": mode == "on",
+                                             "round": i}))
+                ticket = lender.receive("ticket")
+                started = time.monotonic()
+                handle = decode.start_fetch(ticket, {GROUP: dst})
+                result = handle.wait(XFER_TIMEOUT)
+                ready = wall + started + handle.timeline["finished"]
+                last = lender.receive("last")
+                verified[mode] = all(_expected_ok(a, r, np.arange(pages), dst) for r, a in enumerate(reader.arrays))
+                if i >= 2:
+                    tails[mode].append(ready - last)
+                    if mode == "off":
+                        reads.append(result.read_seconds)
+    finally:
+        decode.close()
+        node_backend.close()
+        reader.close()
+    results = {f"progressive_{m}": {**_stats(v), "verified": verified[m]} for m, v in tails.items()}
+    on, off = results["progressive_on"]["p50_ms"], results["progressive_off"]["p50_ms"]
+    one_chunk_ms = float(np.median(reads)) * 1e3 * chunk / pages
+    return {
+        "name": "progressive lending: last prefill chunk to decode may start", "tokens": pages * TPP,
+        "chunk_tokens": chunk * TPP, "compute_ms_per_chunk": sizes.s6_compute_s * 1e3, "bytes": nbytes,
+        "results": results, "transfer_ms_off": float(np.median(reads)) * 1e3, "one_chunk_transfer_ms": one_chunk_ms,
+        "ratios": {"tail on/off": on / off, "transfer hidden": max(0.0, 1 - on / off)},
+        "targets": {"tail on <= one chunk's transfer + the off tail's fixed part":
+                    on <= one_chunk_ms + (off - float(np.median(reads)) * 1e3) + 1.0},
+        "path": "prefill (PrefillNode) and decode (DecodeNode) in two processes over TLS; a ticket per round; "
+                "'decode may start' = the fetch finished (every read landed, done acked)",
+    }
+
+
+SCENARIOS = {1: scenario_1, 2: scenario_2, 3: scenario_3, 4: scenario_4, 5: scenario_5, 6: scenario_6}
 
 
 def machine() -> dict:
@@ -894,7 +1018,7 @@ def format_report(report: dict) -> str:
         lines.append(f"\nscenario {key}: {s['name']}")
         blocks = s.get("requests") or [s]
         for b in blocks:
-            if "tokens" in b:
+            if "descriptors" in b and "tokens" in b:
                 d = b["descriptors"]
                 lines.append(f"  {b['tokens']} tokens x {b['layers']} layers, {b['bytes'] >> 20} MiB; descriptors: "
                              f"kvlend {d['kvlend']}, minimum {d['minimum']}, per page {d['per_page']}")
@@ -915,6 +1039,9 @@ def format_report(report: dict) -> str:
                 lines.append(f"    {name:22s} {_fmt(r)}{extra}")
             lines.append("    ratios: " + ", ".join(f"{k} {v:.2f}x" for k, v in b["ratios"].items()))
             lines.append("    targets: " + ", ".join(f"{k}: {'met' if v else 'MISSED'}" for k, v in b["targets"].items()))
+        if "one_chunk_transfer_ms" in s:
+            lines.append(f"  the off mode's whole transfer {s['transfer_ms_off']:.2f} ms, one chunk's about "
+                         f"{s['one_chunk_transfer_ms']:.2f} ms")
         for note in s.get("notes", []):
             lines.append(f"  note: {note}")
         if "path" in s:
