@@ -62,6 +62,7 @@ from kvlend.protocol.prefill import PrefillSession
 
 KIND = "memory"
 SCRIBBLE = 0xEE  # what a prefill engine writes into pages it got back (reused by another request)
+UNCOMPUTED = 0x3C  # what a progressive lease's pages hold until prefill computed them (``extend``)
 EPS = 1e-6  # a tick just past a deadline (sessions compare strictly)
 _uid = itertools.count(1)
 
@@ -296,13 +297,20 @@ class PrefillEnd:
         return prefill_request(self.layout, self.pools, self.free, num_tokens, seed)
 
     def lend(self, num_tokens: int, seed: int, *, request: str | None = None, peer: str | None = None,
-             selection: RowSelection | None = None, lease_id: bytes | None = None):
-        """Fill and lend a request's pages (to a ticket: ``peer`` None); the lease."""
+             selection: RowSelection | None = None, lease_id: bytes | None = None, ready: int | None = None):
+        """Fill and lend a request's pages (to a ticket: ``peer`` None); the lease.
+
+        ``ready``: lend progressively (``PrefillSession.lend(ready=)``): pages not yet wholly below
+        ``ready`` tokens (recurrent state: until final) hold ``UNCOMPUTED`` until ``extend`` commits them.
+        """
         tables = self._tables(num_tokens, seed)
+        if ready is not None:
+            self._uncompute(tables, num_tokens, ready)
         try:
             lease = self.session.lend(request or f"req-{seed}", num_tokens, tables,
                                       selection or self.layout.full_selection(), self.now,
-                                      meta={"seed": seed}, peer=peer, lease_id=lease_id)
+                                      meta={"seed": seed}, peer=peer, lease_id=lease_id,
+                                      **({} if ready is None else {"ready": ready}))
         except BaseException:
             self._free(tables)
             raise
@@ -329,6 +337,65 @@ class PrefillEnd:
     def _free(self, tables: dict) -> None:
         for name, table in tables.items():
             self.free[name].release(table)
+
+    # ------------------------------------------------ progressive lending (issue 17)
+    def offer_progressive(self, peer: str, num_tokens: int, seed: int, ready: int, *, request: str | None = None,
+                          selection: RowSelection | None = None):
+        """``offer`` of a lease lent progressively: ``PrefillSession.offer(..., ready=)``."""
+        tables = self._tables(num_tokens, seed)
+        self._uncompute(tables, num_tokens, ready)
+        try:
+            lease = self.session.offer(peer, request or f"req-{seed}", num_tokens, tables,
+                                       selection or self.layout.full_selection(), self.now, meta={"seed": seed},
+                                       ready=ready)
+        except BaseException:
+            self._free(tables)
+            raise
+        self.lent[lease.id] = Lent(lease, tables, seed)
+        self.world.pump()
+        return lease
+
+    def extend(self, lease, ready: int, *, pump: bool = True, **kw):
+        """Prefill committed ``ready`` tokens of a progressive lease (a Lease, Ticket or id): the pages
+        now complete get their bytes, then ``PrefillSession.extend`` lends them (``kw``: its options, such
+        as ``meta``); the grown lease."""
+        lease_id = lease if isinstance(lease, bytes) else getattr(lease, "id", None) or lease.lease
+        lent = self.lent.get(lease_id)
+        if lent is None:  # ended: the session says how (LeaseUnknown, LeaseExpired)
+            return self.session.extend(lease_id, ready, {}, self.now, **kw)
+        self._compute(lent.tables, lent.lease.num_tokens, ready, lent.seed)
+        grown = self.session.extend(lease_id, ready, lent.tables, self.now, **kw)
+        lent.lease = grown
+        if pump:
+            self.world.pump()
+        return grown
+
+    def _committed(self, name: str, num_tokens: int, ready: int) -> tuple[np.ndarray, np.ndarray]:
+        """(rows a decoder at ``num_tokens`` reads, whether each is complete at ``ready`` tokens)."""
+        group = self.layout.groups[name]
+        tpp = self.layout.tokens_per_page
+        rows = group.pages_read(num_tokens, tpp)
+        if ready >= num_tokens:
+            return rows, np.ones(rows.size, dtype=bool)
+        if group.recurrent:
+            return rows, np.zeros(rows.size, dtype=bool)
+        return rows, (rows + 1) * tpp <= ready
+
+    def _uncompute(self, tables: dict, num_tokens: int, ready: int) -> None:
+        """Pages prefill has not computed yet hold ``UNCOMPUTED`` (a read of one before its extension shows)."""
+        for name, table in tables.items():
+            rows, done = self._committed(name, num_tokens, ready)
+            for layer in group_layers(self.layout, name):
+                slots(self.pools[layer])[table[rows[~done]]] = UNCOMPUTED
+
+    def _compute(self, tables: dict, num_tokens: int, ready: int, seed: int) -> None:
+        """Prefill computed up to ``ready`` tokens: every page complete then holds the request's bytes."""
+        n_pages = -(-num_tokens // self.layout.tokens_per_page)
+        for name, table in tables.items():
+            rows, done = self._committed(name, num_tokens, ready)
+            for layer in group_layers(self.layout, name):
+                view = slots(self.pools[layer])
+                view[table[rows[done]]] = pattern(seed, layer, n_pages, view.shape[1])[rows[done]]
 
     def on_event(self, event) -> None:
         self.events.append(event)

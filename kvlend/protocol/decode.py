@@ -49,7 +49,7 @@ from .connection import Connection
 from .prefill import peer_layout
 from .ticket import Ticket
 from .wire import (
-    Abort, Bye, Claim, Done, DoneAck, Extend, Handshake, Heartbeat, LeaseOffer, Message, Offer, Renewed,
+    MAX_META, Abort, Bye, Claim, Done, DoneAck, Extend, Handshake, Heartbeat, LeaseOffer, Message, Offer, Renewed,
 )
 
 log = logging.getLogger("kvlend.session")
@@ -545,6 +545,11 @@ class DecodeSession(Outbox):
         if offer.id in link.abandoned:  # the answer to a claim we gave up on (and aborted)
             link.abandoned.discard(offer.id)
             return
+        unknown = sorted(map(repr, set(offer.pages) - set(link.plan.remote.groups)))
+        if unknown:
+            raise ProtocolError(f"prefill {link.peer} offered lease {offer.id.hex()} with unknown groups "
+                                f"[{', '.join(unknown)}]")
+        _check_committed(link, offer.id, offer.pages, offer.ready, offer.num_tokens)
         fetch = self._fetch_of(conn, offer.id, FetchState.CLAIMING)
         if fetch is None and offer.id in link.early:  # claimed ahead: held (and heartbeated) for its fetch
             sent = link.early.pop(offer.id)
@@ -869,7 +874,24 @@ def _grown(link: _Link, offer: LeaseOffer, message: Extend) -> LeaseOffer:
     if unknown:
         raise ProtocolError(f"prefill {link.peer} extended lease {message.lease.hex()} with unknown groups "
                             f"[{', '.join(unknown)}]")
+    _check_committed(link, message.lease, message.pages, message.ready, offer.num_tokens)
+    if len(set(offer.meta) | set(message.meta)) > MAX_META:
+        raise ProtocolError(f"prefill {link.peer} grew lease {message.lease.hex()}'s meta past {MAX_META} entries")
     return offer.extended(message.ready, message.pages, message.meta)
+
+
+def _check_committed(link: _Link, lease: bytes, pages: Mapping[str, Any], ready: int, num_tokens: int) -> None:
+    """A lease not yet final lends only pages wholly below ``ready`` and no recurrent state: a prefill
+    naming more would have its reader count bytes it has not computed."""
+    if ready == num_tokens:
+        return
+    remote = link.plan.remote
+    for group, gp in pages.items():
+        if not len(gp):
+            continue
+        if remote.groups[group].recurrent or (int(gp.token_pages[-1]) + 1) * remote.tokens_per_page > ready:
+            raise ProtocolError(f"prefill {link.peer} lent rows of group {group!r} past the {ready} tokens it has "
+                                f"committed of lease {lease.hex()}")
 
 
 def check_destination(plan: TransferPlan, dst: Any, num_tokens: int) -> None:

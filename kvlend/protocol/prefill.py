@@ -58,6 +58,7 @@ class _Loaned:
     """What a peer needs to read a lease besides the lender's record."""
 
     meta: Mapping[str, Any] = field(default_factory=dict)
+    offered_on: int | None = None  # the connection its offer went out on: extensions follow it there
 
 
 class PrefillSession(Outbox):
@@ -175,6 +176,7 @@ class PrefillSession(Outbox):
         except ProtocolError:  # too large to frame: nothing was queued
             self._end(lease.id, "aborted")
             raise
+        self._loans[lease.id].offered_on = conn
         return lease
 
     def extend(self, lease_id: bytes, ready: int, pages: Mapping[str, Any], now: float, *,
@@ -188,8 +190,8 @@ class PrefillSession(Outbox):
         lease, added = self.lender.extend(lease_id, ready, pages, now, self._limits)
         if merged is not None:
             loaned.meta = merged  # an offer made later (a claim) carries it whole
-        conn = self._by_name.get(lease.peer) if lease.peer is not None else None
-        if conn is not None and self._peers[conn].layout is not None:
+        conn = None if loaned is None else loaned.offered_on
+        if conn is not None and conn in self._peers:  # a reader that has the offer; a later claim gets it all
             self._peers[conn].conn.send(Extend(lease.id, lease.ready, added, meta))
         return lease
 
@@ -334,6 +336,9 @@ class PrefillSession(Outbox):
             peer.conn.send(Abort(lease_id, _error_text(exc)))
             return
         peer.conn.send(Offer(self._offer_of(lease)))
+        loaned = self._loans.get(lease_id)
+        if loaned is not None:
+            loaned.offered_on = self._by_name.get(peer.name)
 
     def _offer_of(self, lease: Lease) -> LeaseOffer:
         loaned = self._loans.get(lease.id)  # a lease lent through a shared lender has no meta of ours

@@ -92,9 +92,12 @@ def _lease_ids(v: Any, where: str) -> tuple[bytes, ...]:
     return tuple(_lease_id(x, f"{where}[]") for x in v)
 
 
+MAX_META = 64  # entries in an offer's meta (an extension's included)
+
+
 def _map(v: Any, where: str) -> dict:
-    if not isinstance(v, dict) or len(v) > 64:
-        raise ProtocolError(f"{where}: expected a map of at most 64 entries")
+    if not isinstance(v, dict) or len(v) > MAX_META:
+        raise ProtocolError(f"{where}: expected a map of at most {MAX_META} entries")
     for k, x in v.items():
         _str(k, f"{where} key")
         scalar = isinstance(x, (str, float, bool, bytes, type(None))) or _is_int64(x)
