@@ -236,7 +236,8 @@ def test_nodes_publish_their_records_and_the_router_spreads_requests_by_load(clu
     tried.clear()
     with pytest.raises(PeerLost) as info:  # every compatible prefill failed: the last failure, the refusal chained
         router.route(always(PeerLost), attempts=3)
-    assert tried == [b.name, a.name] and isinstance(info.value.__cause__, RegistryError)
+    # b was lost above: it sits out its cool-down (a dead prefill looks idle until its record leaves)
+    assert tried == [a.name] and isinstance(info.value.__cause__, RegistryError)
     assert router.routed == {}
     for ticket in tickets:
         a.node.release(ticket.lease)
@@ -323,12 +324,11 @@ def test_a_decode_leaving_the_registry_has_its_leases_released_before_their_ttl(
             d.node.claim(lend(p, f"{d.name}-{j}", 10 * i + j))  # bound to the decode, heartbeated by it
     wait_until(lambda: leases_of(p, d1.name) == 2 and leases_of(p, d2.name) == 2, "claims not bound")
 
-    # d1 shuts down: its link goes, its leases stay (reads may still land) until the record leaves
+    # d1 shuts down: its link goes and closing the node withdraws its record, so the leases go now,
+    # not at their TTL (30 s)
     d1.node.close()
     d1.node.backend.close()
-    wait_until(lambda: d1.name not in p.node.ready_peers(), "the prefill did not see decode-1 go")
-    assert leases_of(p, d1.name) == 2
-    d1.registry.close()  # its record leaves at once: the leases go now, not at their TTL (30 s)
+    assert p.registry.wait_for(lambda v: v.get(d1.name) is None, DEADLINE)
     wait_until(lambda: leases_of(p, d1.name) == 0, "decode-1's leases not released", deadline=5.0)
     assert sorted(r for r, why in p.released if why == "released") == ["decode-1-0", "decode-1-1"]
 

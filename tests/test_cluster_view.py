@@ -854,3 +854,37 @@ def test_degraded_survives_a_reset():
     view.reset(5, [(key("p1"), rec("p1").encode())])
     assert view.degraded and view.degraded_since == 0.0
     assert [r.identity for r in view.ranks()] == ["p1"]
+
+
+# ------------------------------------------------------------------ router
+class ViewRegistry:
+    """What ``Router`` reads of a ``Registry``: its TTL and ``pick``, here over a ``ClusterView`` fed by hand."""
+
+    ttl = 2.0
+
+    def __init__(self, view: ClusterView) -> None:
+        self.view = view
+
+    def pick(self, layout, routed=None, exclude=()):
+        return self.view.pick(layout, routed, exclude)
+
+
+def test_router_counts_what_it_routed_and_cools_down_a_failed_prefill():
+    from kvlend.cluster import Router
+
+    view = ClusterView(PREFIX)
+    view.reset(1, [(key("p0"), rec("p0", load=0).encode()), (key("p1"), rec("p1", load=0).encode())])
+    clock = [100.0]
+    router = Router(ViewRegistry(view), LOCAL, clock=lambda: clock[0])
+    assert [router.pick().identity for _ in range(4)] == ["p0", "p1", "p0", "p1"]  # its own routed counts spread them
+    assert router.routed == {"p0": 2, "p1": 2}
+    for identity in ("p0", "p0", "p1", "p1"):
+        router.finished(identity)
+    assert router.routed == {}
+    router.failed("p0")  # died: it fails at once, so it would look idle until its record leaves
+    assert {router.pick().identity for _ in range(3)} == {"p1"}
+    clock[0] += ViewRegistry.ttl  # the cool-down (the registry's TTL) is over
+    assert router.pick().identity == "p0"
+    router.failed("p0"), router.failed("p1")
+    with pytest.raises(RegistryError, match="excluded"):
+        router.pick()

@@ -80,6 +80,7 @@ class Registry:
         self._lease: int | None = None
         self._published: RankRecord | None = None  # what etcd holds for us, as far as we know
         self._withdrawn = False  # ``withdraw`` asked for the lease to go
+        self._retired = False  # withdrawn and not published again: ``update`` does nothing
         self._ready = False
         self._stopping = False
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -124,13 +125,15 @@ class Registry:
             if self._record is not None and self._record.identity != record.identity:
                 raise RegistryError(f"this registry publishes {self._record.identity!r}, not {record.identity!r}")
             self._record = record
-            self._withdrawn = False  # a lease still held is reused
+            self._withdrawn = self._retired = False  # a lease still held is reused
         self._poke()
 
     def update(self, **fields) -> None:
         """Change fields of the published record (say, ``load=3``); puts are coalesced."""
         with self._cond:
             if self._record is None:
+                if self._retired:  # withdrawn: a node's loop may still report its load once
+                    return
                 raise RegistryError("update: nothing published yet")
             try:
                 record = dataclasses.replace(self._record, **fields)
@@ -151,7 +154,7 @@ class Registry:
             if self._record is None:
                 return
             self._record = None
-            self._withdrawn = True
+            self._withdrawn = self._retired = True
         self._poke()
 
     def close(self, timeout: float | None = None) -> None:

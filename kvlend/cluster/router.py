@@ -13,12 +13,15 @@ that another prefill may not share (``RETRY_ON``: it died or left, its lease
 went, it timed out, it was full) is sent to the next pick, excluding every
 prefill that failed it, up to ``attempts`` prefills in all; any other error
 (a bad argument, a layout bug) is raised at once, since another prefill
-would fail it the same way.  Thread-safe: one lock around the counts.
+would fail it the same way.  A prefill lost (``PeerLost``) is also skipped
+by every pick for a cool-down (``failed``): until its record leaves, it would
+look idle.  Thread-safe: one lock around the counts.
 """
 
 from __future__ import annotations
 
 import threading
+import time
 from typing import TYPE_CHECKING, Callable, Iterable, TypeVar
 
 from ..core.layout import PageLayout
@@ -35,20 +38,28 @@ RETRY_ON: tuple[type[BaseException], ...] = (PeerLost, LeaseError, TransferTimeo
 class Router:
     """Picks prefills whose layout ``layout`` (the decode's: the reader's) can read, by room left."""
 
-    def __init__(self, registry: Registry, layout: PageLayout) -> None:
+    def __init__(self, registry: Registry, layout: PageLayout, *, cooldown: float | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.registry = registry
         self.layout = layout
+        self.cooldown = registry.ttl if cooldown is None else float(cooldown)
+        self._clock = clock
         self._lock = threading.Lock()
         self._routed: dict[str, int] = {}  # identity -> requests picked here and not yet finished
+        self._failed: dict[str, float] = {}  # identity -> until when it is not picked
 
     def pick(self, exclude: Iterable[str] = ()) -> RankRecord:
         """The compatible prefill with the most room, counted as routed to until ``finished``.
 
-        ``RegistryError`` if no live prefill (outside ``exclude``) is compatible.  On a degraded
-        registry it picks among the prefills last known.
+        Prefills that ``failed`` within the cool-down are skipped.  ``RegistryError`` if no live
+        prefill (outside ``exclude``) is compatible.  On a degraded registry it picks among the
+        prefills last known.
         """
         with self._lock:  # pick and count at once: concurrent picks see each other
-            record = self.registry.pick(self.layout, self._routed, exclude)
+            now = self._clock()
+            for identity in [i for i, until in self._failed.items() if until <= now]:
+                del self._failed[identity]
+            record = self.registry.pick(self.layout, self._routed, {*exclude, *self._failed})
             self._routed[record.identity] = self._routed.get(record.identity, 0) + 1
             return record
 
@@ -60,6 +71,14 @@ class Router:
                 self._routed[identity] = left
             else:
                 self._routed.pop(identity, None)
+
+    def failed(self, identity: str) -> None:
+        """``identity`` failed a request in a way another request would share (it died, or its link
+        did): skip it for ``cooldown`` seconds (default the registry's TTL, by which a dead rank's
+        record has left).  A dead prefill fails at once, so its routed count stays at zero and it
+        would otherwise look like the least loaded until its record goes."""
+        with self._lock:
+            self._failed[identity] = self._clock() + self.cooldown
 
     @property
     def routed(self) -> dict[str, int]:
@@ -91,6 +110,8 @@ class Router:
             except retry_on as exc:
                 last = exc
                 failed.append(record.identity)
+                if isinstance(exc, PeerLost):
+                    self.failed(record.identity)
             finally:
                 self.finished(record.identity)
         assert last is not None
