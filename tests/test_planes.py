@@ -1,4 +1,5 @@
-"""The folders are the planes: core <- protocol <- runtime, transport and security beside, and the pure parts stay pure.
+"""The folders are the planes: core <- protocol <- runtime, transport and security beside, cluster between
+core and runtime, and the pure parts stay pure.
 
 Each pure module is imported alone in a fresh interpreter, which also
 catches circular imports, and must not pull in NIXL, torch, sockets, threads
@@ -17,13 +18,15 @@ import pytest
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 PACKAGE = ROOT / "kvlend"
 PURE = ("core", "protocol")
+PURE_CLUSTER = ("kvlend.cluster.records", "kvlend.cluster.view")  # the cluster plane's pure half
 # What each plane may import from the package (besides errors and itself).
 ALLOWED = {
     "core": set(),
     "protocol": {"core"},
     "transport": {"core"},
-    "security": set(),
-    "runtime": {"core", "protocol", "transport", "security", "metrics"},
+    "security": {"core"},
+    "cluster": {"core"},
+    "runtime": {"core", "protocol", "transport", "security", "metrics", "cluster"},
     "bench": {"core", "protocol", "transport", "security", "runtime"},
 }
 IMPURE = ("nixl", "torch", "socket", "select", "selectors", "asyncio", "subprocess")
@@ -65,7 +68,7 @@ def test_each_plane_imports_only_the_planes_below_it(plane):
         assert not extra, f"{path.relative_to(ROOT)} imports {sorted(extra)}"
 
 
-@pytest.mark.parametrize("module", [m for plane in PURE for m in modules(plane)])
+@pytest.mark.parametrize("module", [m for plane in PURE for m in modules(plane)] + list(PURE_CLUSTER))
 def test_pure_modules_import_alone_without_io(module):
     code = (f"import sys, {module}\n"
             f"bad = sorted(m for m in sys.modules if m.split('.')[0] in {IMPURE!r})\n"
@@ -76,10 +79,11 @@ def test_pure_modules_import_alone_without_io(module):
 
 
 def test_pure_modules_import_no_clock_thread_socket_or_os():
-    for plane in PURE:
-        for path in (PACKAGE / plane).glob("*.py"):
-            for node in ast.walk(ast.parse(path.read_text())):
-                names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
-                    [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level else []
-                for name in names:
-                    assert name.split(".")[0] not in FORBIDDEN, f"{path.relative_to(ROOT)} imports {name}"
+    paths = [p for plane in PURE for p in (PACKAGE / plane).glob("*.py")]
+    paths += [PACKAGE / "cluster" / f"{m.rsplit('.', 1)[1]}.py" for m in PURE_CLUSTER]
+    for path in paths:
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+                [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level else []
+            for name in names:
+                assert name.split(".")[0] not in FORBIDDEN, f"{path.relative_to(ROOT)} imports {name}"

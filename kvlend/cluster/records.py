@@ -23,7 +23,7 @@ from typing import Mapping
 
 from ..core.layout import PageLayout
 from ..errors import ConfigError, KvlendError, RegistryError
-from ..security.certs import check_identity
+from ..core.names import check_identity
 
 RECORD_VERSION = 1
 MAX_RECORD_BYTES = 64 << 10

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import datetime
 import os
-import re
 from dataclasses import dataclass
 
 from cryptography import x509
@@ -19,22 +18,12 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
+from ..core.names import check_identity
 from ..errors import ConfigError
 from .credentials import CA_ENV, CERT_ENV, KEY_ENV, Credentials
 
 CA_DAYS = 3650
 RANK_DAYS = 365
-_IDENTITY = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:@-]{0,63}")
-
-
-def check_identity(identity: str) -> str:
-    """A rank identity: 1-64 characters of letters, digits and ``._:@-`` (it lands in logs and file names)."""
-    if not isinstance(identity, str) or not _IDENTITY.fullmatch(identity):
-        raise ConfigError(f"rank identity {identity!r}: expected 1-64 characters of letters, digits and ._:@- "
-                          "starting with a letter or digit")
-    return identity
-
-
 def _now() -> datetime.datetime:
     return datetime.datetime.now(datetime.timezone.utc)
 
