@@ -160,10 +160,8 @@ class DecodeNode(Shell):
                  registry: Registry | None = None, capacity: int | None = None,
                  meta: Mapping[str, str] | None = None) -> None:
         super().__init__(None, backend, credentials, clock)
-        record = None if registry is None else RankRecord(
-            self.name, "decode", (socket.gethostname() or "localhost")[:255], 0, layout.encode(),
-            layout.replica.tp_size, layout.replica.tp_rank, layout.replica.pp_size, layout.replica.pp_rank,
-            capacity if capacity is not None else config.quotas.max_leases_per_peer, 0, meta or {})
+        record = None if registry is None else self._record(
+            "decode", (socket.gethostname() or "localhost")[:255], 0, layout, config, capacity, meta)
         backend.register(layout.regions)
         self.layout = layout
         self.config = config
@@ -172,12 +170,8 @@ class DecodeNode(Shell):
         self._handles: dict[int, FetchHandle] = {}
         self._finished: list[FetchHandle] = []
         self._offers: deque[tuple[Link, LeaseOffer]] = deque()
-        self.registry = registry
-        self._cluster: deque[Change] = deque()  # prefills that left, for the loop (appended on the registry thread)
-        self._load, self._load_at = 0, 0.0  # the load last handed to the registry, and when
         if registry is not None:
-            registry.publish(record)  # refused if this registry already publishes another rank
-            registry.add_listener(self._on_cluster)
+            self._join(registry, record)
 
     # ----------------------------------------------------------------- links
     def connect(self, host: str, port: int, timeout: float | None = None) -> Link:
@@ -333,37 +327,23 @@ class DecodeNode(Shell):
         error.request, error.bound = "", resume_from  # as on a fetch's error: nothing was read
         raise error
 
-    def _on_cluster(self, changes: list[Change]) -> None:
-        """On the registry thread: hand prefills that left to the loop (never the lock here)."""
-        gone = [c for c in changes if c.kind == LEFT and c.record.role == "prefill"]
-        if gone:
-            self._cluster.extend(gone)
-            self._wake()
+    def _watches(self, change: Change) -> bool:
+        return change.kind == LEFT and change.record.role == "prefill"
 
-    def _step(self, timeout: float) -> None:
-        super()._step(timeout)
-        if self.registry is not None:
-            self._cluster_turn()
+    def _cluster_change(self, change: Change) -> bool:
+        """A prefill's record left: close every link to it (its fetches fail once quiet)."""
+        record, closed = change.record, False
+        with self._lock:
+            for conn in self.session.links:
+                info = self.session.link_info(conn)
+                peer = info["peer"]  # None until TLS named it: then the endpoint says who it is
+                if peer == record.identity or (peer is None and tuple(info["endpoint"]) == record.endpoint):
+                    self.session.disconnect(conn, self.clock(), f"prefill {record.identity} left the cluster registry")
+                    closed = True
+        return closed
 
-    def _cluster_turn(self) -> None:
-        """On the loop's turn: close the links to prefills that left, and publish the load if it moved."""
-        closed = False
-        while self._cluster:
-            record = self._cluster.popleft().record
-            with self._lock:
-                for conn in self.session.links:
-                    info = self.session.link_info(conn)
-                    peer = info["peer"]  # None until TLS named it: then the endpoint says who it is
-                    if peer == record.identity or (peer is None and tuple(info["endpoint"]) == record.endpoint):
-                        self.session.disconnect(conn, self.clock(), f"prefill {record.identity} left the cluster "
-                                                                    "registry")
-                        closed = True
-        load = len(self._handles)
-        if load != self._load and time.monotonic() >= self._load_at + self.registry.update_interval:
-            self._load, self._load_at = load, time.monotonic()  # paced: each update re-validates the record
-            self.registry.update(load=load)
-        if closed:
-            self._flush()
+    def _current_load(self) -> int:
+        return len(self._handles)
 
     # ---------------------------------------------------------------- offers
     def next_offer(self, timeout: float) -> tuple[Link, LeaseOffer]:
@@ -389,9 +369,7 @@ class DecodeNode(Shell):
         """Close every link in order; fetches still in flight fail once quiet.  Idempotent."""
         if self._closed:
             return
-        if self.registry is not None:
-            self.registry.remove_listener(self._on_cluster)
-            self.registry.withdraw()  # the record leaves now; the caller still owns the registry
+        self._leave()  # the record leaves now
         with self._lock:
             for conn in self.session.links:
                 self.session.disconnect(conn, self.clock(), "decode shutting down")

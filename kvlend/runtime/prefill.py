@@ -17,10 +17,8 @@ withdraws its record; close the registry after the node).
 from __future__ import annotations
 
 import time
-from collections import deque
 from typing import TYPE_CHECKING, Any, Callable, Mapping
 
-from ..cluster.records import RankRecord
 from ..cluster.view import JOINED, LEFT, Change
 from ..core.layout import PageLayout, RowSelection
 from ..core.lender import Lease
@@ -76,10 +74,8 @@ class PrefillNode(Shell):
         try:
             self.host, self.port = self._sockets.listen(host, port)  # a port in use fails before registering
             self.advertise = advertise or self.host
-            record = None if registry is None else RankRecord(
-                self.name, "prefill", self.advertise, self.port, layout.encode(),
-                layout.replica.tp_size, layout.replica.tp_rank, layout.replica.pp_size, layout.replica.pp_rank,
-                capacity if capacity is not None else config.quotas.max_leases_per_peer, 0, meta or {})
+            record = None if registry is None else self._record("prefill", self.advertise, self.port, layout,
+                                                                config, capacity, meta)
             backend.register(layout.regions)
         except BaseException:
             self._sockets.close_all()
@@ -87,17 +83,13 @@ class PrefillNode(Shell):
         self.session = PrefillSession(layout, backend.kind, backend.metadata(), name=self.name, config=config)
         self.lender = self.session.lender
         self._next_conn = 0
-        self.registry = registry
-        self._cluster: deque[Change] = deque()  # registry changes for the loop (appended on the registry thread)
         self._departed: set[str] = set()  # decodes whose record left while still connected
-        self._load, self._load_at = 0, 0.0  # the load last handed to the registry, and when
         if registry is not None:
             try:
-                registry.publish(record)  # refused if this registry already publishes another rank
+                self._join(registry, record)
             except BaseException:
                 self._sockets.close_all()
                 raise
-            registry.add_listener(self._on_cluster)
         METRICS.gauge("kvlend_active_leases", lambda: self.lender.active_leases, self.name)
         METRICS.gauge("kvlend_locked_pages", lambda: self.lender.locks.locked_pages(), self.name)
 
@@ -185,9 +177,7 @@ class PrefillNode(Shell):
         """Say goodbye to every decode and stop serving (leases are not released).  Idempotent."""
         if self._closed:
             return
-        if self.registry is not None:
-            self.registry.remove_listener(self._on_cluster)
-            self.registry.withdraw()  # the record leaves now; the caller still owns the registry
+        self._leave()  # the record leaves now
         with self._lock:
             self.session.shutdown("prefill shutting down")
         self._shutdown()
@@ -195,40 +185,25 @@ class PrefillNode(Shell):
         METRICS.remove_gauge("kvlend_locked_pages", self.name)
 
     # ------------------------------------------------------------- registry
-    def _on_cluster(self, changes: list[Change]) -> None:
-        """On the registry thread: hand decode joins and departures to the loop (never the lock here)."""
-        mine = [c for c in changes if c.kind in (JOINED, LEFT) and c.record.role == "decode"]
-        if mine:
-            self._cluster.extend(mine)
-            self._wake()
+    def _watches(self, change: Change) -> bool:
+        return change.kind in (JOINED, LEFT) and change.record.role == "decode"
 
-    def _step(self, timeout: float) -> None:
-        super()._step(timeout)
-        if self.registry is not None:
-            self._cluster_turn()
+    def _cluster_change(self, change: Change) -> bool:
+        """A decode's record came back (its leases stay its own) or left (release them if it is gone)."""
+        identity = change.record.identity
+        if change.kind == JOINED:
+            self._departed.discard(identity)
+            return False
+        with self._lock:
+            if identity in self.session.peers:
+                self._departed.add(identity)
+                log.info("prefill %s: decode rank %s left the registry but is still connected: its leases "
+                         "stay until its link drops", self.name, printable(identity))
+                return False
+            return self._release_peer(identity, "left the cluster registry")
 
-    def _cluster_turn(self) -> None:
-        """On the loop's turn: release the leases of decodes that left, and publish the load if it moved."""
-        released = False
-        while self._cluster:
-            change = self._cluster.popleft()
-            identity = change.record.identity
-            if change.kind == JOINED:
-                self._departed.discard(identity)  # back in the registry: its leases stay its own
-                continue
-            with self._lock:
-                if identity in self.session.peers:
-                    self._departed.add(identity)
-                    log.info("prefill %s: decode rank %s left the registry but is still connected: its leases "
-                             "stay until its link drops", self.name, printable(identity))
-                else:
-                    released |= self._release_peer(identity, "left the cluster registry")
-        load = self.lender.active_leases
-        if load != self._load and time.monotonic() >= self._load_at + self.registry.update_interval:
-            self._load, self._load_at = load, time.monotonic()  # paced: each update re-validates the record
-            self.registry.update(load=load)
-        if released:
-            self._flush()
+    def _current_load(self) -> int:
+        return self.lender.active_leases
 
     def _release_peer(self, identity: str, why: str) -> bool:
         """Release every lease bound to ``identity`` (under the lock); whether there were any."""

@@ -15,8 +15,11 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import Callable
+from collections import deque
+from typing import TYPE_CHECKING, Any, Callable, Mapping
 
+from ..cluster.records import RankRecord
+from ..cluster.view import Change
 from ..core.text import printable
 from ..errors import AuthError, BackendError, ConfigError, KvlendError, TransferTimeout
 from ..protocol.actions import AddPeer, Cancel, Close, Connect, Post, RemovePeer, Send
@@ -24,6 +27,9 @@ from ..security.credentials import Credentials
 from ..transport import TransferBackend
 from .sockets import Sockets
 from .tls import TlsChannel
+
+if TYPE_CHECKING:
+    from ..cluster.registry import Registry
 
 log = logging.getLogger("kvlend.node")
 
@@ -55,6 +61,9 @@ class Shell:
         self._stop = threading.Event()
         self._idle = 0.0
         self._closed = False
+        self.registry: Registry | None = None
+        self._cluster: deque[Change] = deque()  # registry changes for the loop (appended on the registry thread)
+        self._load = 0  # the load last handed to the registry
 
     # --------------------------------------------------------------- thread
     def start(self) -> None:
@@ -108,6 +117,8 @@ class Shell:
             self.session.tick(now)
         self._idle = 0.0 if (completions or data) else min(max(self._idle * 2, _BACKOFF[0]), _BACKOFF[1])
         self._flush()
+        if self.registry is not None:
+            self._cluster_turn()
 
     def flush(self) -> None:
         """Perform the session's actions and deliver its events (outside the session's lock)."""
@@ -247,6 +258,56 @@ class Shell:
             if action.tag in self._tags:
                 self.backend.cancel(action.tag)
         self._idle = 0.0
+
+    # ------------------------------------------------------------- registry
+    def _record(self, role: str, host: str, port: int, layout, config, capacity: int | None,
+                meta: Mapping[str, Any] | None) -> RankRecord:
+        """This rank's record (``capacity`` default: the per-peer lease quota), checked before anything starts."""
+        replica = layout.replica
+        return RankRecord(self.name, role, host, port, layout.encode(), replica.tp_size, replica.tp_rank,
+                          replica.pp_size, replica.pp_rank,
+                          capacity if capacity is not None else config.quotas.max_leases_per_peer, 0, meta or {})
+
+    def _join(self, registry: Registry, record: RankRecord) -> None:
+        """Publish ``record`` (refused if the registry publishes another rank) and follow the changes."""
+        registry.publish(record)
+        self.registry = registry
+        registry.add_listener(self._on_cluster)
+
+    def _leave(self) -> None:
+        """Stop following the registry and withdraw the record (the caller still owns the registry)."""
+        if self.registry is not None:
+            self.registry.remove_listener(self._on_cluster)
+            self.registry.withdraw()
+
+    def _on_cluster(self, changes: list[Change]) -> None:
+        """On the registry thread: hand the changes this node acts on to the loop (never the lock here)."""
+        mine = [c for c in changes if self._watches(c)]
+        if mine:
+            self._cluster.extend(mine)
+            self._wake()
+
+    def _cluster_turn(self) -> None:
+        """On the loop's turn: act on the queued changes, and publish the load if it moved."""
+        acted = False
+        while self._cluster:
+            acted |= self._cluster_change(self._cluster.popleft())
+        load = self._current_load()
+        if load != self._load:
+            self._load = load
+            self.registry.update(load=load)  # the registry coalesces a burst into one put
+        if acted:
+            self._flush()
+
+    def _watches(self, change: Change) -> bool:
+        raise NotImplementedError
+
+    def _cluster_change(self, change: Change) -> bool:
+        """Act on one registry change (on the loop's turn); whether the session has actions to perform."""
+        raise NotImplementedError
+
+    def _current_load(self) -> int:
+        raise NotImplementedError
 
     def _report_closed(self, conn: int, why: str) -> None:
         with self._lock:
