@@ -108,13 +108,7 @@ class DeliveryTracker:
         r = self._get(request)
         if r.aborted:
             raise TrackerError(f"request {request!r} was aborted; it needs nothing more")
-        if not isinstance(pages, Mapping):
-            raise PageRangeError(f"pages: must be a mapping of group name to token pages, got {type(pages).__name__}")
-        unknown = sorted(map(repr, set(pages) - set(r.needed)))
-        if unknown:
-            raise PageRangeError(f"pages: unknown groups [{', '.join(unknown)}]")
-        checked = {name: _pages(f"pages[{name!r}]", value, r.needed[name].size) for name, value in pages.items()}
-        for name, idx in checked.items():
+        for name, idx in _group_pages(r, pages).items():
             need, have = r.needed[name], r.delivered[name]
             fresh = idx[~need[idx]]
             r.missing += int(np.count_nonzero(~have[fresh]))
@@ -144,15 +138,9 @@ class DeliveryTracker:
         _check_chunk_id(chunk_id)
         if chunk_id in r.pending or chunk_id in r.settled:
             raise TrackerError(f"chunk {chunk_id!r} of request {request!r} was already posted")
-        if not isinstance(pages, Mapping):
-            raise PageRangeError(f"pages: must be a mapping of group name to token pages, got {type(pages).__name__}")
-        unknown = sorted(map(repr, set(pages) - set(r.needed)))
-        if unknown:
-            raise PageRangeError(f"pages: unknown groups [{', '.join(unknown)}]")
         chunk = {}
-        for name, value in pages.items():
+        for name, idx in _group_pages(r, pages).items():
             need = r.needed[name]
-            idx = _pages(f"pages[{name!r}]", value, need.size)
             if not need[idx].all():
                 extra = idx[~need[idx]]
                 raise PageRangeError(f"pages[{name!r}]: token page {int(extra[0])} is not needed by request {request!r}")
@@ -262,6 +250,16 @@ class DeliveryTracker:
 def _check_chunk_id(chunk_id: Any) -> None:
     if isinstance(chunk_id, bool) or not isinstance(chunk_id, (int, str)):
         raise TrackerError(f"chunk id: must be an int or a str, got {type(chunk_id).__name__}")
+
+
+def _group_pages(r: _Request, pages: Any) -> dict[str, np.ndarray]:
+    """``pages`` (group -> token pages) checked against the request's groups and sizes, all before any use."""
+    if not isinstance(pages, Mapping):
+        raise PageRangeError(f"pages: must be a mapping of group name to token pages, got {type(pages).__name__}")
+    unknown = sorted(map(repr, set(pages) - set(r.needed)))
+    if unknown:
+        raise PageRangeError(f"pages: unknown groups [{', '.join(unknown)}]")
+    return {name: _pages(f"pages[{name!r}]", value, r.needed[name].size) for name, value in pages.items()}
 
 
 def _pages(where: str, value: Any, size: int) -> np.ndarray:
