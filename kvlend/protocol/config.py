@@ -79,6 +79,11 @@ class NodeConfig:
     # A claim of a lease not yet lent waits this long for the lend (0: refused at once).  For
     # tickets minted before the lend, as a vLLM scheduler does while its worker lends a step later.
     claim_wait: float = 0.0
+    # Decode: a ticket carrying its page table is read as the claim goes out, saving the claim's round
+    # trip; what is read counts only once the answer confirms the same pages.  Off by default: until
+    # then the reader holds no lease, so it may be reading pages the prefill has already reused (for
+    # it, garbage that it then discards; the prefill is never written).
+    read_ahead: bool = False
     quotas: Quotas = Quotas()  # what one peer may take (enforced by the prefill)
 
     def __post_init__(self) -> None:
@@ -93,6 +98,8 @@ class NodeConfig:
             raise ConfigError(f"NodeConfig.heartbeat {self.heartbeat} must be shorter than ttl {self.ttl}")
         if isinstance(self.chunk_pages, bool) or not isinstance(self.chunk_pages, int) or self.chunk_pages < 1:
             raise ConfigError(f"NodeConfig.chunk_pages must be an int >= 1, got {self.chunk_pages!r}")
+        if not isinstance(self.read_ahead, bool):
+            raise ConfigError(f"NodeConfig.read_ahead must be a bool, got {self.read_ahead!r}")
         if not isinstance(self.quotas, Quotas):
             raise ConfigError(f"NodeConfig.quotas must be a Quotas, got {type(self.quotas).__name__}")
         if self.quotas.max_lease_lifetime < self.ttl:

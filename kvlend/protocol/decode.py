@@ -99,6 +99,8 @@ class Fetch:
     landed: float | None = None  # every read landed (before the done ack)
     quiet_by: float = math.inf  # CANCELLING: tear the link down if reads are still in flight then
     read_rows: dict = field(default_factory=dict)  # remote group -> token pages read or skipped so far
+    ticket: Ticket | None = None  # redeemed from this ticket (its page table lets reads start with the claim)
+    confirmed: bool = True  # False while reads posted from the ticket's pages await the claim's answer
 
     @property
     def done(self) -> bool:
@@ -324,6 +326,7 @@ class DecodeSession(Outbox):
             link.sure.pop(ticket.lease, None)
         fetch = self._new_fetch(conn, ticket.lease, ticket.num_tokens, dst, resume_from, now, timeout,
                                 FetchState.CLAIMING)
+        fetch.ticket = ticket
         reason = link.refused.pop(ticket.lease, None)
         sent = link.early.pop(ticket.lease, None)  # None too for a claim queued until the link is ready
         if reason is not None:
@@ -551,6 +554,12 @@ class DecodeSession(Outbox):
                                 f"[{', '.join(unknown)}]")
         _check_committed(link, offer.id, offer.pages, offer.ready, offer.num_tokens)
         fetch = self._fetch_of(conn, offer.id, FetchState.CLAIMING)
+        if fetch is None:
+            ahead = next((f for f in self._fetches.values() if f.link == conn and f.lease == offer.id
+                          and not f.confirmed and not f.done), None)
+            if ahead is not None:  # the answer to a claim whose reads went ahead from the ticket
+                self._confirm(ahead, offer, now)
+                return
         if fetch is None and offer.id in link.early:  # claimed ahead: held (and heartbeated) for its fetch
             sent = link.early.pop(offer.id)
             link.offers[offer.id] = offer
@@ -622,7 +631,8 @@ class DecodeSession(Outbox):
             if offer is not None:
                 link.sure[lease] = max(link.sure.get(lease, -math.inf), sent + offer.ttl - self.config.heartbeat)
         for fetch in self._fetches.values():
-            if fetch.link == conn and fetch.lease in message.leases and fetch.offer is not None and not fetch.done:
+            if fetch.link == conn and fetch.lease in message.leases and fetch.offer is not None and not fetch.done \
+                    and fetch.confirmed:
                 fetch.sure_until = max(fetch.sure_until, sent + fetch.offer.ttl - self.config.heartbeat)
 
     def _withdrawn(self, conn: int, link: _Link, message: Abort, now: float) -> None:
@@ -644,6 +654,11 @@ class DecodeSession(Outbox):
         log.info("prefill %s withdrew lease %s: %s", printable(link.peer), message.lease.hex(), printable(message.reason))
 
     def _acked(self, fetch: Fetch, ack: DoneAck, now: float) -> None:
+        if ack.ok and not fetch.confirmed:  # the channel is ordered: the claim's answer comes first
+            fetch.bound = fetch.resume_from
+            self._finish(fetch, ProtocolError(f"request {fetch.request or fetch.lease.hex()}: done acknowledged "
+                                              "before the claim was answered"), now)
+            return
         if not ack.ok:
             kind = LeaseExpired if ack.error.startswith("LeaseExpired") else LeaseUnknown
             fetch.bound = fetch.resume_from  # nothing read under this lease may be used
@@ -688,6 +703,48 @@ class DecodeSession(Outbox):
     def _claim(self, link: _Link, fetch: Fetch, now: float) -> None:
         fetch.claimed_at = now
         link.conn.send(Claim(fetch.lease))
+        self._read_ahead(link, fetch, now)
+
+    def _read_ahead(self, link: _Link, fetch: Fetch, now: float) -> None:
+        """Post a ticket's reads from the page table it carries while its claim is on the way.
+
+        Nothing read counts until the claim's answer confirms the lease and the same pages
+        (``_confirm``): the lease was live when the claim arrived, so it was live for every read
+        before that, and the answer renews it for a TTL after.  A ticket without pages, for another
+        layout than the link's, or with pages this rank cannot read, waits for the answer instead.
+        """
+        ticket = fetch.ticket
+        if not self.config.read_ahead or ticket is None or ticket.pages is None \
+                or ticket.layout_id != link.plan.remote.layout_id \
+                or not set(ticket.pages) <= set(link.plan.remote.groups):
+            return
+        offer = LeaseOffer(fetch.lease, "", fetch.num_tokens, ticket.pages, link.plan.remote.full_selection(),
+                           self.config.ttl)
+        try:
+            work = self._work(link.plan, offer, fetch.dst, fetch.resume_from)
+            fetch.state, fetch.confirmed = FetchState.READING, False
+            self._begin(fetch, offer, work, now, created=False)
+        except KvlendError:  # a bad table is reported when the answer comes, as without a page table
+            fetch.state, fetch.confirmed = FetchState.CLAIMING, True
+
+    def _confirm(self, fetch: Fetch, offer: LeaseOffer, now: float) -> None:
+        """The claim's answer for reads posted ahead: the same pages, final, every row, or they are void."""
+        if fetch.state is FetchState.CANCELLING:
+            return  # it ends once quiet, and its abort releases the lease
+        ahead = fetch.offer
+        same = (offer.num_tokens == fetch.num_tokens and offer.final and offer.selection == ahead.selection
+                and offer.pages.keys() == ahead.pages.keys()
+                and all(np.array_equal(offer.pages[g].token_pages, ahead.pages[g].token_pages)
+                        and np.array_equal(offer.pages[g].ordinals, ahead.pages[g].ordinals) for g in offer.pages))
+        if not same:
+            fetch.bound = fetch.resume_from
+            self._fail(fetch, ProtocolError(f"lease {offer.id.hex()}: the claim's answer names other pages than "
+                                            "its ticket; what was read from the ticket's is discarded"), now)
+            return
+        fetch.offer, fetch.request, fetch.confirmed = offer, offer.request, True
+        fetch.sure_until = fetch.claimed_at + offer.ttl - self.config.heartbeat
+        if fetch.state is FetchState.READING and now < fetch.sure_until:
+            fetch.bound = max(fetch.resume_from, self.tracker.bound(fetch.key))
 
     def _work(self, plan: TransferPlan, offer: LeaseOffer, dst: Mapping[str, Any], resume_from: int,
               done_rows: Mapping[str, np.ndarray] | None = None):
@@ -796,6 +853,8 @@ class DecodeSession(Outbox):
         if fetch.state is FetchState.ACKING:  # every read is terminal; the prefill releases on our done
             self._finish(fetch, error, now)
             return
+        if not fetch.confirmed and link is not None:
+            link.abandoned.add(fetch.lease)  # the claim's answer may still come: it is not an offer to us
         fetch.error = error
         fetch.state = FetchState.CANCELLING
         fetch.quiet_by = now + self.config.cancel_grace

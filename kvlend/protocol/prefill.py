@@ -197,7 +197,11 @@ class PrefillSession(Outbox):
 
     def ticket(self, lease: Lease, host: str, port: int) -> Ticket:
         """The portable form of a lease, for the decode that ``host:port`` reaches us from."""
-        return Ticket(lease.id, host, port, self.name, lease.num_tokens, self.layout.layout_id)
+        ticket = Ticket(lease.id, host, port, self.name, lease.num_tokens, self.layout.layout_id)
+        # A small, final lease of every row: its page table rides along, so its reader need not wait for
+        # the claim's answer (it reads with the full selection of our layout, which it holds).
+        whole = lease.final and lease.selection == self.layout.full_selection()
+        return ticket.with_pages(lease.pages) if whole else ticket
 
     def release(self, lease_id: bytes) -> Lease | None:
         """End a lease from the engine's side (its request was cancelled); None if already ended.

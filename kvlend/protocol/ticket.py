@@ -7,22 +7,33 @@ redeems it (``Claim`` over a link it opens once and reuses).  Bytes are
 msgpack; the text form (for JSON such as vLLM's ``kv_transfer_params``) is
 ``kvl1.`` plus unpadded base64url.  Decoding a peer's ticket is strict and
 never trusts a length it has not checked.
+
+A small lease of every row (the prefill layout's full selection) also
+carries its page table (``pages``, int32 rows):
+a decode that has a link to the prefill then reads at once, with the claim
+in flight, instead of waiting for the claim's answer; what it reads counts
+only once that answer confirms the same pages (see ``DecodeSession``).
 """
 
 from __future__ import annotations
 
 import base64
 import binascii
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
+from typing import Mapping
 
 import msgpack
+import numpy as np
 
 from ..core.lender import LEASE_ID_BYTES
+from ..core.pages import GroupPages
 from ..errors import ProtocolError
 
-TICKET_VERSION = 1
+TICKET_VERSION = 2  # 2: the page table of a small lease
 TEXT_PREFIX = "kvl1."
-MAX_TICKET_BYTES = 1024
+MAX_TICKET_BYTES = 2048
+MAX_TICKET_ROWS = 192  # page-table rows a ticket carries at most (int32 pairs: 1.5 KiB)
+_MAX_GROUPS = 16
 _MAX_HOST = 255
 _MAX_NAME = 256
 
@@ -35,6 +46,7 @@ class Ticket:
     prefill: str  # the prefill rank's name on the control channel
     num_tokens: int
     layout_id: str  # the prefill's layout id: a decode can check compatibility before connecting
+    pages: Mapping[str, GroupPages] | None = field(default=None, compare=False)  # the lease's, if small
 
     def __post_init__(self) -> None:
         if not isinstance(self.lease, bytes) or len(self.lease) != LEASE_ID_BYTES:
@@ -46,28 +58,48 @@ class Ticket:
         for name, value, low, high in (("port", self.port, 1, 65535), ("num_tokens", self.num_tokens, 1, 1 << 40)):
             if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
                 raise ProtocolError(f"ticket.{name}: expected an int in [{low}, {high}]")
+        if self.pages is not None:
+            pages = self.pages
+            ok = isinstance(pages, Mapping) and 0 < len(pages) <= _MAX_GROUPS and all(
+                isinstance(g, str) and 0 < len(g) <= _MAX_NAME and isinstance(gp, GroupPages)
+                for g, gp in pages.items())
+            if not ok or sum(len(gp) for gp in pages.values()) > MAX_TICKET_ROWS or not all(
+                    gp.ordinals.max(initial=0) < 1 << 31 and gp.token_pages.max(initial=0) < 1 << 31
+                    for gp in pages.values()):
+                raise ProtocolError(f"ticket.pages: expected 1..{_MAX_GROUPS} named groups of GroupPages, "
+                                    f"{MAX_TICKET_ROWS} rows at most, each below 2**31")
 
     @property
     def endpoint(self) -> tuple[str, int]:
         return self.host, self.port
 
     def encode(self) -> bytes:
+        pages = None if self.pages is None else {
+            g: [gp.token_pages.astype("<i4").tobytes(), gp.ordinals.astype("<i4").tobytes()]
+            for g, gp in self.pages.items()}
         return msgpack.packb([TICKET_VERSION, self.lease, self.host, self.port, self.prefill,
-                              self.num_tokens, self.layout_id], use_bin_type=True)
+                              self.num_tokens, self.layout_id, pages], use_bin_type=True)
 
     @classmethod
     def decode(cls, data: bytes) -> Ticket:
         if not isinstance(data, (bytes, bytearray)) or not 0 < len(data) <= MAX_TICKET_BYTES:
             raise ProtocolError(f"ticket: expected 1..{MAX_TICKET_BYTES} bytes")
         try:
-            obj = msgpack.unpackb(bytes(data), raw=False, max_str_len=_MAX_NAME, max_bin_len=64,
-                                  max_array_len=16, max_map_len=0, max_ext_len=0)
+            obj = msgpack.unpackb(bytes(data), raw=False, max_str_len=_MAX_NAME, max_bin_len=8 * MAX_TICKET_ROWS,
+                                  max_array_len=16, max_map_len=_MAX_GROUPS, max_ext_len=0)
         except Exception as exc:
             raise ProtocolError(f"ticket: not valid msgpack ({type(exc).__name__})") from None
-        if not isinstance(obj, list) or len(obj) != 7 or obj[0] != TICKET_VERSION or type(obj[0]) is not int:
+        if not isinstance(obj, list) or len(obj) != 8 or obj[0] != TICKET_VERSION or type(obj[0]) is not int:
             raise ProtocolError(f"ticket: expected [version {TICKET_VERSION}, lease, host, port, prefill, "
-                                "num_tokens, layout_id]")
-        return cls(*obj[1:])
+                                "num_tokens, layout_id, pages]")
+        return cls(*obj[1:7], pages=None if obj[7] is None else _pages(obj[7]))
+
+    def with_pages(self, pages: Mapping[str, GroupPages]) -> Ticket:
+        """This ticket carrying ``pages`` when they are few enough (``MAX_TICKET_ROWS``), else as it is."""
+        try:
+            return replace(self, pages=dict(pages))
+        except ProtocolError:  # too many rows (or slots past int32): the claim's answer brings them
+            return self
 
     def to_text(self) -> str:
         return TEXT_PREFIX + base64.urlsafe_b64encode(self.encode()).rstrip(b"=").decode("ascii")
@@ -82,3 +114,19 @@ class Ticket:
         except (binascii.Error, ValueError):
             raise ProtocolError("ticket text: not base64url") from None
         return cls.decode(data)
+
+
+def _pages(v) -> dict[str, GroupPages]:
+    """A ticket's ``{group: [token_pages, ordinals]}`` (little-endian int32), checked like an offer's."""
+    if not isinstance(v, dict) or not 0 < len(v) <= _MAX_GROUPS:
+        raise ProtocolError(f"ticket.pages: expected a map of 1..{_MAX_GROUPS} groups")
+    out = {}
+    for g, arrays in v.items():
+        if not isinstance(g, str) or not isinstance(arrays, list) or len(arrays) != 2 \
+                or not all(isinstance(a, bytes) and len(a) % 4 == 0 for a in arrays):
+            raise ProtocolError("ticket.pages: expected group -> [token_pages, ordinals] as int32 bytes")
+        try:
+            out[g] = GroupPages(*(np.frombuffer(a, dtype="<i4").astype(np.int64) for a in arrays))
+        except Exception as exc:
+            raise ProtocolError(f"ticket.pages[{g!r}]: {exc}") from None
+    return out
