@@ -75,6 +75,23 @@ def test_a_refused_claim_voids_what_was_read_ahead():
     assert r.fetch.state is FetchState.FAILED and isinstance(r.fetch.error, LeaseUnknown)
     assert r.fetch.bound == 0 and r.fetch.quiet
     assert d.offers == []  # a late answer is never taken for a pushed offer
+    assert d.session._links[conn].abandoned == set()  # the refusal was the answer: nothing is waited for
+
+
+def test_a_fetch_timing_out_after_its_done_never_takes_the_late_answer_for_an_offer():
+    world, p, d, conn = rig()
+    ticket = p.ticket(8, seed=9)
+    wire = world.wire(d, conn)
+    wire.hold_to_prefill = True  # the claim, and then the done, wait on the wire
+    r = d.fetch_ticket(ticket, seed=9)
+    finish_all(world, d)  # every read lands: the done goes (behind the held claim)
+    assert r.fetch.state is FetchState.ACKING and not r.fetch.confirmed
+    world.advance(CFG.transfer_timeout + 1)
+    assert r.fetch.state is FetchState.FAILED and r.fetch.bound == 0
+    wire.hold_to_prefill = False
+    world.pump()  # the claim is answered, then the done: neither looks like a pushed offer
+    assert d.offers == [] and d.session._links[conn].offers == {}
+    assert p.lender.active_leases == 0
 
 
 def test_a_ticket_naming_other_pages_than_the_lease_fails_and_counts_nothing():

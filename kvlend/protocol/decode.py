@@ -644,13 +644,13 @@ class DecodeSession(Outbox):
                 link.refused.popitem(last=False)
         link.offers.pop(message.lease, None)
         link.sure.pop(message.lease, None)
-        link.abandoned.discard(message.lease)
         for fetch in self._fetches.values():
             if fetch.link == conn and fetch.lease == message.lease and not fetch.done:
                 fetch.bound = fetch.resume_from  # its pages may be reused under our reads
                 kind = _REFUSALS.get(message.reason.partition(":")[0], LeaseUnknown)
                 self._fail(fetch, kind(f"prefill {link.peer} refused lease {message.lease.hex()}: "
                                        f"{message.reason}"), now, tell_prefill=False)
+        link.abandoned.discard(message.lease)  # this was the answer: nothing more comes for it
         log.info("prefill %s withdrew lease %s: %s", printable(link.peer), message.lease.hex(), printable(message.reason))
 
     def _acked(self, fetch: Fetch, ack: DoneAck, now: float) -> None:
@@ -850,11 +850,11 @@ class DecodeSession(Outbox):
                 link.waiting.remove(fetch.id)
             self._finish(fetch, error, now)
             return
+        if not fetch.confirmed and link is not None:
+            link.abandoned.add(fetch.lease)  # the claim's answer may still come: it is not an offer to us
         if fetch.state is FetchState.ACKING:  # every read is terminal; the prefill releases on our done
             self._finish(fetch, error, now)
             return
-        if not fetch.confirmed and link is not None:
-            link.abandoned.add(fetch.lease)  # the claim's answer may still come: it is not an offer to us
         fetch.error = error
         fetch.state = FetchState.CANCELLING
         fetch.quiet_by = now + self.config.cancel_grace
