@@ -198,6 +198,8 @@ def test_nodes_publish_their_records_and_the_router_spreads_requests_by_load(clu
     assert (mine.role, mine.host, mine.port, mine.layout) == ("decode", socket.gethostname(), 0,
                                                              d.node.layout.encode())
     assert [r.identity for r in d.node.compatible_prefills()] == [a.name, b.name]
+    sees(a, d.name)
+    assert [r.identity for r in a.node.live_decodes()] == [d.name]  # a prefill sees which decodes are alive
 
     tickets = [lend(a, f"held-{i}", i) for i in range(3)]  # a holds three leases: b has more room
     load_of(d, a.name, 3)

@@ -19,9 +19,12 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING, Any, Callable, Mapping
 
+from ..cluster.records import RankRecord
 from ..cluster.view import JOINED, LEFT, Change
 from ..core.layout import PageLayout, RowSelection
 from ..core.lender import Lease
+from ..core.negotiate import negotiate
+from ..errors import ConfigError, KvlendError
 from ..core.text import printable
 from ..metrics import METRICS
 from ..protocol.actions import LeaseEnded, PeerGone, PeerReady
@@ -36,6 +39,15 @@ if TYPE_CHECKING:
     from ..cluster.registry import Registry
 
 DEFAULT_HOST = "127.0.0.1"  # listen on loopback unless told otherwise
+
+
+def _reads(local: PageLayout, remote: PageLayout) -> bool:
+    """Whether a decode of layout ``local`` can read leases of ``remote`` (``negotiate`` accepts the pair)."""
+    try:
+        negotiate(local, remote)
+        return True
+    except KvlendError:
+        return False
 
 _TARGET_PROGRESS = 0.002  # seconds between backend polls while leases are live (a reader's first read needs it)
 
@@ -163,6 +175,14 @@ class PrefillNode(Shell):
     def ready_peers(self) -> list[str]:
         with self._lock:
             return self.session.peers
+
+    def live_decodes(self) -> list[RankRecord]:
+        """The decode ranks the registry lists as alive (``RankRecord``s, by identity), connected or not,
+        whose layout can read this rank's; ``ConfigError`` without a registry."""
+        if self.registry is None:
+            raise ConfigError("live_decodes: this prefill node was built without a registry")
+        return [r for r in self.registry.ranks("decode") if r.page_layout is not None
+                and _reads(r.page_layout, self.layout)]
 
     def wait_for_peers(self, count: int, timeout: float) -> list[str]:
         """Wait until ``count`` decode ranks completed the handshake; their names, sorted."""
