@@ -309,8 +309,7 @@ class PrefillEnd:
         try:
             lease = self.session.lend(request or f"req-{seed}", num_tokens, tables,
                                       selection or self.layout.full_selection(), self.now,
-                                      meta={"seed": seed}, peer=peer, lease_id=lease_id,
-                                      **({} if ready is None else {"ready": ready}))
+                                      meta={"seed": seed}, peer=peer, lease_id=lease_id, ready=ready)
         except BaseException:
             self._free(tables)
             raise
@@ -322,11 +321,15 @@ class PrefillEnd:
         return self.session.ticket(lease, *self.endpoint)
 
     def offer(self, peer: str, num_tokens: int, seed: int, *, request: str | None = None,
-              selection: RowSelection | None = None):
+              selection: RowSelection | None = None, ready: int | None = None):
+        """Fill, lend and push a request's pages to ``peer`` (``ready``: progressively, as in ``lend``)."""
         tables = self._tables(num_tokens, seed)
+        if ready is not None:
+            self._uncompute(tables, num_tokens, ready)
         try:
             lease = self.session.offer(peer, request or f"req-{seed}", num_tokens, tables,
-                                       selection or self.layout.full_selection(), self.now, meta={"seed": seed})
+                                       selection or self.layout.full_selection(), self.now, meta={"seed": seed},
+                                       ready=ready)
         except BaseException:
             self._free(tables)
             raise
@@ -339,22 +342,6 @@ class PrefillEnd:
             self.free[name].release(table)
 
     # ------------------------------------------------ progressive lending (issue 17)
-    def offer_progressive(self, peer: str, num_tokens: int, seed: int, ready: int, *, request: str | None = None,
-                          selection: RowSelection | None = None):
-        """``offer`` of a lease lent progressively: ``PrefillSession.offer(..., ready=)``."""
-        tables = self._tables(num_tokens, seed)
-        self._uncompute(tables, num_tokens, ready)
-        try:
-            lease = self.session.offer(peer, request or f"req-{seed}", num_tokens, tables,
-                                       selection or self.layout.full_selection(), self.now, meta={"seed": seed},
-                                       ready=ready)
-        except BaseException:
-            self._free(tables)
-            raise
-        self.lent[lease.id] = Lent(lease, tables, seed)
-        self.world.pump()
-        return lease
-
     def extend(self, lease, ready: int, *, pump: bool = True, **kw):
         """Prefill committed ``ready`` tokens of a progressive lease (a Lease, Ticket or id): the pages
         now complete get their bytes, then ``PrefillSession.extend`` lends them (``kw``: its options, such

@@ -36,7 +36,6 @@ import hashlib
 import json
 import os
 import queue
-import select
 import sys
 import time
 
@@ -45,6 +44,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(TESTS), "examples"))
 
 import numpy as np  # noqa: E402
 import toy_engine  # noqa: E402
+from fault_ranks import Stdin  # noqa: E402  (the parent's commands, without blocking; EOF reads as stop)
 
 from kvlend.errors import KvlendError, PeerLost, TransferTimeout  # noqa: E402
 from kvlend.runtime import DecodeNode, NodeConfig, PrefillNode  # noqa: E402
@@ -56,28 +56,6 @@ MARK = "@@progressive "
 
 def emit(**event) -> None:
     print("\n" + MARK + json.dumps(event), flush=True)  # own line: UCX may write to stdout too
-
-
-class Stdin:
-    """Lines from the parent, without blocking; EOF reads as ``stop``."""
-
-    def __init__(self) -> None:
-        self.buf = b""
-        self.eof = False
-
-    def line(self, timeout: float = 0.0) -> str | None:
-        end = time.monotonic() + timeout
-        while b"\n" not in self.buf and not self.eof:
-            remaining = end - time.monotonic()
-            if not select.select([sys.stdin], [], [], max(0.0, remaining))[0]:
-                return None
-            data = os.read(sys.stdin.fileno(), 65536)
-            self.eof = not data
-            self.buf += data
-        if b"\n" not in self.buf:
-            return "stop" if self.eof else None
-        line, self.buf = self.buf.split(b"\n", 1)
-        return line.decode().strip()
 
 
 def setup(args):

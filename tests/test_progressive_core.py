@@ -20,6 +20,7 @@ from kvlend.core.tracker import DeliveryTracker
 from kvlend.errors import (
     KvlendError, LeaseError, LeaseExpired, LeaseUnknown, PageRangeError, QuotaExceeded, TrackerError,
 )
+from test_tracker import reference_bound  # the bound straight from its definition
 
 ATT, REC = LayerKind.ATTENTION, LayerKind.RECURRENT
 ALL = RowSelection.all()
@@ -700,25 +701,6 @@ def test_random_progressive_lifecycles_keep_locks_equal_to_the_sum_over_live_lea
 
 
 # ----------------------------------------------------------------- tracker
-def reference_bound(lay: PageLayout, n: int, delivered: dict[str, set], reads=None) -> int:
-    """Brute force over every token position, straight from the definition (``reads``: a cache of
-    ``pages_read`` as sets, keyed by (group, position))."""
-    reads = {} if reads is None else reads
-    best = 0
-    for t in range(n + 1):
-        ok = True
-        for name, g in lay.groups.items():
-            if g.recurrent:
-                ok &= t == n and 0 in delivered[name]
-            else:
-                if (name, t) not in reads:
-                    reads[name, t] = set(g.pages_read(t, lay.tokens_per_page).tolist())
-                ok &= reads[name, t] <= delivered[name]
-        if ok:
-            best = t
-    return best
-
-
 def tracker_state(t: DeliveryTracker, request: str):
     r = t._requests[request]
     return ({g: m.tolist() for g, m in r.needed.items()}, {g: m.tolist() for g, m in r.delivered.items()},

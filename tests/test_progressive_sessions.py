@@ -188,7 +188,7 @@ def new_reads(d, before: set) -> list:
 
 def push_progressive(p, peer: str, n: int, seed: int, ready: int):
     """A progressive lease pushed to ``peer`` (``PrefillSession.offer(..., ready=)``)."""
-    return p.offer_progressive(peer, n, seed, ready=ready)
+    return p.offer(peer, n, seed, ready=ready)
 
 
 def inject(world, p, d, conn, message) -> None:
@@ -370,7 +370,7 @@ def test_prefill_session_offer_lends_progressively():
     """``PrefillSession.offer`` must take ``ready=`` like ``lend``: a prefill pushes its leases to a decode
     it already knows, and a progressive lease is the one worth pushing early (issue 17)."""
     world, p, d, conn = rig()
-    lease = p.offer_progressive("decode", 40, 1, ready=10)
+    lease = p.offer("decode", 40, 1, ready=10)
     assert lease.ready == 10 and not lease.final
     (c, offer), = d.offers
     assert offer.ready == 10

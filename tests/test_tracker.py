@@ -253,8 +253,10 @@ def test_uses_the_local_layout_even_with_host_regions():
 
 
 # --------------------------------------------------------------- properties
-def reference_bound(lay: PageLayout, n: int, delivered: dict[str, set]) -> int:
-    """Brute force over every token position, straight from the definition."""
+def reference_bound(lay: PageLayout, n: int, delivered: dict[str, set], reads=None) -> int:
+    """Brute force over every token position, straight from the definition (``reads``: a cache of
+    ``pages_read`` as sets, keyed by (group, position), for callers that ask often)."""
+    reads = {} if reads is None else reads
     best = 0
     for t in range(n + 1):
         ok = True
@@ -262,7 +264,9 @@ def reference_bound(lay: PageLayout, n: int, delivered: dict[str, set]) -> int:
             if g.recurrent:
                 ok &= t == n and 0 in delivered[name]
             else:
-                ok &= set(g.pages_read(t, lay.tokens_per_page).tolist()) <= delivered[name]
+                if (name, t) not in reads:
+                    reads[name, t] = set(g.pages_read(t, lay.tokens_per_page).tolist())
+                ok &= reads[name, t] <= delivered[name]
         if ok:
             best = t
     return best

@@ -47,6 +47,7 @@ class ClusterView:
         self.degraded_since: float | None = None
         self.degraded_why = ""
         self._compatible: dict[tuple[bytes, bytes], bool] = {}  # (local, remote layout encoded) -> negotiates
+        self._mine: tuple[PageLayout, bytes] | None = None  # the last local layout asked about, encoded
 
     # ------------------------------------------------------------- feeding
     def reset(self, revision: int, items: Iterable[tuple[bytes, bytes]]) -> list[Change]:
@@ -120,7 +121,9 @@ class ClusterView:
     def compatible(self, layout: PageLayout, role: str = "prefill") -> list[RankRecord]:
         """Ranks of ``role`` whose layout ``negotiate`` accepts against ``layout`` (ours, the reader's)."""
         out = []
-        mine = layout.encode()  # the id leaves out windows and sinks, which negotiate checks
+        if self._mine is None or self._mine[0] is not layout:  # one reader asks again and again (a router)
+            self._mine = (layout, layout.encode())  # the id leaves out windows and sinks, which negotiate checks
+        mine = self._mine[1]
         for record in self.ranks(role):
             if not record.layout:
                 continue  # a router: nothing to exchange

@@ -231,26 +231,19 @@ class Lender:
         return lease
 
     def _check_quota(self, peer: str | None, num_pages: int, now: float, limits: LeaseLimits,
-                     extra: int | None = None) -> None:
+                     grows: bool = False) -> None:
         """Refuse one more lease of ``num_pages`` for ``peer`` past its lease or page quota
-        (``extra``: a lease the peer holds grows by that many pages instead)."""
+        (``grows``: no new lease, one the peer holds takes ``num_pages`` more)."""
         if peer is None:
             return
         ids = self._of_peer.get(peer, {})
-        if extra is not None:
-            pages = self._peer_pages.get(peer, 0) + extra
-            if pages > limits.max_locked_pages_per_peer:  # recount without leases past their expiry
-                pages = sum(n for i, n in ids.items() if now <= self._live[i].lease.expires_at) + extra
-            if pages > limits.max_locked_pages_per_peer:
-                raise QuotaExceeded("max_locked_pages_per_peer", pages, limits.max_locked_pages_per_peer,
-                                    f"peer {_show_peer(peer)} would hold locked pages:")
-            return
-        leases, pages = len(ids) + 1, self._peer_pages.get(peer, 0) + num_pages
-        if leases > limits.max_leases_per_peer or pages > limits.max_locked_pages_per_peer:
+        more = 0 if grows else 1
+        leases, pages = len(ids) + more, self._peer_pages.get(peer, 0) + num_pages
+        if more and leases > limits.max_leases_per_peer or pages > limits.max_locked_pages_per_peer:
             # Only now look closer: leases past their expiry that no sweep ended yet do not count.
             live = [n for i, n in ids.items() if now <= self._live[i].lease.expires_at]
-            leases, pages = len(live) + 1, sum(live) + num_pages
-        if leases > limits.max_leases_per_peer:
+            leases, pages = len(live) + more, sum(live) + num_pages
+        if more and leases > limits.max_leases_per_peer:  # a lease that grows adds no lease
             raise QuotaExceeded("max_leases_per_peer", leases, limits.max_leases_per_peer,
                                 f"peer {_show_peer(peer)} would hold live leases:")
         if pages > limits.max_locked_pages_per_peer:
@@ -373,7 +366,7 @@ class Lender:
         added, slots = self._plan(lease.num_tokens, pages, targets, ready, before=_all_groups(self, lease))
         more = sum(len(g) for g in added.values())
         if lease.peer is not None and more:
-            self._check_quota(lease.peer, lease.num_pages + more, now, limits, extra=more)
+            self._check_quota(lease.peer, more, now, limits, grows=True)
         self.locks.lock_slots(slots)
         merged = {name: _merged(gp, added.get(name)) for name, gp in lease.pages.items()}
         merged.update((name, gp) for name, gp in added.items() if name not in merged)
