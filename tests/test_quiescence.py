@@ -38,6 +38,7 @@ TIMEOUT = 0.05  # the backend's per-tag timeout in the scenarios that rely on it
 ABORT_GRACE = 0.5  # how long the hung-lender scenario lets the read try to stop
 WATCH = 0.3  # seconds the destination is watched after the Completion
 DEADLINE = 20.0
+ATTEMPTS = 5  # a READ that finished before the scenario could act is posted again, this many times at most
 
 EXPECTED = {
     "timeout": "TransferTimeout",
@@ -134,16 +135,16 @@ class _Initiator:
         self._read(b"warm-up", PAGE)  # the first read wires the connection up (100+ ms)
 
     def scenario(self, scenario: str) -> dict:
-        backend, tag = self.backend, f"doomed-{scenario}".encode()
-        self.dst[:] = SENTINEL
+        backend = self.backend
         backend.timeout = TIMEOUT if EXPECTED[scenario] == "TransferTimeout" else DEADLINE
         backend.abort_grace = ABORT_GRACE  # an attribute the old backend ignores
-        self._post(tag, SIZE)
-        posted = time.monotonic()
-        assert backend.poll() == [] and self._in_nixl_flight(tag), "the READ finished at once: make SIZE bigger"
-        if scenario != "timeout":  # act mid-transfer, once data is landing
-            self._until(lambda: self._poll() or self._landed() >= 1 / 16)
-            assert self._in_nixl_flight(tag), "the READ finished before the scenario acted: make SIZE bigger"
+        for attempt in range(ATTEMPTS):
+            tag, posted = self._post_doomed(scenario, attempt)
+            if self._in_nixl_flight(tag):
+                break
+            # a loaded host descheduled this thread past the whole READ: take it back and post again
+            self._until(lambda: self._poll() or self.reported.pop(tag, None))
+        assert self._in_nixl_flight(tag), f"the READ finished before the scenario acted, {ATTEMPTS} times"
         acted = time.monotonic()
         if scenario == "cancel":
             backend.cancel(tag)
@@ -185,6 +186,17 @@ class _Initiator:
             "fresh_read_exact": fresh.error is None and np.array_equal(self.dst, self.expected),
             "resets": getattr(backend, "resets", None),
         }
+
+    def _post_doomed(self, scenario: str, attempt: int) -> tuple[bytes, float]:
+        """Post the READ the scenario fails; return once data is landing (at once for the timeout)."""
+        tag = f"doomed-{scenario}-{attempt}".encode()
+        self.dst[:] = SENTINEL
+        self._post(tag, SIZE)
+        posted = time.monotonic()
+        assert self.backend.poll() == [], "the READ finished at once: make SIZE bigger"
+        if scenario != "timeout":  # act mid-transfer, once data is landing
+            self._until(lambda: self._poll() or self._landed() >= 1 / 16)
+        return tag, posted
 
     def _in_nixl_flight(self, tag: bytes) -> bool:
         """NIXL's own state: every handle of ``tag`` still PROC."""
