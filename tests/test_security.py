@@ -22,10 +22,11 @@ import threading
 import numpy as np
 import pytest
 from conftest import CA, creds, make_layout, make_pools, nixl, prefill_request
+from test_connection_nodes import wait_until
 from test_node import DEADLINE, DECODE_CONFIG, DST_PAGES, SRC_PAGES, fetch_and_verify, free_lists, rig
 
 import kvlend.runtime.tls
-from kvlend.errors import AuthError, ConfigError
+from kvlend.errors import AuthError, ConfigError, PeerLost
 from kvlend.runtime import DecodeNode, NodeConfig, PrefillNode
 from kvlend.security.certs import Authority
 from kvlend.security.credentials import Credentials
@@ -241,3 +242,97 @@ def test_a_ticket_is_read_only_from_the_prefill_it_names():
             fresh.backend.close()
         handle = r.decode.start_fetch(good, dst)  # the real ticket still reads
         assert handle.wait(DEADLINE).bound == 16
+
+
+# ------------------------------------------------- certificates over a link's life
+LIFE = 5.0  # seconds a short-lived certificate lives: long enough for a handshake on a loaded host
+PATIENT = NodeConfig(chunk_pages=8, handshake_timeout=DEADLINE, transfer_timeout=60.0)  # no fetch times out first
+
+
+def brief(identity: str, seconds: float = LIFE) -> Credentials:
+    """A certificate of ``identity`` that expires ``seconds`` from now."""
+    return CA.issue(identity, expires=datetime.datetime.now(datetime.timezone.utc)
+                    + datetime.timedelta(seconds=seconds))
+
+
+def decode_node(credentials: Credentials, backend=None, dst: list | None = None) -> DecodeNode:
+    """A started decode over ``dst`` (``backend``: made first, so the credentials do not age while NIXL starts)."""
+    dst = make_pools(DST_PAGES) if dst is None else dst
+    decode = DecodeNode(make_layout(dst), backend or nixl("decode"), credentials, config=PATIENT)
+    decode.pools = dst  # registered with NIXL: alive as long as the node
+    decode.start()
+    return decode
+
+
+def live_fetch(prefill: PrefillNode, src: list, decode: DecodeNode, link, seed: int):
+    """A fetch that stays in flight: a progressive lease of 48 tokens of which only 16 are ready."""
+    tables = prefill_request(prefill.layout, src, free_lists(prefill.layout, SRC_PAGES, seed), 48, seed=seed)
+    prefill.offer(decode.name, f"live-{seed}", 48, tables, prefill.layout.full_selection(), meta={"seed": seed},
+                  ready=16)
+    got, offer = decode.next_offer(DEADLINE)
+    assert got.id == link.id
+    return decode.start_fetch(offer, {name: np.arange(12) for name in decode.layout.groups}, link=got)
+
+
+def test_a_link_closes_when_the_decodes_certificate_expires_and_its_read_fails():
+    src = make_pools(SRC_PAGES)
+    with lone_prefill(pools=src) as prefill:
+        backend = nixl("decode")
+        decode = decode_node(brief("decode-brief"), backend)
+        try:
+            link = decode.connect(*prefill.address)
+            assert prefill.wait_for_peer(DEADLINE) == "decode-brief"
+            handle = live_fetch(prefill, src, decode, link, seed=11)
+            with pytest.raises(PeerLost):  # the prefill closed the link: the fetch ends, it does not hang
+                handle.wait(LIFE + DEADLINE)
+            wait_until(lambda: prefill.ready_peers() == [] and decode.links == [], "both ends dropped the link")
+        finally:
+            decode.close()
+            backend.close()
+
+
+def test_a_decode_closes_its_link_when_the_prefills_certificate_expires():
+    src = make_pools(SRC_PAGES)
+    decode = decode_node(creds("decode"))
+    backend = nixl("prefill")
+    prefill = PrefillNode(make_layout(src), backend, brief("prefill-brief"))
+    prefill.start()
+    try:
+        link = decode.connect(*prefill.address)
+        handle = live_fetch(prefill, src, decode, link, seed=12)
+        with pytest.raises(AuthError, match="certificate of 'prefill-brief' expired at"):
+            handle.wait(LIFE + DEADLINE)
+        assert decode.links == []
+        wait_until(lambda: prefill.ready_peers() == [], "the prefill dropped the link")
+    finally:
+        decode.close()
+        decode.backend.close()
+        prefill.close()
+        backend.close()
+
+
+def test_reloaded_credentials_serve_new_links_while_old_links_run_out_with_their_certificate():
+    src, dst = make_pools(SRC_PAGES), make_pools(DST_PAGES)
+    before, after = decode_node(creds("decode-before")), decode_node(creds("decode-after"), dst=dst)
+    backend = nixl("prefill")
+    prefill = PrefillNode(make_layout(src), backend, brief("prefill-renewed"))
+    prefill.start()
+    try:
+        old = before.connect(*prefill.address)
+        renewed = CA.issue("prefill-renewed")
+        assert prefill.reload_credentials(renewed) is renewed and prefill.credentials is renewed
+        new = after.connect(*prefill.address)
+        with pytest.raises(AuthError, match="expired"):  # the link made before runs out with the old certificate
+            live_fetch(prefill, src, before, old, seed=13).wait(LIFE + DEADLINE)
+        assert after.links == [new], "the link made after the reload presents the new certificate"
+        free = free_lists(prefill.layout, SRC_PAGES, 14)
+        tables = prefill_request(prefill.layout, src, free, 16, seed=14)
+        prefill.offer("decode-after", "after-renewal", 16, tables, prefill.layout.full_selection(), meta={"seed": 14})
+        link, offer = after.next_offer(DEADLINE)
+        assert fetch_and_verify(after, link, offer, dst, free_lists(after.layout, DST_PAGES, 15)).bound == 16
+    finally:
+        for node in (before, after):
+            node.close()
+            node.backend.close()
+        prefill.close()
+        backend.close()

@@ -87,3 +87,9 @@ def test_a_peer_that_speaks_no_tls_is_refused_at_once():
     server = TlsChannel(creds("prefill").context(server=True), server=True)
     with pytest.raises(AuthError, match="TLS handshake failed"):
         server.receive(b"\x00\x00\x10\x00" + b"kvlend frame of old" * 4)
+
+
+def test_each_side_knows_when_its_peers_certificate_expires():
+    client, server = pair("prefill-2", "decode-5")
+    assert client.expires == creds("prefill-2").expires.timestamp()
+    assert server.expires == creds("decode-5").expires.timestamp()
