@@ -14,10 +14,13 @@ import contextlib
 import dataclasses
 import datetime
 import logging
+import os
 import select
+import signal
 import socket
 import ssl
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -25,11 +28,14 @@ from conftest import CA, creds, make_layout, make_pools, nixl, prefill_request
 from test_connection_nodes import wait_until
 from test_node import DEADLINE, DECODE_CONFIG, DST_PAGES, SRC_PAGES, fetch_and_verify, free_lists, rig
 
+import kvlend.runtime.certificates
 import kvlend.runtime.tls
 from kvlend.errors import AuthError, ConfigError, PeerLost
-from kvlend.runtime import DecodeNode, NodeConfig, PrefillNode
-from kvlend.security.certs import Authority
-from kvlend.security.credentials import Credentials
+from kvlend.metrics import METRICS
+from kvlend.runtime import DecodeNode, NodeConfig, PrefillNode, reload_on_sighup
+from kvlend.runtime.certificates import CertWatch
+from kvlend.security.certs import Authority, save_rank
+from kvlend.security.credentials import CERT_ENV, KEY_ENV, Credentials
 
 SHORT = NodeConfig(handshake_timeout=3.0)
 
@@ -255,10 +261,11 @@ def brief(identity: str, seconds: float = LIFE) -> Credentials:
                     + datetime.timedelta(seconds=seconds))
 
 
-def decode_node(credentials: Credentials, backend=None, dst: list | None = None) -> DecodeNode:
+def decode_node(credentials: Credentials, backend=None, dst: list | None = None,
+                config: NodeConfig = PATIENT) -> DecodeNode:
     """A started decode over ``dst`` (``backend``: made first, so the credentials do not age while NIXL starts)."""
     dst = make_pools(DST_PAGES) if dst is None else dst
-    decode = DecodeNode(make_layout(dst), backend or nixl("decode"), credentials, config=PATIENT)
+    decode = DecodeNode(make_layout(dst), backend or nixl("decode"), credentials, config=config)
     decode.pools = dst  # registered with NIXL: alive as long as the node
     decode.start()
     return decode
@@ -336,3 +343,122 @@ def test_reloaded_credentials_serve_new_links_while_old_links_run_out_with_their
             node.backend.close()
         prefill.close()
         backend.close()
+
+
+def test_a_reload_that_fails_its_checks_keeps_the_credentials_in_use():
+    then = datetime.datetime.now(datetime.timezone.utc) - datetime.timedelta(days=3)
+    stranger = Authority.create("another cluster").issue("prefill")
+    with lone_prefill(creds("prefill")) as prefill:
+        before = prefill.credentials
+        with pytest.raises(ConfigError, match="a node's identity cannot change"):
+            prefill.reload_credentials(creds("prefill-other"))
+        with pytest.raises(AuthError, match="valid from"):
+            prefill.reload_credentials(CA.issue("prefill", days=1, valid_from=then))
+        with pytest.raises(AuthError, match="not issued by the CA"):
+            prefill.reload_credentials(Credentials(CA.cert_pem, stranger.cert_pem, stranger.key_pem))
+        with pytest.raises(ConfigError, match="not loaded from files"):
+            prefill.reload_credentials()  # nothing to read again
+        assert prefill.credentials is before
+        decode = decode_node(creds("decode"))
+        try:
+            assert decode.connect(*prefill.address).peer == "prefill"
+        finally:
+            decode.close()
+            decode.backend.close()
+
+
+def test_sighup_makes_a_node_present_its_renewed_certificate_files(tmp_path):
+    decode = decode_node(creds("decode"))
+    backend = nixl("prefill")
+    env = save_rank(brief("prefill-hup", 3.0), str(tmp_path))
+    old = Credentials.from_env(env)
+    prefill = PrefillNode(make_layout(make_pools(32)), backend, old)
+    prefill.start()
+    previous = signal.getsignal(signal.SIGHUP)
+    try:
+        reload_on_sighup(prefill)
+        renewed = CA.issue("prefill-hup")
+        for name, data in ((CERT_ENV, renewed.cert_pem), (KEY_ENV, renewed.key_pem)):
+            (tmp_path / "next").write_bytes(data)
+            os.replace(tmp_path / "next", env[name])  # as a renewal job would: the files in place, then SIGHUP
+        os.kill(os.getpid(), signal.SIGHUP)
+        wait_until(lambda: prefill.credentials.cert_pem == renewed.cert_pem, "the node reloaded its files")
+        wait_until(lambda: time.time() > old.expires.timestamp(), "the old certificate expired", DEADLINE)
+        assert decode.connect(*prefill.address).peer == "prefill-hup"  # a handshake only the new one passes
+    finally:
+        signal.signal(signal.SIGHUP, previous)
+        decode.close()
+        decode.backend.close()
+        prefill.close()
+        backend.close()
+
+
+def _checks(monkeypatch) -> list[tuple[str, float]]:
+    """Check certificates on every loop turn; each check's (node, wall time just before it)."""
+    monkeypatch.setattr(kvlend.runtime.certificates, "CHECK_EVERY", 0.0)
+    seen: list[tuple[str, float]] = []
+    expired = CertWatch.expired
+
+    def watched(self, channels, warning):
+        seen.append((self.name, time.time()))
+        return expired(self, channels, warning)
+
+    monkeypatch.setattr(CertWatch, "expired", watched)
+    return seen
+
+
+def _gauge(name: str, node: str) -> float | None:
+    return METRICS.snapshot()[name].get((node,))
+
+
+def test_certificates_near_their_end_are_warned_of_once_and_measured(monkeypatch, caplog):
+    caplog.set_level(logging.WARNING, "kvlend.node")
+    seen = _checks(monkeypatch)
+    warn = NodeConfig(cert_warning=3 * 3600.0)
+    in_hours = lambda identity, hours: CA.issue(identity, expires=datetime.datetime.now(datetime.timezone.utc)
+                                                + datetime.timedelta(hours=hours))
+    decode = decode_node(in_hours("decode-soon", 1.5), config=warn)
+    backend = nixl("prefill")
+    prefill = PrefillNode(make_layout(make_pools(32)), backend, in_hours("prefill-soon", 2.5), config=warn)
+    prefill.start()
+    try:
+        decode.connect(*prefill.address)
+        prefill.wait_for_peer(DEADLINE)
+        wait_until(lambda: 5300 < (_gauge("kvlend_peer_cert_expiry_seconds", "prefill-soon") or 0) <= 5400
+                   and 8900 < (_gauge("kvlend_peer_cert_expiry_seconds", "decode-soon") or 0) <= 9000,
+                   "each side measures its peer's certificate")
+        assert 8900 < _gauge("kvlend_cert_expiry_seconds", "prefill-soon") <= 9000
+        assert 5300 < _gauge("kvlend_cert_expiry_seconds", "decode-soon") <= 5400
+        done = len(seen)
+        wait_until(lambda: all(sum(n == name for n, _ in seen[done:]) >= 5 for name in ("prefill-soon",
+                                                                                        "decode-soon")),
+                   "five more checks on each side")
+    finally:
+        decode.close()
+        decode.backend.close()
+        prefill.close()
+        backend.close()
+    assert _gauge("kvlend_cert_expiry_seconds", "prefill-soon") is None, "a closed node's gauges go"
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING and r.name == "kvlend.node"]
+    for text in ("prefill-soon: this rank's certificate expires in 2.5 h",
+                 "prefill-soon: the certificate of peer decode-soon expires in 1.5 h",
+                 "decode-soon: this rank's certificate expires in 1.5 h",
+                 "decode-soon: the certificate of peer prefill-soon expires in 2.5 h"):
+        assert sum(m.startswith(text) for m in warnings) == 1, (text, warnings)
+
+
+def test_a_rank_whose_own_certificate_expired_says_so_loudly(monkeypatch, caplog):
+    caplog.set_level(logging.WARNING, "kvlend.node")
+    seen = _checks(monkeypatch)
+    backend = nixl("decode")
+    credentials = brief("decode-lapsed", 2.0)
+    end = credentials.expires.timestamp()
+    decode = decode_node(credentials, backend)
+    try:
+        wait_until(lambda: sum(n == "decode-lapsed" and t > end for n, t in seen) >= 5, "checks after its expiry")
+        assert _gauge("kvlend_cert_expiry_seconds", "decode-lapsed") < 0
+    finally:
+        decode.close()
+        backend.close()
+    errors = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]
+    assert sum(m.startswith("decode-lapsed: this rank's certificate expired at") for m in errors) == 1, errors
