@@ -415,6 +415,8 @@ def test_certificates_near_their_end_are_warned_of_once_and_measured(monkeypatch
     caplog.set_level(logging.WARNING, "kvlend.node")
     seen = _checks(monkeypatch)
     warn = NodeConfig(cert_warning=3 * 3600.0)
+    with pytest.raises(ConfigError, match="cert_warning"):
+        NodeConfig(cert_warning=-1.0)
     in_hours = lambda identity, hours: CA.issue(identity, expires=datetime.datetime.now(datetime.timezone.utc)
                                                 + datetime.timedelta(hours=hours))
     decode = decode_node(in_hours("decode-soon", 1.5), config=warn)
