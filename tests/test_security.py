@@ -5,7 +5,10 @@ rank's NIXL metadata, nor a lease id, nor a request's name or metadata is in
 it.  Each refusal is a real TLS handshake against a real node: no
 certificate, one from another CA, an expired one, a prefill the decode cannot
 verify, a second connection presenting a live peer's identity.  Handshakes
-run on the loop's thread outside the serving lock.
+run on the loop's thread outside the serving lock.  Certificates hold for a
+link's whole life: short-lived ones (seconds) expire under live links, which
+close and fail their fetches; reloaded credentials (a call, SIGHUP) serve new
+links while old ones run out; expiry is warned of ahead, once, and measured.
 """
 
 from __future__ import annotations

@@ -2,7 +2,8 @@
 
 The handshake names each side's identity from its certificate, frames
 round-trip, a byte flipped on the way is refused (integrity), nothing can be
-sent before the handshake, and a close_notify ends the other side in order.
+sent before the handshake, a close_notify ends the other side in order, and
+each side knows when its peer's certificate expires.
 """
 
 from __future__ import annotations
