@@ -46,7 +46,7 @@ from kvlend.cluster.router import Router
 from kvlend.cluster.view import JOINED, LEFT
 from kvlend.core.layout import ReplicaRank, layout_from_pools
 from kvlend.errors import KvlendError, RegistryError
-from kvlend.runtime import DecodeNode, PrefillNode
+from kvlend.runtime import DecodeNode, PrefillNode, reload_on_sighup
 from kvlend.security.credentials import Credentials
 
 SCOPE = "kvlend-cluster"
@@ -254,6 +254,7 @@ def run_prefill(args, credentials: Credentials) -> int:
     node = PrefillNode(layout, backend(args, "prefill", credentials), credentials, host=args.host, port=args.port,
                        config=config(args), on_release=lending.release, registry=registry, capacity=capacity,
                        meta={"api": f"{args.host}:{api.server_address[1]}"})
+    reload_on_sighup(node)  # renewed certificate files take over for new links
     lending.node = node
     node.start()
     serving = threading.Thread(target=api.serve_forever, kwargs={"poll_interval": 0.1}, name="api", daemon=True)
@@ -468,6 +469,7 @@ def run_decode(args, credentials: Credentials) -> int:
     watch = Watch(registry)
     node = DecodeNode(layout, backend(args, "decode", credentials), credentials, config=config(args),
                       registry=registry, capacity=args.concurrency)
+    reload_on_sighup(node)
     node.start()
     router = Router(registry, layout)
     error = None

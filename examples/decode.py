@@ -39,7 +39,7 @@ from workload import add_workload_args, run_rank  # noqa: E402
 from kvlend.core.layout import ReplicaRank  # noqa: E402
 from kvlend.errors import ConfigError, KvlendError, PeerLost, ProtocolError, TransferTimeout  # noqa: E402
 from kvlend.metrics import METRICS  # noqa: E402
-from kvlend.runtime import DecodeNode, NodeConfig  # noqa: E402
+from kvlend.runtime import DecodeNode, NodeConfig, reload_on_sighup  # noqa: E402
 from kvlend.security.credentials import Credentials  # noqa: E402
 from kvlend.transport import load_backend  # noqa: E402
 
@@ -159,6 +159,7 @@ def main(argv=None) -> int:
     node_config = NodeConfig(transfer_timeout=args.timeout, chunk_pages=args.chunk_pages)
     nodes = [DecodeNode(s.layout(), load_backend("nixl", name=f"decode-{os.getpid()}-{r}", timeout=args.timeout),
                         credentials[r], config=node_config) for r, s in enumerate(shards)]
+    reload_on_sighup(*nodes)  # renewed certificate files take over for new links
     expected = {f"req-{i}" for i in range(args.requests)}
     offered: dict[str, dict[int, tuple]] = {}  # request -> decode TP rank -> (link, offer), until every rank has one
     ready: deque[str] = deque()  # requests offered to every rank, not yet started, in arrival order

@@ -28,7 +28,7 @@ from workload import run_rank  # examples/, this script's folder
 from kvlend.transport import load_backend
 from kvlend.errors import KvlendError
 from kvlend.core.layout import ReplicaRank, layout_from_pools
-from kvlend.runtime import DecodeNode, NodeConfig, PrefillNode
+from kvlend.runtime import DecodeNode, NodeConfig, PrefillNode, reload_on_sighup
 from kvlend.security.credentials import Credentials
 
 DTYPE = np.float16
@@ -82,6 +82,7 @@ def run_prefill(args, credentials: Credentials) -> int:
     released: list[str] = []
     node = PrefillNode(layout, backend(args, "prefill", credentials), credentials, host=args.host,
                        port=args.port, config=config(args), on_release=lambda lease, reason: released.append(reason))
+    reload_on_sighup(node)  # renewed certificate files take over for new links
     print(f"LISTENING {node.address[0]} {node.address[1]}", flush=True)
     node.start()
     offered = 0
@@ -133,6 +134,7 @@ def run_decode(args, credentials: Credentials) -> int:
     expected = [[pool_pattern(args.seed, layer, role, full_shape)[:, heads] for role in (0, 1)]
                 for layer in range(args.layers)]
     node = DecodeNode(layout, backend(args, "decode", credentials), credentials, config=config(args))
+    reload_on_sighup(node)
     host, port = args.connect.rsplit(":", 1)
     dst = np.arange(request_pages, dtype=np.int64)[::-1].copy()  # local order differs from the prefill's
     nbytes, seconds, fetched, mismatched, failures = 0, 0.0, 0, [], []

@@ -33,7 +33,7 @@ from workload import add_workload_args, progressive, run_rank  # noqa: E402
 from kvlend.transport import load_backend  # noqa: E402
 from kvlend.errors import TransferTimeout  # noqa: E402
 from kvlend.metrics import METRICS  # noqa: E402
-from kvlend.runtime import NodeConfig, PrefillNode  # noqa: E402
+from kvlend.runtime import NodeConfig, PrefillNode, reload_on_sighup  # noqa: E402
 from kvlend.security.credentials import Credentials  # noqa: E402
 
 
@@ -96,6 +96,7 @@ def main(argv=None) -> int:
     backend = load_backend("nixl", name=f"prefill-{os.getpid()}", timeout=args.timeout)
     node = PrefillNode(layout, backend, credentials, host=args.host, port=args.port,
                        config=NodeConfig(transfer_timeout=args.timeout), on_release=lambda lease, reason: released.put(lease.request))
+    reload_on_sighup(node)  # renewed certificate files take over for new links
     print(f"LISTENING {node.address[0]} {node.address[1]}", flush=True)
     node.start()
     try:

@@ -279,7 +279,8 @@ def _run_certs_ca(args: argparse.Namespace) -> int:
 def _add_certs_issue(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("identity", help="the rank's identity (its certificate's common name), e.g. prefill-0")
     parser.add_argument("--ca", required=True, metavar="DIR", help="the directory holding ca.pem and ca.key")
-    parser.add_argument("--out", metavar="DIR", help="where to write IDENTITY.pem and IDENTITY.key (default: --ca)")
+    parser.add_argument("--out", metavar="DIR", help="where to write IDENTITY.pem, IDENTITY.key and ca.pem, "
+                        "never the CA's own directory (default: DIR/ranks under --ca)")
     parser.add_argument("--days", type=int, default=365, help="validity in days")
 
 
@@ -288,7 +289,8 @@ def _run_certs_issue(args: argparse.Namespace) -> int:
 
     if args.days < 1:
         raise CliError(f"--days: must be >= 1, got {args.days}")
-    env = save_rank(Authority.load(args.ca).issue(args.identity, args.days), args.out or args.ca)
+    out = args.out or os.path.join(args.ca, "ranks")  # apart from ca.key, which never goes to a rank
+    env = save_rank(Authority.load(args.ca).issue(args.identity, args.days), out)
     print(f"# the rank {args.identity} loads its credentials from:")
     for name, path in env.items():
         print(f"export {name}={os.path.abspath(path)}")

@@ -62,6 +62,10 @@ SPECS = {
         _Spec("kvlend_failed_transfers_total", "Leases whose reads failed (decode), by error type", "counter",
               ("error",)),
         _Spec("kvlend_resumes_total", "Requests resumed from a safe-resume bound (decode)", "counter"),
+        _Spec("kvlend_cert_expiry_seconds", "Seconds until this rank's certificate expires (negative once it has)",
+              "gauge", ("node",)),
+        _Spec("kvlend_peer_cert_expiry_seconds", "Seconds until the first certificate among this rank's live "
+              "links' peers expires (+Inf with none)", "gauge", ("node",)),
     )
 }
 

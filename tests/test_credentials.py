@@ -99,6 +99,43 @@ def test_kvlend_certs_creates_a_ca_and_issues_loadable_rank_certificates(tmp_pat
     assert "$KVLEND_KEY" in capsys.readouterr().err
 
 
+def test_kvlend_certs_keeps_keys_private_whatever_the_umask_and_rank_keys_apart_from_the_ca_key(tmp_path, capsys):
+    ca_dir = tmp_path / "cluster" / "ca"
+    umask = os.umask(0)  # the loosest: nothing it lets through may reach a key or a directory made for one
+    try:
+        assert cli.main(["certs", "ca", "--dir", str(ca_dir)]) == 0
+        assert cli.main(["certs", "issue", "prefill-0", "--ca", str(ca_dir)]) == 0
+        exports = dict(line.removeprefix("export ").split("=", 1) for line in capsys.readouterr().out.splitlines()
+                       if line.startswith("export "))
+        assert cli.main(["certs", "issue", "prefill-1", "--ca", str(ca_dir), "--out", str(ca_dir)]) == cli.EXIT_USAGE
+        assert "holds the CA's key" in capsys.readouterr().err
+    finally:
+        os.umask(umask)
+    ranks = ca_dir / "ranks"
+    mode = lambda path: stat.S_IMODE(os.stat(path).st_mode)
+    assert [mode(d) for d in (tmp_path / "cluster", ca_dir, ranks)] == [0o700] * 3
+    assert mode(ca_dir / "ca.key") == mode(exports[KEY_ENV]) == 0o600
+    assert exports == {CA_ENV: str(ranks / "ca.pem"), CERT_ENV: str(ranks / "prefill-0.pem"),
+                       KEY_ENV: str(ranks / "prefill-0.key")}
+    assert sorted(os.listdir(ranks)) == ["ca.pem", "prefill-0.key", "prefill-0.pem"], "no ca.key among the ranks'"
+    assert sorted(os.listdir(ca_dir)) == ["ca.key", "ca.pem", "ranks"]
+    assert Credentials.from_env(exports).identity == "prefill-0"
+
+
+def test_credentials_loaded_from_files_reload_from_them(tmp_path):
+    env = save_rank(CA.issue("decode-renewing", days=1), str(tmp_path))
+    first = Credentials.from_env(env)
+    assert first.reload() == first  # the same files, read again
+    renewed = CA.issue("decode-renewing", days=30)
+    for name, data in ((CERT_ENV, renewed.cert_pem), (KEY_ENV, renewed.key_pem)):
+        (tmp_path / "next").write_bytes(data)
+        os.replace(tmp_path / "next", env[name])
+    again = first.reload()
+    assert again == renewed and again.files == first.files
+    with pytest.raises(ConfigError, match="not loaded from files"):
+        renewed.reload()
+
+
 # ------------------------------------------------------------ several ranks
 @pytest.fixture
 def ranked(tmp_path):

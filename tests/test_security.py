@@ -5,7 +5,10 @@ rank's NIXL metadata, nor a lease id, nor a request's name or metadata is in
 it.  Each refusal is a real TLS handshake against a real node: no
 certificate, one from another CA, an expired one, a prefill the decode cannot
 verify, a second connection presenting a live peer's identity.  Handshakes
-run on the loop's thread outside the serving lock.
+run on the loop's thread outside the serving lock.  Certificates hold for a
+link's whole life: short-lived ones (seconds) expire under live links, which
+close and fail their fetches; reloaded credentials (a call, SIGHUP) serve new
+links while old ones run out; expiry is warned of ahead, once, and measured.
 """
 
 from __future__ import annotations
@@ -14,21 +17,28 @@ import contextlib
 import dataclasses
 import datetime
 import logging
+import os
 import select
+import signal
 import socket
 import ssl
 import threading
+import time
 
 import numpy as np
 import pytest
 from conftest import CA, creds, make_layout, make_pools, nixl, prefill_request
+from test_connection_nodes import wait_until
 from test_node import DEADLINE, DECODE_CONFIG, DST_PAGES, SRC_PAGES, fetch_and_verify, free_lists, rig
 
+import kvlend.runtime.certificates
 import kvlend.runtime.tls
-from kvlend.errors import AuthError, ConfigError
-from kvlend.runtime import DecodeNode, NodeConfig, PrefillNode
-from kvlend.security.certs import Authority
-from kvlend.security.credentials import Credentials
+from kvlend.errors import AuthError, ConfigError, PeerLost
+from kvlend.metrics import METRICS
+from kvlend.runtime import DecodeNode, NodeConfig, PrefillNode, reload_on_sighup
+from kvlend.runtime.certificates import CertWatch
+from kvlend.security.certs import Authority, save_rank
+from kvlend.security.credentials import CERT_ENV, KEY_ENV, Credentials
 
 SHORT = NodeConfig(handshake_timeout=3.0)
 
@@ -241,3 +251,219 @@ def test_a_ticket_is_read_only_from_the_prefill_it_names():
             fresh.backend.close()
         handle = r.decode.start_fetch(good, dst)  # the real ticket still reads
         assert handle.wait(DEADLINE).bound == 16
+
+
+# ------------------------------------------------- certificates over a link's life
+LIFE = 5.0  # seconds a short-lived certificate lives: long enough for a handshake on a loaded host
+PATIENT = NodeConfig(chunk_pages=8, handshake_timeout=DEADLINE, transfer_timeout=60.0)  # no fetch times out first
+
+
+def brief(identity: str, seconds: float = LIFE) -> Credentials:
+    """A certificate of ``identity`` that expires ``seconds`` from now."""
+    return CA.issue(identity, expires=datetime.datetime.now(datetime.timezone.utc)
+                    + datetime.timedelta(seconds=seconds))
+
+
+def decode_node(credentials: Credentials, backend=None, dst: list | None = None,
+                config: NodeConfig = PATIENT) -> DecodeNode:
+    """A started decode over ``dst`` (``backend``: made first, so the credentials do not age while NIXL starts)."""
+    dst = make_pools(DST_PAGES) if dst is None else dst
+    decode = DecodeNode(make_layout(dst), backend or nixl("decode"), credentials, config=config)
+    decode.pools = dst  # registered with NIXL: alive as long as the node
+    decode.start()
+    return decode
+
+
+def live_fetch(prefill: PrefillNode, src: list, decode: DecodeNode, link, seed: int):
+    """A fetch that stays in flight: a progressive lease of 48 tokens of which only 16 are ready."""
+    tables = prefill_request(prefill.layout, src, free_lists(prefill.layout, SRC_PAGES, seed), 48, seed=seed)
+    prefill.offer(decode.name, f"live-{seed}", 48, tables, prefill.layout.full_selection(), meta={"seed": seed},
+                  ready=16)
+    got, offer = decode.next_offer(DEADLINE)
+    assert got.id == link.id
+    return decode.start_fetch(offer, {name: np.arange(12) for name in decode.layout.groups}, link=got)
+
+
+def test_a_link_closes_when_the_decodes_certificate_expires_and_its_read_fails():
+    src = make_pools(SRC_PAGES)
+    with lone_prefill(pools=src) as prefill:
+        backend = nixl("decode")
+        decode = decode_node(brief("decode-brief"), backend)
+        try:
+            link = decode.connect(*prefill.address)
+            assert prefill.wait_for_peer(DEADLINE) == "decode-brief"
+            handle = live_fetch(prefill, src, decode, link, seed=11)
+            with pytest.raises(PeerLost):  # the prefill closed the link: the fetch ends, it does not hang
+                handle.wait(LIFE + DEADLINE)
+            wait_until(lambda: prefill.ready_peers() == [] and decode.links == [], "both ends dropped the link")
+        finally:
+            decode.close()
+            backend.close()
+
+
+def test_a_decode_closes_its_link_when_the_prefills_certificate_expires():
+    src = make_pools(SRC_PAGES)
+    decode = decode_node(creds("decode"))
+    backend = nixl("prefill")
+    prefill = PrefillNode(make_layout(src), backend, brief("prefill-brief"))
+    prefill.start()
+    try:
+        link = decode.connect(*prefill.address)
+        handle = live_fetch(prefill, src, decode, link, seed=12)
+        with pytest.raises(AuthError, match="certificate of 'prefill-brief' expired at"):
+            handle.wait(LIFE + DEADLINE)
+        assert decode.links == []
+        wait_until(lambda: prefill.ready_peers() == [], "the prefill dropped the link")
+    finally:
+        decode.close()
+        decode.backend.close()
+        prefill.close()
+        backend.close()
+
+
+def test_reloaded_credentials_serve_new_links_while_old_links_run_out_with_their_certificate():
+    src, dst = make_pools(SRC_PAGES), make_pools(DST_PAGES)
+    before, after = decode_node(creds("decode-before")), decode_node(creds("decode-after"), dst=dst)
+    backend = nixl("prefill")
+    prefill = PrefillNode(make_layout(src), backend, brief("prefill-renewed"))
+    prefill.start()
+    try:
+        old = before.connect(*prefill.address)
+        renewed = CA.issue("prefill-renewed")
+        assert prefill.reload_credentials(renewed) is renewed and prefill.credentials is renewed
+        new = after.connect(*prefill.address)
+        with pytest.raises(AuthError, match="expired"):  # the link made before runs out with the old certificate
+            live_fetch(prefill, src, before, old, seed=13).wait(LIFE + DEADLINE)
+        assert after.links == [new], "the link made after the reload presents the new certificate"
+        free = free_lists(prefill.layout, SRC_PAGES, 14)
+        tables = prefill_request(prefill.layout, src, free, 16, seed=14)
+        prefill.offer("decode-after", "after-renewal", 16, tables, prefill.layout.full_selection(), meta={"seed": 14})
+        link, offer = after.next_offer(DEADLINE)
+        assert fetch_and_verify(after, link, offer, dst, free_lists(after.layout, DST_PAGES, 15)).bound == 16
+    finally:
+        for node in (before, after):
+            node.close()
+            node.backend.close()
+        prefill.close()
+        backend.close()
+
+
+def test_a_reload_that_fails_its_checks_keeps_the_credentials_in_use():
+    then = datetime.datetime.now(datetime.timezone.utc) - datetime.timedelta(days=3)
+    stranger = Authority.create("another cluster").issue("prefill")
+    with lone_prefill(creds("prefill")) as prefill:
+        before = prefill.credentials
+        with pytest.raises(ConfigError, match="a node's identity cannot change"):
+            prefill.reload_credentials(creds("prefill-other"))
+        with pytest.raises(AuthError, match="valid from"):
+            prefill.reload_credentials(CA.issue("prefill", days=1, valid_from=then))
+        with pytest.raises(AuthError, match="not issued by the CA"):
+            prefill.reload_credentials(Credentials(CA.cert_pem, stranger.cert_pem, stranger.key_pem))
+        with pytest.raises(ConfigError, match="not loaded from files"):
+            prefill.reload_credentials()  # nothing to read again
+        assert prefill.credentials is before
+        decode = decode_node(creds("decode"))
+        try:
+            assert decode.connect(*prefill.address).peer == "prefill"
+        finally:
+            decode.close()
+            decode.backend.close()
+
+
+def test_sighup_makes_a_node_present_its_renewed_certificate_files(tmp_path):
+    decode = decode_node(creds("decode"))
+    backend = nixl("prefill")
+    env = save_rank(brief("prefill-hup", 3.0), str(tmp_path))
+    old = Credentials.from_env(env)
+    prefill = PrefillNode(make_layout(make_pools(32)), backend, old)
+    prefill.start()
+    previous = signal.getsignal(signal.SIGHUP)
+    try:
+        reload_on_sighup(prefill)
+        renewed = CA.issue("prefill-hup")
+        for name, data in ((CERT_ENV, renewed.cert_pem), (KEY_ENV, renewed.key_pem)):
+            (tmp_path / "next").write_bytes(data)
+            os.replace(tmp_path / "next", env[name])  # as a renewal job would: the files in place, then SIGHUP
+        os.kill(os.getpid(), signal.SIGHUP)
+        wait_until(lambda: prefill.credentials.cert_pem == renewed.cert_pem, "the node reloaded its files")
+        wait_until(lambda: time.time() > old.expires.timestamp(), "the old certificate expired", DEADLINE)
+        assert decode.connect(*prefill.address).peer == "prefill-hup"  # a handshake only the new one passes
+    finally:
+        signal.signal(signal.SIGHUP, previous)
+        decode.close()
+        decode.backend.close()
+        prefill.close()
+        backend.close()
+
+
+def _checks(monkeypatch) -> list[tuple[str, float]]:
+    """Check certificates on every loop turn; each check's (node, wall time just before it)."""
+    monkeypatch.setattr(kvlend.runtime.certificates, "CHECK_EVERY", 0.0)
+    seen: list[tuple[str, float]] = []
+    expired = CertWatch.expired
+
+    def watched(self, channels, warning):
+        seen.append((self.name, time.time()))
+        return expired(self, channels, warning)
+
+    monkeypatch.setattr(CertWatch, "expired", watched)
+    return seen
+
+
+def _gauge(name: str, node: str) -> float | None:
+    return METRICS.snapshot()[name].get((node,))
+
+
+def test_certificates_near_their_end_are_warned_of_once_and_measured(monkeypatch, caplog):
+    caplog.set_level(logging.WARNING, "kvlend.node")
+    seen = _checks(monkeypatch)
+    warn = NodeConfig(cert_warning=3 * 3600.0)
+    with pytest.raises(ConfigError, match="cert_warning"):
+        NodeConfig(cert_warning=-1.0)
+    in_hours = lambda identity, hours: CA.issue(identity, expires=datetime.datetime.now(datetime.timezone.utc)
+                                                + datetime.timedelta(hours=hours))
+    decode = decode_node(in_hours("decode-soon", 1.5), config=warn)
+    backend = nixl("prefill")
+    prefill = PrefillNode(make_layout(make_pools(32)), backend, in_hours("prefill-soon", 2.5), config=warn)
+    prefill.start()
+    try:
+        decode.connect(*prefill.address)
+        prefill.wait_for_peer(DEADLINE)
+        wait_until(lambda: 5300 < (_gauge("kvlend_peer_cert_expiry_seconds", "prefill-soon") or 0) <= 5400
+                   and 8900 < (_gauge("kvlend_peer_cert_expiry_seconds", "decode-soon") or 0) <= 9000,
+                   "each side measures its peer's certificate")
+        assert 8900 < _gauge("kvlend_cert_expiry_seconds", "prefill-soon") <= 9000
+        assert 5300 < _gauge("kvlend_cert_expiry_seconds", "decode-soon") <= 5400
+        done = len(seen)
+        wait_until(lambda: all(sum(n == name for n, _ in seen[done:]) >= 5 for name in ("prefill-soon",
+                                                                                        "decode-soon")),
+                   "five more checks on each side")
+    finally:
+        decode.close()
+        decode.backend.close()
+        prefill.close()
+        backend.close()
+    assert _gauge("kvlend_cert_expiry_seconds", "prefill-soon") is None, "a closed node's gauges go"
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING and r.name == "kvlend.node"]
+    for text in ("prefill-soon: this rank's certificate expires in 2.5 h",
+                 "prefill-soon: the certificate of peer decode-soon expires in 1.5 h",
+                 "decode-soon: this rank's certificate expires in 1.5 h",
+                 "decode-soon: the certificate of peer prefill-soon expires in 2.5 h"):
+        assert sum(m.startswith(text) for m in warnings) == 1, (text, warnings)
+
+
+def test_a_rank_whose_own_certificate_expired_says_so_loudly(monkeypatch, caplog):
+    caplog.set_level(logging.WARNING, "kvlend.node")
+    seen = _checks(monkeypatch)
+    backend = nixl("decode")
+    credentials = brief("decode-lapsed", 2.0)
+    end = credentials.expires.timestamp()
+    decode = decode_node(credentials, backend)
+    try:
+        wait_until(lambda: sum(n == "decode-lapsed" and t > end for n, t in seen) >= 5, "checks after its expiry")
+        assert _gauge("kvlend_cert_expiry_seconds", "decode-lapsed") < 0
+    finally:
+        decode.close()
+        backend.close()
+    errors = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]
+    assert sum(m.startswith("decode-lapsed: this rank's certificate expired at") for m in errors) == 1, errors

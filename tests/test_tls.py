@@ -2,7 +2,8 @@
 
 The handshake names each side's identity from its certificate, frames
 round-trip, a byte flipped on the way is refused (integrity), nothing can be
-sent before the handshake, and a close_notify ends the other side in order.
+sent before the handshake, a close_notify ends the other side in order, and
+each side knows when its peer's certificate expires.
 """
 
 from __future__ import annotations
@@ -87,3 +88,9 @@ def test_a_peer_that_speaks_no_tls_is_refused_at_once():
     server = TlsChannel(creds("prefill").context(server=True), server=True)
     with pytest.raises(AuthError, match="TLS handshake failed"):
         server.receive(b"\x00\x00\x10\x00" + b"kvlend frame of old" * 4)
+
+
+def test_each_side_knows_when_its_peers_certificate_expires():
+    client, server = pair("prefill-2", "decode-5")
+    assert client.expires == creds("prefill-2").expires.timestamp()
+    assert server.expires == creds("decode-5").expires.timestamp()

@@ -84,6 +84,9 @@ class NodeConfig:
     # then the reader holds no lease, so it may be reading pages the prefill has already reused (for
     # it, garbage that it then discards; the prefill is never written).
     read_ahead: bool = False
+    # A certificate, this rank's or a connected peer's, that expires within this is warned of (once, in the
+    # log; kvlend_cert_expiry_seconds always says how long is left): time to renew and reload it.
+    cert_warning: float = 7 * 86400.0
     quotas: Quotas = Quotas()  # what one peer may take (enforced by the prefill)
 
     def __post_init__(self) -> None:
@@ -98,6 +101,9 @@ class NodeConfig:
             raise ConfigError(f"NodeConfig.heartbeat {self.heartbeat} must be shorter than ttl {self.ttl}")
         if isinstance(self.chunk_pages, bool) or not isinstance(self.chunk_pages, int) or self.chunk_pages < 1:
             raise ConfigError(f"NodeConfig.chunk_pages must be an int >= 1, got {self.chunk_pages!r}")
+        warning = self.cert_warning
+        if isinstance(warning, bool) or not isinstance(warning, (int, float)) or not 0 <= warning < math.inf:
+            raise ConfigError(f"NodeConfig.cert_warning must be a number of seconds >= 0, got {warning!r}")
         if not isinstance(self.read_ahead, bool):
             raise ConfigError(f"NodeConfig.read_ahead must be a bool, got {self.read_ahead!r}")
         if not isinstance(self.quotas, Quotas):

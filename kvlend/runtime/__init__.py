@@ -3,7 +3,9 @@
 from ..protocol.config import NodeConfig
 from ..protocol.decode import FetchState
 from ..protocol.ticket import Ticket
+from .certificates import reload_on_sighup
 from .decode import DecodeNode, FetchHandle, FetchResult, Link
 from .prefill import PrefillNode
 
-__all__ = ["DecodeNode", "FetchHandle", "FetchResult", "FetchState", "Link", "NodeConfig", "PrefillNode", "Ticket"]
+__all__ = ["DecodeNode", "FetchHandle", "FetchResult", "FetchState", "Link", "NodeConfig", "PrefillNode", "Ticket",
+           "reload_on_sighup"]

@@ -25,6 +25,7 @@ from ..errors import AuthError, BackendError, ConfigError, KvlendError, Transfer
 from ..protocol.actions import AddPeer, Cancel, Close, Connect, Post, RemovePeer, Send
 from ..security.credentials import Credentials
 from ..transport import TransferBackend
+from .certificates import CertWatch
 from .sockets import Sockets
 from .tls import TlsChannel
 
@@ -64,6 +65,8 @@ class Shell:
         self.registry: Registry | None = None
         self._cluster: deque[Change] = deque()  # registry changes for the loop (appended on the registry thread)
         self._load = 0  # the load last handed to the registry
+        self._certs = CertWatch(self.name, credentials)
+        self._certs.publish()
 
     # --------------------------------------------------------------- thread
     def start(self) -> None:
@@ -108,6 +111,7 @@ class Shell:
         accepted, up, data, gone = self._sockets.poll(wait)
         completions = self.backend.poll() if not self._closed else []
         authenticated, data, gone = self._secure(up, data, gone)
+        gone += self._expired_links()
         with self._lock:
             now = self.clock()
             for c in completions:  # first: a read that landed before its link died still counts
@@ -194,6 +198,36 @@ class Shell:
                 self._sockets.close(conn)
                 gone.append((conn, "closed by the peer", False))
         return authenticated, plain, gone
+
+    def _expired_links(self) -> list[tuple[int, str, bool]]:
+        """Close the links whose peer's certificate has expired (a refused peer, as at the handshake)."""
+        gone = []
+        for conn, why in self._certs.expired(self._channels, self.config.cert_warning):
+            channel = self._channels.pop(conn)
+            channel.close()
+            self._push(conn, channel)
+            self._sockets.close(conn)
+            gone.append((conn, why, True))
+        return gone
+
+    def reload_credentials(self, credentials: Credentials | None = None) -> Credentials:
+        """Present ``credentials`` (default: the current ones' files, read again) on every link made from
+        now on; live links keep running until their peer's certificate expires.  They are checked first
+        (same identity, issued by their CA, current, key matching): a ``ConfigError`` or ``AuthError``
+        leaves the old ones in use."""
+        credentials = self.credentials.reload() if credentials is None else credentials
+        if not isinstance(credentials, Credentials):
+            raise ConfigError(f"expected the rank's Credentials (kvlend.security), got {type(credentials).__name__}")
+        if credentials.identity != self.name:
+            raise ConfigError(f"new credentials name {credentials.identity!r}, but this node is {self.name!r}: "
+                              "a node's identity cannot change")
+        credentials.check()
+        self._contexts = (credentials.context(server=True), credentials.context(server=False))  # one swap
+        self.credentials = credentials
+        self._certs.renewed(credentials)
+        log.info("%s: credentials reloaded: new links present a certificate valid until %s", self.name,
+                 f"{credentials.expires:%Y-%m-%d %H:%M} UTC")
+        return credentials
 
     def _adopt(self, conn: int, sock) -> None:
         """Serve an accepted socket as connection ``conn``: the TLS server side."""
@@ -349,3 +383,4 @@ class Shell:
         self._closed = True
         self._channels.clear()
         self._sockets.close_all()
+        self._certs.withdraw()

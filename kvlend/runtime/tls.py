@@ -3,7 +3,8 @@
 ``ssl.SSLObject`` on a pair of ``MemoryBIO``: the shell's loop feeds it what
 the socket read and sends what it produced, outside the session's lock, so
 handshakes never hold up serving.  The channel reports the peer's verified
-identity once the handshake is done; until then nothing reaches the session.
+identity once the handshake is done, and when its certificate expires; until
+then nothing reaches the session.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ class TlsChannel:
         self._in, self._out = ssl.MemoryBIO(), ssl.MemoryBIO()
         self._tls = context.wrap_bio(self._in, self._out, server_side=server)
         self.identity: str | None = None  # the peer's, once the handshake completed
+        self.expires: float | None = None  # when the peer's certificate expires (wall clock, epoch seconds)
         self.peer_closed = False  # the peer sent close_notify: nothing more will come
 
     @property
@@ -80,7 +82,9 @@ class TlsChannel:
             return False
         except ssl.SSLError as exc:
             raise AuthError(f"TLS handshake failed: {_reason(exc)}") from None
-        self.identity = peer_identity(self._tls.getpeercert())
+        cert = self._tls.getpeercert()
+        self.identity = peer_identity(cert)
+        self.expires = ssl.cert_time_to_seconds(cert["notAfter"])
         return True
 
 

@@ -62,9 +62,10 @@ class Authority:
         """The CA saved in ``directory`` (``ca.pem``, ``ca.key``)."""
         return cls(_read(os.path.join(directory, "ca.pem")), _read(os.path.join(directory, "ca.key")))
 
-    def issue(self, identity: str, days: float = RANK_DAYS, *,
-              valid_from: datetime.datetime | None = None) -> Credentials:
-        """A certificate for rank ``identity``, valid ``days`` from ``valid_from`` (default now)."""
+    def issue(self, identity: str, days: float = RANK_DAYS, *, valid_from: datetime.datetime | None = None,
+              expires: datetime.datetime | None = None) -> Credentials:
+        """A certificate for rank ``identity``, valid ``days`` from ``valid_from`` (default now), or
+        until ``expires`` exactly (short-lived certificates: the tests' expiring links)."""
         check_identity(identity)
         try:
             ca_cert = x509.load_pem_x509_certificate(self.cert_pem)
@@ -77,7 +78,7 @@ class Authority:
                 .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, identity)]))
                 .issuer_name(ca_cert.subject).public_key(key.public_key())
                 .serial_number(x509.random_serial_number())
-                .not_valid_before(start).not_valid_after(start + datetime.timedelta(days=days))
+                .not_valid_before(start).not_valid_after(expires or start + datetime.timedelta(days=days))
                 .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
                 .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH,
                                                       ExtendedKeyUsageOID.CLIENT_AUTH]), critical=False)
@@ -94,8 +95,12 @@ class Authority:
 
 def save_rank(credentials: Credentials, directory: str) -> dict[str, str]:
     """Write ``<identity>.pem`` and ``<identity>.key`` (0600) into ``directory``, and ``ca.pem`` if absent;
-    never over an existing certificate or key.  Returns the environment a rank loads them from."""
+    never over an existing certificate or key, nor beside the CA's key: a rank's directory is what gets
+    copied to the rank, and ``ca.key`` mints identities.  Returns the environment a rank loads them from."""
     name = credentials.identity
+    if os.path.exists(os.path.join(directory, "ca.key")):
+        raise ConfigError(f"{directory} holds the CA's key (ca.key): write rank credentials into another "
+                          "directory, so the key that mints identities never travels with them")
     _refuse_existing(directory, f"{name}.pem", f"{name}.key")  # both or neither
     ca = os.path.join(directory, "ca.pem")
     if not os.path.exists(ca):
@@ -121,8 +126,26 @@ def _refuse_existing(directory: str, *names: str) -> None:
             raise ConfigError(f"{path} exists: kvlend certs never overwrites a certificate or key")
 
 
+def _private_dirs(directory: str) -> None:
+    """Create ``directory`` and its missing parents 0700, whatever the umask; existing ones stay as they are."""
+    missing = []
+    path = os.path.abspath(directory)
+    while not os.path.isdir(path):
+        missing.append(path)
+        path = os.path.dirname(path)
+    for path in reversed(missing):
+        try:
+            os.mkdir(path, 0o700)
+            os.chmod(path, 0o700)  # mkdir's mode passed through the umask
+        except FileExistsError:
+            continue  # made meanwhile, by someone else: theirs
+        except OSError as exc:
+            raise ConfigError(f"cannot create {path}: {exc.strerror}") from None
+
+
 def _write(directory: str, name: str, data: bytes, mode: int) -> str:
-    os.makedirs(directory, exist_ok=True)
+    """Write a new file of exactly ``mode`` (not the umask's) in ``directory``, created 0700 if missing."""
+    _private_dirs(directory)
     path = os.path.join(directory, name)
     try:
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode)
@@ -131,5 +154,6 @@ def _write(directory: str, name: str, data: bytes, mode: int) -> str:
     except OSError as exc:
         raise ConfigError(f"cannot write {path}: {exc.strerror}") from None
     with os.fdopen(fd, "wb") as f:
+        os.fchmod(fd, mode)
         f.write(data)
     return path

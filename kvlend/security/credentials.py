@@ -15,7 +15,7 @@ import os
 import shutil
 import ssl
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from cryptography import x509
 from cryptography.exceptions import InvalidSignature
@@ -32,11 +32,13 @@ RANK = "{rank}"  # in the certificate and key paths: the rank's index when sever
 
 @dataclass(frozen=True, repr=False)
 class Credentials:
-    """PEM bytes of the cluster CA certificate, this rank's certificate and its private key."""
+    """PEM bytes of the cluster CA certificate, this rank's certificate and its private key, and the files
+    they were loaded from (``load``), which ``reload`` reads again."""
 
     ca_pem: bytes
     cert_pem: bytes
     key_pem: bytes
+    files: tuple[str, str, str] | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
         self._cert  # parses, so a bad certificate fails here rather than at the first handshake
@@ -66,9 +68,16 @@ class Credentials:
     @classmethod
     def load(cls, ca: str, cert: str, key: str) -> Credentials:
         """Read and check the three PEM files: the certificate must be the CA's, current, and match the key."""
-        creds = cls(_read(ca, "CA certificate"), _read(cert, "rank certificate"), _read(key, "rank key"))
+        creds = cls(_read(ca, "CA certificate"), _read(cert, "rank certificate"), _read(key, "rank key"),
+                    (ca, cert, key))
         creds.check()
         return creds
+
+    def reload(self) -> Credentials:
+        """The files these were loaded from, read and checked again: a renewed certificate, without a restart."""
+        if self.files is None:
+            raise ConfigError(f"the credentials of {self.identity!r} were not loaded from files: pass new ones")
+        return Credentials.load(*self.files)
 
     @classmethod
     def from_env(cls, environ=os.environ, *, rank: int = 0, ranks: int = 1) -> Credentials:
