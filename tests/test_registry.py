@@ -28,7 +28,7 @@ import pytest
 from conftest import make_layout, make_pools
 
 from kvlend.cluster.etcd_members import EtcdMembers, _free_ports
-from kvlend.cluster.records import RankRecord, ranks_prefix, record_key
+from kvlend.cluster.records import RankRecord, layout_digest, layout_key, ranks_prefix, record_key
 from kvlend.cluster.registry import Registry
 from kvlend.cluster.view import JOINED, LEFT, UPDATED, Change
 from kvlend.errors import ConfigError, RegistryError
@@ -38,6 +38,7 @@ TTL, TIMEOUT = 2, 1.0  # short lease and call deadline keep the file fast
 WAIT = 5.0  # the most any "it shows up" wait may take
 LAYOUT = make_layout(make_pools(8))
 LAYOUT_BYTES = LAYOUT.encode()
+LAYOUTS = {layout_digest(LAYOUT_BYTES): LAYOUT_BYTES}
 
 
 # ----------------------------------------------------------------- helpers
@@ -77,6 +78,11 @@ class Raw:
 
     def put(self, key: str, value: bytes) -> None:
         self.run(lambda c: c.put(key.encode(), value))
+
+    def put_record(self, prefix: str, record: RankRecord) -> None:
+        """A record as a rank writes it: its layout under ``layouts/<digest>``, then the record."""
+        self.put(layout_key(prefix, record.layout_digest), record.layout)
+        self.put(record_key(prefix, record.identity), record.encode())
 
     def get(self, key: str):
         return self.run(lambda c: c.get(key.encode()))
@@ -438,6 +444,7 @@ def test_records_written_while_the_watcher_starts_are_all_seen(etcd1, prefix, re
         failed: list[BaseException] = []
 
         async def write(client):
+            await client.put(layout_key(prefix, prefill("x").layout_digest).encode(), LAYOUT_BYTES)
             i = 0
             while not stop.is_set() and i < 400:
                 identity = f"r{round_}-{i:03d}"
@@ -489,29 +496,43 @@ def test_garbage_under_the_ranks_prefix_is_rejected(etcd1, prefix, registries):
     raw.put(ranks + "junk", b"not json")
     raw.put(ranks + "liar", prefill("someone-else").encode())  # the key and the record disagree
     raw.put(ranks + "old", b'{"version": 0}')
-    raw.put(record_key(prefix, "good"), good.encode())
+    other_layout = make_layout(make_pools(16, layers=2)).encode()
+    raw.put(ranks + "nolayout", RankRecord("nolayout", "prefill", "127.0.0.1", 5001, layout=other_layout).encode())
+    raw.put_record(prefix, good)
     watcher = registries(etcd1.endpoints, prefix)
     seen = Changes()
     watcher.add_listener(seen)
     watcher.start()
     assert watcher.ready(WAIT)
     assert watcher.ranks() == [good]
-    assert set(watcher.view.rejected) == {ranks + "junk", ranks + "liar", ranks + "old"}
+    assert set(watcher.view.rejected) == {ranks + k for k in ("junk", "liar", "old", "nolayout")}
     assert "not JSON" in watcher.view.rejected[ranks + "junk"]
     assert "someone-else" in watcher.view.rejected[ranks + "liar"]
-    # garbage arriving through the watch lands in rejected too, and a good record turned bad leaves
+    assert "not known" in watcher.view.rejected[ranks + "nolayout"]  # names a layout nobody stored
+    # garbage arriving through the watch lands in rejected too; over a live rank it changes nothing
     raw.put(ranks + "late", b"\xff\xfe")
     raw.put(record_key(prefix, "good"), b"{}")
     assert watcher.wait_for(lambda v: ranks + "late" in v.rejected and ranks + "good" in v.rejected, WAIT)
-    assert watcher.ranks() == [] and watcher.get("good") is None
-    assert seen.wait(lambda s: s.of("good", LEFT))
-    assert {c.record.identity for c in seen.all()} == {"good"}
-    assert set(watcher.status()["rejected"]) == {ranks + k for k in ("junk", "liar", "old", "late", "good")}
-    with pytest.raises(RegistryError, match="no live prefill"):
-        watcher.pick(LAYOUT)
-    # fixed again: back in the view, out of rejected
-    raw.put(record_key(prefix, "good"), good.encode())
-    assert watcher.wait_for(lambda v: v.get("good") == good and ranks + "good" not in v.rejected, WAIT)
+    assert watcher.ranks() == [good] and watcher.pick(LAYOUT) == good
+    assert [c.record.identity for c in seen.all()] == ["good"]  # joined once, never left
+    assert set(watcher.status()["rejected"]) == {ranks + k for k in ("junk", "liar", "old", "nolayout", "late",
+                                                                     "good")}
+    # a lying capacity is refused the same way, and a valid update is taken again
+    raw.put(record_key(prefix, "good"), prefill("good").encode().replace(b'"capacity":4', b'"capacity":1099511627776'))
+    assert watcher.wait_for(lambda v: "capacity" in v.rejected.get(ranks + "good", ""), WAIT)
+    assert watcher.get("good") == good
+    raw.put(record_key(prefix, "good"), prefill("good", load=3).encode())
+    assert watcher.wait_for(lambda v: v.get("good") == prefill("good", load=3) and ranks + "good" not in v.rejected,
+                            WAIT)
+    # a stored layout that does not hash to its name is refused, and the record naming it too
+    other = RankRecord("other", "prefill", "127.0.0.1", 5001, layout=other_layout)  # its layout, never stored so far
+    raw.put(layout_key(prefix, other.layout_digest), LAYOUT_BYTES)
+    raw.put(record_key(prefix, "other"), other.encode())
+    assert watcher.wait_for(lambda v: "not known" in v.rejected.get(ranks + "other", ""), WAIT)
+    assert watcher.get("other") is None
+    # a deleted key is a rank leaving
+    raw.run(lambda c: c.delete(record_key(prefix, "good").encode()))
+    assert seen.wait(lambda s: s.of("good", LEFT)) and watcher.get("good") is None
 
 
 # ----------------------------------------------------------------- no etcd
@@ -568,7 +589,7 @@ def test_leader_killed_registries_recover_and_lose_nothing(etcd3, prefix, regist
     raw = Raw(etcd3.endpoints[_others(etcd3, lead)[0]])
     peers = [prefill(f"peer{i}") for i in range(5)]
     for record in peers:
-        raw.put(record_key(prefix, record.identity), record.encode())
+        raw.put_record(prefix, record)
     everyone = {"p0"} | {r.identity for r in peers}
     assert watcher.wait_for(lambda v: {r.identity for r in v.ranks()} == everyone, WAIT)
     assert watcher.status()["endpoint"] == order[0] and pub.status()["endpoint"] == order[0]
@@ -592,7 +613,7 @@ def test_leader_killed_registries_recover_and_lose_nothing(etcd3, prefix, regist
     etcd3.start(lead)
     etcd3.wait_healthy([lead], 10)
     back = Raw(etcd3.endpoints[lead])
-    assert wait_until(lambda: RankRecord.decode(back.get(record_key(prefix, "p0")).value).load == 7, WAIT) is not None
+    assert wait_until(lambda: RankRecord.decode(back.get(record_key(prefix, "p0")).value, LAYOUTS).load == 7, WAIT) is not None
 
 
 def test_quorum_lost_degrades_keeps_known_ranks_and_recovers(etcd3, prefix, registries):
@@ -609,7 +630,7 @@ def test_quorum_lost_degrades_keeps_known_ranks_and_recovers(etcd3, prefix, regi
     watcher.add_listener(seen)
     watcher.start()
     raw = Raw(etcd3.endpoints[0])
-    raw.put(record_key(prefix, "peer"), prefill("peer", port=5001).encode())
+    raw.put_record(prefix, prefill("peer", port=5001))
     everyone = {"p0", "gone-soon", "peer"}
     assert watcher.wait_for(lambda v: {r.identity for r in v.ranks()} == everyone, WAIT)
     lease_before = raw.get(record_key(prefix, "p0")).lease
@@ -665,7 +686,7 @@ def test_quorum_lost_degrades_keeps_known_ranks_and_recovers(etcd3, prefix, regi
     pub.update(load=60)  # outside the 2..51 written during the outage
     assert watcher.wait_for(lambda v: v.get("p0") is not None and v.get("p0").load == 60, WAIT), watcher.status()
     kv = raw.get(record_key(prefix, "p0"))
-    assert kv is not None and RankRecord.decode(kv.value).load == 60 and raw.lease_alive(kv.lease)
+    assert kv is not None and RankRecord.decode(kv.value, LAYOUTS).load == 60 and raw.lease_alive(kv.lease)
     print(f"healed {healed:.2f} s after the members were healthy; p0's lease "
           f"{'kept' if kv.lease == lease_before else 'granted again'}")
     # the bystander could not revoke, so its record outlives it by one TTL after the recovery

@@ -8,8 +8,15 @@ links to ranks that left.  Events below the revision already applied are
 ignored, and one at it is applied again (etcd gives every key one
 transaction touches the same revision; a key changes once per revision,
 so applying its event twice changes nothing), so a watch restarted from
-``revision + 1`` after a snapshot misses nothing and counts nothing twice; a record that does not decode is
-kept out (and listed in ``rejected``) rather than trusted or fatal.
+``revision + 1`` after a snapshot misses nothing and counts nothing twice.
+
+A record that does not decode (garbage, a lying capacity, a layout nobody
+stored) is listed in ``rejected`` and changes nothing: a rank known before
+keeps its last valid record, so a bad write over a live rank's key cannot
+tear down its links (its publisher notices and puts its record back); only
+a delete, which etcd does when the rank's lease ends, makes a rank leave.
+Layouts are known by digest (``learn_layout``, fed by the shell, which
+fetches them from etcd and which this checks against their digest).
 
 Health: the shell reports when etcd stops answering (``degraded``) and when
 it answers again; the ranks known meanwhile stay known, since a registry
@@ -25,9 +32,10 @@ from typing import Iterable, Mapping
 from ..core.layout import PageLayout
 from ..core.negotiate import negotiate
 from ..errors import KvlendError, RegistryError
-from .records import RankRecord, ranks_prefix
+from .records import MAX_LAYOUT_BYTES, RankRecord, layout_digest, ranks_prefix
 
 JOINED, LEFT, UPDATED = "joined", "left", "updated"
+_MAX_LAYOUTS = 256  # distinct layouts remembered (a cluster runs a few models, so a few)
 
 
 @dataclass(frozen=True)
@@ -48,6 +56,18 @@ class ClusterView:
         self.degraded_why = ""
         self._compatible: dict[tuple[bytes, bytes], bool] = {}  # (local, remote layout encoded) -> negotiates
         self._mine: tuple[PageLayout, bytes] | None = None  # the last local layout asked about, encoded
+        self.layouts: dict[str, bytes] = {}  # digest -> layout encoding, checked
+
+    def learn_layout(self, digest: str, data: bytes) -> None:
+        """Remember the layout named ``digest``: ``RegistryError`` unless ``data`` is what it names."""
+        if not isinstance(data, (bytes, bytearray)) or not 0 < len(data) <= MAX_LAYOUT_BYTES:
+            raise RegistryError(f"layout {digest[:16]}: expected 1..{MAX_LAYOUT_BYTES} bytes")
+        if layout_digest(bytes(data)) != digest:
+            raise RegistryError(f"layout {digest[:16]}: the stored bytes do not hash to their digest")
+        if len(self.layouts) >= _MAX_LAYOUTS:  # keep what live ranks use; the shell fetches any other again
+            used = {r.layout_digest for r in self._ranks.values()}
+            self.layouts = {d: v for d, v in self.layouts.items() if d in used}
+        self.layouts[digest] = bytes(data)
 
     # ------------------------------------------------------------- feeding
     def reset(self, revision: int, items: Iterable[tuple[bytes, bytes]]) -> list[Change]:
@@ -57,6 +77,9 @@ class ClusterView:
         self.rejected = {}
         for key, value in items:
             record = self._decode(key, value)
+            if record is None:  # unreadable now: the last valid record, if any, still holds
+                identity = self._identity(key)
+                record = self._ranks.get(identity) if identity else None
             if record is not None:
                 fresh[record.identity] = record
         old, self._ranks = self._ranks, fresh
@@ -78,10 +101,7 @@ class ClusterView:
         identity = self._identity(key)
         record = self._decode(key, value)
         before = self._ranks.get(identity) if identity else None
-        if record is None:  # unreadable now: whatever it said before no longer holds
-            if before is not None:
-                del self._ranks[identity]
-                return [Change(LEFT, before)]
+        if record is None:  # refused (listed in ``rejected``): the last valid record still holds
             return []
         self._ranks[record.identity] = record
         if before is None:
@@ -169,7 +189,7 @@ class ClusterView:
         try:
             if identity is None:
                 raise RegistryError(f"key is not under {self.prefix!r}")
-            record = RankRecord.decode(value)
+            record = RankRecord.decode(value, self.layouts)
             if record.identity != identity:
                 raise RegistryError(f"record names {record.identity!r}, its key {identity!r}")
         except RegistryError as exc:
