@@ -206,6 +206,11 @@ def registries():
     (["127.0.0.1:2379"], {"timeout": 0}, "timeout"),
     (["127.0.0.1:2379"], {"timeout": -1.0}, "timeout"),
     (["127.0.0.1:2379"], {"update_interval": -0.1}, "update_interval"),
+    (["127.0.0.1:2379"], {"username": "root"}, "username and password"),
+    (["127.0.0.1:2379"], {"password": "pw"}, "username and password"),
+    (["127.0.0.1:2379"], {"cert_file": "c.pem"}, "cert_file and key_file"),
+    (["127.0.0.1:2379"], {"cert_file": "c.pem", "key_file": "k.pem"}, "with ca_file"),
+    (["127.0.0.1:2379"], {"ca_file": "/nonexistent/ca.pem"}, "ca_file '/nonexistent/ca.pem'"),
 ])
 def test_bad_arguments_raise_registry_error(endpoints, kw, words):
     with pytest.raises(RegistryError, match=words):
@@ -533,6 +538,62 @@ def test_garbage_under_the_ranks_prefix_is_rejected(etcd1, prefix, registries):
     # a deleted key is a rank leaving
     raw.run(lambda c: c.delete(record_key(prefix, "good").encode()))
     assert seen.wait(lambda s: s.of("good", LEFT)) and watcher.get("good") is None
+
+
+def test_a_record_overwritten_by_someone_else_is_put_back(etcd1, prefix, registries):
+    pub = registries(etcd1.endpoints, prefix)
+    mine = prefill("p0", load=1)
+    pub.publish(mine)
+    pub.start()
+    watcher = registries(etcd1.endpoints, prefix).start()
+    assert watcher.wait_for(lambda v: v.get("p0") == mine, WAIT)
+    raw = Raw(etcd1.endpoints[0])
+    key = record_key(prefix, "p0")
+    for forged in (prefill("p0", port=6666, load=1).encode(), b"garbage"):  # a valid-looking forgery, then junk
+        raw.put(key, forged)
+        assert wait_until(lambda: (kv := raw.get(key)) is not None and kv.value == mine.encode(), WAIT), \
+            "the publisher did not put its record back"
+        assert raw.get(key).lease != 0 and raw.lease_alive(raw.get(key).lease)  # under its own lease again
+        assert watcher.wait_for(lambda v: v.get("p0") == mine and not v.rejected, WAIT)
+    pub.update(load=2)  # its own updates are not taken for someone else's
+    assert watcher.wait_for(lambda v: v.get("p0") == prefill("p0", load=2), WAIT)
+    assert not pub.degraded and pub.status()["published"]
+
+
+def test_a_deep_models_record_is_small_and_its_layout_is_read_once(etcd1, prefix, registries):
+    deep = make_layout(make_pools(8, layers=126)).encode()  # a 405B-class depth: 126 layers
+    record = RankRecord("deep", "prefill", "127.0.0.1", 5000, layout=deep, capacity=4)
+    pub = registries(etcd1.endpoints, prefix)
+    pub.publish(record)
+    pub.start()
+    watcher = registries(etcd1.endpoints, prefix).start()
+    assert watcher.wait_for(lambda v: v.get("deep") == record, WAIT), watcher.status()
+    assert watcher.get("deep").page_layout.encode() == deep and pub.ready(WAIT) and not pub.degraded
+    raw = Raw(etcd1.endpoints[0])
+    stored = raw.get(record_key(prefix, "deep")).value
+    assert len(stored) < 512 and raw.get(layout_key(prefix, record.layout_digest)).value == deep
+    print(f"126-layer layout {len(deep)} bytes; its record {len(stored)} bytes")
+
+
+def test_a_fresh_registry_reads_240_ranks_in_pages(etcd1, prefix, registries):
+    """240 ranks, each with its own 32-layer layout (8B-class): over 4 MiB as whole records in one read."""
+    ranks = [RankRecord(f"r{i:03d}", "prefill", "127.0.0.1", 5000 + i, capacity=4,
+                        layout=make_layout(make_pools(2, layers=32)).encode()) for i in range(240)]
+
+    async def write(client):
+        for r in ranks:
+            await client.put(layout_key(prefix, r.layout_digest).encode(), r.layout)
+            await client.put(record_key(prefix, r.identity).encode(), r.encode())
+
+    Raw(etcd1.endpoints[0]).run(write, timeout=60)
+    assert sum(len(r.layout) for r in ranks) > 3 << 20
+    watcher = registries(etcd1.endpoints, prefix)
+    t0 = time.monotonic()
+    watcher.start()
+    assert watcher.ready(30), watcher.status()
+    took = time.monotonic() - t0
+    assert watcher.ranks() == ranks and not watcher.status()["rejected"]
+    print(f"a fresh registry read 240 ranks and their layouts in {took:.2f} s")
 
 
 # ----------------------------------------------------------------- no etcd
