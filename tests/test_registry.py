@@ -29,7 +29,7 @@ from conftest import make_layout, make_pools
 
 from kvlend.cluster.etcd_members import EtcdMembers, _free_ports
 from kvlend.cluster.records import RankRecord, layout_digest, layout_key, ranks_prefix, record_key
-from kvlend.cluster.registry import Registry
+from kvlend.cluster.registry import Registry, etcd_security_from_env
 from kvlend.cluster.view import JOINED, LEFT, UPDATED, Change
 from kvlend.errors import ConfigError, RegistryError
 
@@ -389,7 +389,7 @@ def test_bad_updates_raise_and_a_failing_listener_hurts_no_one(etcd1, prefix, re
 # ----------------------------------------------------------------- liveness
 CHILD = r"""
 import sys, time
-from kvlend.cluster.registry import Registry
+from kvlend.cluster.registry import Registry, etcd_security_from_env
 from kvlend.cluster.records import RankRecord
 endpoints, prefix, ttl = sys.argv[1].split(","), sys.argv[2], int(sys.argv[3])
 reg = Registry(endpoints, prefix, ttl=ttl, timeout=1).start()
@@ -594,6 +594,68 @@ def test_a_fresh_registry_reads_240_ranks_in_pages(etcd1, prefix, registries):
     took = time.monotonic() - t0
     assert watcher.ranks() == ranks and not watcher.status()["rejected"]
     print(f"a fresh registry read 240 ranks and their layouts in {took:.2f} s")
+
+
+# ----------------------------------------------------------------- etcd's own security
+def enable_auth(endpoint: str, prefix: str, user: str, password: str) -> None:
+    """etcd auth on: a root user, and ``user`` with read-write on ``prefix``/ only (what etcdctl does)."""
+    from aetcd.rpc import rpc_pb2 as pb
+
+    async def go(client):
+        auth = aetcd.rpc.AuthStub(client.channel)
+        start = f"{prefix}/".encode()
+        for request in (pb.AuthUserAddRequest(name="root", password="root-pw"),
+                        pb.AuthUserGrantRoleRequest(user="root", role="root"),
+                        pb.AuthRoleAddRequest(name="kvlend"),
+                        pb.AuthRoleGrantPermissionRequest(name="kvlend", perm=aetcd.rpc.Permission(
+                            permType=aetcd.rpc.Permission.READWRITE, key=start,
+                            range_end=aetcd.utils.prefix_range_end(start))),
+                        pb.AuthUserAddRequest(name=user, password=password),
+                        pb.AuthUserGrantRoleRequest(user=user, role="kvlend")):
+            method = {pb.AuthUserAddRequest: auth.UserAdd, pb.AuthUserGrantRoleRequest: auth.UserGrantRole,
+                      pb.AuthRoleAddRequest: auth.RoleAdd, pb.AuthRoleGrantPermissionRequest: auth.RoleGrantPermission}
+            await method[type(request)](request, timeout=2)
+        await auth.AuthEnable(pb.AuthEnableRequest(), timeout=2)
+
+    Raw(endpoint).run(go)
+
+
+def test_etcd_auth_user_and_password(registries):
+    with EtcdMembers(1) as etcd:
+        prefix = "/kvlend/auth"
+        enable_auth(etcd.endpoints[0], prefix, "kvlend", "s3cret")
+        pub = registries(etcd.endpoints, prefix, username="kvlend", password="s3cret")
+        pub.publish(prefill("p0"))
+        pub.start()
+        watcher = registries(etcd.endpoints, prefix, username="kvlend", password="s3cret").start()
+        assert watcher.wait_for(lambda v: v.get("p0") == prefill("p0"), WAIT), watcher.status()
+        assert pub.ready(WAIT) and not pub.degraded
+        # the probe, a read under the prefix, passes too: nothing degrades over a few probe periods
+        assert not watcher.wait_for(lambda v: v.degraded, 3 * TTL / 3 + TIMEOUT) and not pub.degraded
+        for kw in ({}, {"username": "kvlend", "password": "wrong"}):
+            outsider = registries(etcd.endpoints, prefix, **kw).start()
+            assert not outsider.ready(1.0) and outsider.degraded
+            assert outsider.status()["why"], outsider.status()
+        pub.close()
+        assert watcher.wait_for(lambda v: v.get("p0") is None, WAIT)  # its lease revoked under auth too
+
+
+def test_etcd_over_tls_with_a_client_certificate(registries):
+    with EtcdMembers(1, tls=True) as etcd:
+        prefix = "/kvlend/tls"
+        tls = etcd.client_tls
+        pub = registries(etcd.endpoints, prefix, **tls)
+        pub.publish(prefill("p0"))
+        pub.start()
+        env = {"KVLEND_ETCD_CA": tls["ca_file"], "KVLEND_ETCD_CERT": tls["cert_file"],
+               "KVLEND_ETCD_KEY": tls["key_file"], "KVLEND_ETCD_USER": ""}  # empty: unset
+        assert etcd_security_from_env(env) == tls
+        watcher = registries(etcd.endpoints, prefix, **etcd_security_from_env(env)).start()
+        assert watcher.wait_for(lambda v: v.get("p0") == prefill("p0"), WAIT), watcher.status()
+        assert pub.ready(WAIT) and not pub.degraded
+        for kw in ({}, {"ca_file": tls["ca_file"]}):  # plaintext, or TLS without a client certificate
+            outsider = registries(etcd.endpoints, prefix, **kw).start()
+            assert not outsider.ready(1.0) and outsider.degraded
 
 
 # ----------------------------------------------------------------- no etcd

@@ -55,6 +55,11 @@ PAGE = 16  # keys per prefix read: 16 values at etcd's 1.5 MiB request cap stay 
 _MAX_RECEIVE = 32 << 20  # gRPC's default is 4 MiB
 _MINE_KEPT = 8  # the last values put for this rank: their watch events are not someone else's writes
 REJECT_LOG_EVERY = 60.0
+ETCD_USER_ENV = "KVLEND_ETCD_USER"
+ETCD_PASSWORD_ENV = "KVLEND_ETCD_PASSWORD"
+ETCD_CA_ENV = "KVLEND_ETCD_CA"
+ETCD_CERT_ENV = "KVLEND_ETCD_CERT"
+ETCD_KEY_ENV = "KVLEND_ETCD_KEY"
 
 
 def _endpoint(text: str) -> tuple[str, int]:
@@ -403,7 +408,7 @@ class Registry:
                 if self._lease is not None:
                     await self._refresh(client)
                 else:
-                    await self._call(client.get(b"/kvlend-probe"))  # linearizable: needs a quorum
+                    await self._call(client.get(f"{self.prefix}/probe".encode()))  # linearizable: needs a quorum
                 next_probe = time.monotonic() + probe_every
             if put and self.update_interval:
                 await asyncio.sleep(self.update_interval)  # coalesce a burst of updates into one put
@@ -521,6 +526,17 @@ class Registry:
                 listener(changes)
             except Exception:
                 log.exception("registry listener failed")
+
+
+def etcd_security_from_env(environ: Mapping[str, str] | None = None) -> dict[str, str]:
+    """``Registry`` keyword arguments for etcd's own auth and TLS from the ``KVLEND_ETCD_*`` variables
+    (unset or empty ones left out, so ``Registry`` refuses half a pair)."""
+    import os
+
+    env = os.environ if environ is None else environ
+    found = {"username": env.get(ETCD_USER_ENV), "password": env.get(ETCD_PASSWORD_ENV),
+             "ca_file": env.get(ETCD_CA_ENV), "cert_file": env.get(ETCD_CERT_ENV), "key_file": env.get(ETCD_KEY_ENV)}
+    return {name: value for name, value in found.items() if value}
 
 
 def _read_pem(ca_file: str, cert_file: str | None, key_file: str | None) -> tuple[bytes, bytes | None, bytes | None]:
