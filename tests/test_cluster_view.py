@@ -534,6 +534,22 @@ def test_garbage_under_a_rank_key_keeps_the_last_valid_record_and_is_listed():
     assert view.delete(8, key("p1")) == [] and view.rejected == {}
 
 
+def test_a_rank_whose_key_stays_refused_past_the_grace_leaves():
+    view = view_of(rec("p0"), rec("p1"))
+    assert view.put(2, key("p0"), b"junk", now=10.0) == [] and view.put(3, key("p0"), b"more junk", now=12.0) == []
+    assert view.expire_refused(14.9, grace=5.0) == [] and view.get("p0") == rec("p0")  # since the first refusal
+    assert view.expire_refused(15.0, grace=5.0) == [Change(LEFT, rec("p0"))]
+    assert view.get("p0") is None and RANKS + "p0" in view.rejected and view.expire_refused(99.0, 5.0) == []
+    # put back in time: the clock starts again at the next refusal; a snapshot keeps the first refusal's time
+    assert view.put(4, key("p1"), b"junk", now=20.0) == []
+    assert view.put(5, key("p1"), rec("p1", load=1).encode(), now=21.0) == [Change(UPDATED, rec("p1", load=1))]
+    assert view.expire_refused(40.0, grace=5.0) == []
+    assert view.put(6, key("p1"), b"junk", now=41.0) == []
+    assert view.reset(7, [(key("p1"), b"junk")], now=44.0) == [] and view.get("p1") == rec("p1", load=1)
+    assert view.expire_refused(46.0, grace=5.0) == [Change(LEFT, rec("p1", load=1))]
+    assert view.ranks() == []
+
+
 def test_deeply_nested_json_under_a_rank_key_is_rejected_not_raised():
     view = view_of(rec("p0"))
     bomb = b"[" * 5000 + b"]" * 5000

@@ -560,6 +560,21 @@ def test_a_record_overwritten_by_someone_else_is_put_back(etcd1, prefix, registr
     assert not pub.degraded and pub.status()["published"]
 
 
+def test_a_dead_ranks_record_overwritten_with_garbage_leaves_after_a_ttl(etcd1, prefix, registries):
+    """The garbage took the key off the dead rank's lease: only the grace makes it leave."""
+    raw = Raw(etcd1.endpoints[0])
+    raw.put_record(prefix, prefill("ghost"))  # no publisher behind it: what a dead rank leaves
+    watcher = registries(etcd1.endpoints, prefix)
+    seen = Changes()
+    watcher.add_listener(seen)
+    watcher.start()
+    assert watcher.wait_for(lambda v: v.get("ghost") is not None, WAIT)
+    raw.put(record_key(prefix, "ghost"), b"garbage")
+    assert watcher.wait_for(lambda v: record_key(prefix, "ghost") in v.rejected, WAIT)
+    assert seen.wait(lambda s: s.of("ghost", LEFT), TTL + WAIT), "the ghost never left"
+    assert watcher.get("ghost") is None and record_key(prefix, "ghost") in watcher.status()["rejected"]
+
+
 def test_a_deep_models_record_is_small_and_its_layout_is_read_once(etcd1, prefix, registries):
     deep = make_layout(make_pools(8, layers=126)).encode()  # a 405B-class depth: 126 layers
     record = RankRecord("deep", "prefill", "127.0.0.1", 5000, layout=deep, capacity=4)

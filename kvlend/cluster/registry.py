@@ -22,7 +22,9 @@ import with current protobuf or cannot attach a lease to a put).  Each pass:
 
 A write by anyone else over this rank's own key (garbage, a forged
 endpoint) is answered by putting the record back at once.  Records that do
-not decode change nothing (the view keeps the last valid one) and are
+not decode change nothing (the view keeps the last valid one, for at most
+one ``ttl``: after that the rank counts as gone, since a live publisher
+would have put its own back) and are
 logged once per key per ``REJECT_LOG_EVERY`` seconds.
 
 Any failure or deadline marks the view degraded and starts the next pass
@@ -307,7 +309,7 @@ class Registry:
             revision, items = await self._read_prefix(aetcd, client, prefix)
             await self._fetch_layouts(client, [value for _, value in items])
             with self._cond:
-                changes = self.view.reset(revision, items)
+                changes = self.view.reset(revision, items, time.monotonic())
                 rejected = dict(self.view.rejected)
                 was = self.view.degraded_since
                 self.view.mark_healthy()
@@ -378,7 +380,7 @@ class Registry:
                         if mine:  # deleted by hand while we live: put it back (``_keep`` wakes now)
                             self._published = None
                     else:
-                        changes = self.view.put(kv.mod_revision, kv.key, kv.value)
+                        changes = self.view.put(kv.mod_revision, kv.key, kv.value, time.monotonic())
                         mine = self._foreign(kv)
                         if mine:  # someone else wrote over our record: put ours back
                             self._published = None
@@ -404,6 +406,10 @@ class Registry:
                 watcher.result()  # raises why the watch ended
                 raise RegistryError("the watch ended")
             put = await self._keep_record(client)
+            with self._cond:  # a rank whose key holds a refused value for a TTL: its publisher is not there
+                gone = self.view.expire_refused(time.monotonic(), self.ttl)
+            if gone:
+                self._notify(gone)
             if time.monotonic() >= next_probe:
                 if self._lease is not None:
                     await self._refresh(client)
