@@ -57,6 +57,7 @@ PAGE = 16  # keys per prefix read: 16 values at etcd's 1.5 MiB request cap stay 
 _MAX_RECEIVE = 32 << 20  # gRPC's default is 4 MiB
 _MINE_KEPT = 8  # the last values put for this rank: their watch events are not someone else's writes
 REJECT_LOG_EVERY = 60.0
+_PUT_BACK_GAP = 0.1  # two processes publishing one identity trade at most ~10 puts a second
 ETCD_USER_ENV = "KVLEND_ETCD_USER"
 ETCD_PASSWORD_ENV = "KVLEND_ETCD_PASSWORD"
 ETCD_CA_ENV = "KVLEND_ETCD_CA"
@@ -113,6 +114,8 @@ class Registry:
         self._mine: list[bytes] = []  # the values last put for this rank (see ``_foreign``)
         self._layout_stored = ""  # the digest whose ``layouts/`` key this connection has written
         self._reject_logged: dict[str, float] = {}  # key -> when its refusal was last logged
+        self._put_back = False  # the next put answers someone else's write over our record
+        self._last_put_back = -_PUT_BACK_GAP
         self._withdrawn = False  # ``withdraw`` asked for the lease to go
         self._retired = False  # withdrawn and not published again: ``update`` does nothing
         self._ready = False
@@ -383,13 +386,14 @@ class Registry:
                         changes = self.view.put(kv.mod_revision, kv.key, kv.value, time.monotonic())
                         mine = self._foreign(kv)
                         if mine:  # someone else wrote over our record: put ours back
-                            self._published = None
+                            self._published, self._put_back, self._layout_stored = None, True, ""
                         why = self.view.rejected.get(kv.key.decode("utf-8", "replace"))
                 if event.kind != delete and why is not None:
                     self._log_rejected(kv.key.decode("utf-8", "replace"), why)
                 if mine and event.kind != delete:
-                    log.warning("cluster registry: another writer replaced this rank's record at revision %d; "
-                                "putting it back", kv.mod_revision)
+                    self._warn_every(f"own:{kv.key!r}", "cluster registry: another writer replaced this rank's "
+                                     "record at revision %d; putting it back (two ranks with one identity trade "
+                                     "puts like this)", kv.mod_revision)
                 self._notify(changes)
                 if mine:
                     self._wake.set()
@@ -428,14 +432,17 @@ class Registry:
         return kv.lease != self._lease or kv.value not in self._mine
 
     def _log_rejected(self, key: str, why: str) -> None:
-        """A refused record or layout, logged at most once per key per ``REJECT_LOG_EVERY`` s."""
+        self._warn_every(key, "cluster registry: ignoring %r (the last valid record stays): %s", key[:300], why)
+
+    def _warn_every(self, key: str, message: str, *args) -> None:
+        """A warning about ``key``, at most once per ``REJECT_LOG_EVERY`` s (a hostile writer sets the pace)."""
         now = time.monotonic()
         if now - self._reject_logged.get(key, -REJECT_LOG_EVERY) < REJECT_LOG_EVERY:
             return
         if len(self._reject_logged) >= 1024:
             self._reject_logged.clear()
         self._reject_logged[key] = now
-        log.warning("cluster registry: ignoring %r (the last valid record stays): %s", key[:300], why)
+        log.warning(message, *args)
 
     async def _keep_record(self, client) -> bool:
         """Put the record if etcd may not hold the current one (first time, changed, reconnected);
@@ -456,6 +463,10 @@ class Registry:
             self._lease = (await self._call(client.lease(int(round(self.ttl))))).id
         elif self._published is None:  # reconnected: the lease may have run out meanwhile
             await self._refresh(client)
+        if self._put_back:  # answering someone else's write: at most one put-back per ``_PUT_BACK_GAP``
+            self._put_back = False
+            await asyncio.sleep(max(0.0, self._last_put_back + _PUT_BACK_GAP - time.monotonic()))
+            self._last_put_back = time.monotonic()
         if record.layout and self._layout_stored != record.layout_digest:
             await self._store_layout(client, record)
         value = record.encode()
