@@ -16,7 +16,9 @@ from hypothesis import HealthCheck, assume, given, settings, strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from kvlend.cluster import JOINED, LEFT, UPDATED, Change, ClusterView, RankRecord, ranks_prefix, record_key
-from kvlend.cluster.records import _FIELDS, MAX_CAPACITY, MAX_LOAD, MAX_RECORD_BYTES, RECORD_VERSION, ROLES, layout_digest
+from kvlend.cluster.records import (
+    _FIELDS, MAX_CAPACITY, MAX_LOAD, MAX_RECORD_BYTES, RECORD_VERSION, ROLES, layout_digest,
+)
 from kvlend.core.layout import PageLayout, layout_from_pools
 from kvlend.core.negotiate import negotiate
 from kvlend.errors import ConfigError, KvlendError, RegistryError
@@ -569,6 +571,20 @@ def test_a_layout_is_learnt_only_under_its_own_digest():
     assert view.put(1, key("p0"), rec("p0").encode()) == [] and "not known" in view.rejected[RANKS + "p0"]
     view.learn_layout(layout_digest(data), data)
     assert view.put(2, key("p0"), rec("p0").encode()) == [Change(JOINED, rec("p0"))]
+
+
+
+def test_remembered_layouts_are_bounded_but_never_those_in_use_or_kept():
+    from kvlend.cluster.view import _MAX_LAYOUTS
+    view = new_view()
+    view.put(1, key("p0"), rec("p0").encode())  # uses SAME
+    spare = [pools_layout(pages=p).encode() for p in range(40, 40 + _MAX_LAYOUTS + 8)]  # distinct by pages: ids
+    batch = {layout_digest(d) for d in spare}
+    for data in spare:
+        view.learn_layout(layout_digest(data), data, keep=batch)  # one snapshot's worth, fetched together
+    assert batch <= set(view.layouts) and layout_digest(SAME.encode()) in view.layouts
+    view.learn_layout(layout_digest(LOCAL.encode()), LOCAL.encode())  # past the cap: the unused go
+    assert set(view.layouts) == {layout_digest(SAME.encode()), layout_digest(LOCAL.encode())}
 
 
 def test_non_utf8_keys_are_rejected_and_never_ranked():

@@ -751,7 +751,8 @@ def test_leader_killed_registries_recover_and_lose_nothing(etcd3, prefix, regist
     etcd3.start(lead)
     etcd3.wait_healthy([lead], 10)
     back = Raw(etcd3.endpoints[lead])
-    assert wait_until(lambda: RankRecord.decode(back.get(record_key(prefix, "p0")).value, LAYOUTS).load == 7, WAIT) is not None
+    assert wait_until(lambda: RankRecord.decode(back.get(record_key(prefix, "p0")).value, LAYOUTS).load == 7,
+                      WAIT) is not None
 
 
 def test_quorum_lost_degrades_keeps_known_ranks_and_recovers(etcd3, prefix, registries):

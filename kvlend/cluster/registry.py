@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import logging
 import threading
 import time
@@ -365,7 +366,7 @@ class Registry:
                 continue
             try:
                 with self._cond:
-                    self.view.learn_layout(digest, got.value)
+                    self.view.learn_layout(digest, got.value, keep=wanted)
             except RegistryError as exc:
                 self._log_rejected(layout_key(self.prefix, digest), str(exc))
 
@@ -567,6 +568,7 @@ def _read_pem(ca_file: str, cert_file: str | None, key_file: str | None) -> tupl
     return out[0], out[1], out[2]
 
 
+@functools.lru_cache(maxsize=1)
 def _tls_client(aetcd):
     """``aetcd.Client`` over TLS: aetcd itself only opens plaintext channels, so ``connect`` is its own,
     the same steps over ``grpc.aio.secure_channel``."""

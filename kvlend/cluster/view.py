@@ -38,7 +38,7 @@ from ..errors import KvlendError, RegistryError
 from .records import MAX_LAYOUT_BYTES, RankRecord, layout_digest, ranks_prefix
 
 JOINED, LEFT, UPDATED = "joined", "left", "updated"
-_MAX_LAYOUTS = 256  # distinct layouts remembered (a cluster runs a few models, so a few)
+_MAX_LAYOUTS = 256  # layouts remembered beyond those live ranks use (each rank's differs: its addresses)
 
 
 @dataclass(frozen=True)
@@ -62,14 +62,17 @@ class ClusterView:
         self.layouts: dict[str, bytes] = {}  # digest -> layout encoding, checked
         self._refused: dict[str, float] = {}  # identity -> since when its key holds a refused value
 
-    def learn_layout(self, digest: str, data: bytes) -> None:
-        """Remember the layout named ``digest``: ``RegistryError`` unless ``data`` is what it names."""
+    def learn_layout(self, digest: str, data: bytes, keep: Iterable[str] = ()) -> None:
+        """Remember the layout named ``digest``: ``RegistryError`` unless ``data`` is what it names.
+
+        Past ``_MAX_LAYOUTS`` remembered, the ones no live rank uses are forgotten first, except
+        ``keep`` (the others the caller fetched for the same records); the shell fetches any again."""
         if not isinstance(data, (bytes, bytearray)) or not 0 < len(data) <= MAX_LAYOUT_BYTES:
             raise RegistryError(f"layout {digest[:16]}: expected 1..{MAX_LAYOUT_BYTES} bytes")
         if layout_digest(bytes(data)) != digest:
             raise RegistryError(f"layout {digest[:16]}: the stored bytes do not hash to their digest")
-        if len(self.layouts) >= _MAX_LAYOUTS:  # keep what live ranks use; the shell fetches any other again
-            used = {r.layout_digest for r in self._ranks.values()}
+        if len(self.layouts) >= _MAX_LAYOUTS:
+            used = {r.layout_digest for r in self._ranks.values()} | set(keep)
             self.layouts = {d: v for d, v in self.layouts.items() if d in used}
         self.layouts[digest] = bytes(data)
 

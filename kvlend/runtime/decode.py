@@ -17,8 +17,9 @@ does not list fails at once without dialling, and the links to a prefill
 whose record leaves are closed (their fetches fail ``PeerLost``, once
 quiet).  A record that moves its endpoint breaks nothing live: a ticket
 rides the open link that authenticated as its prefill, wherever either
-says it is, and only a new connection dials the record's endpoint.  While the registry is degraded, tickets are redeemed at the
-endpoint they name (an etcd outage says nothing about the prefills).
+says it is, and only a new connection dials the record's endpoint.  While
+the registry is degraded, tickets are redeemed at the endpoint they name
+(an etcd outage says nothing about the prefills).
 """
 
 from __future__ import annotations
