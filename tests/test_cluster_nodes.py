@@ -362,9 +362,11 @@ def test_garbage_over_a_prefills_record_leaves_the_live_link_and_the_record_is_p
     liar = {**json.loads(a.registry.get(a.name).encode()), "capacity": 1 << 40}  # would win every routing pick
     for junk in (b"garbage", json.dumps(liar).encode()):
         raw.put(key, junk)  # someone else's write over a's record: a puts its own back
-        assert d.registry.wait_for(lambda v: v.revision >= raw.get(key).mod_revision and key not in v.rejected,
-                                   DEADLINE), f"a's record was not put back: {d.registry.status()}"
-        assert RankRecord.decode(raw.get(key).value, d.registry.view.layouts) == a.registry.get(a.name)
+        wait_until(lambda: raw.get(key).value != junk, "a did not put its record back")
+        back = raw.get(key)
+        assert back.lease != 0 and d.registry.wait_for(lambda v: v.revision >= back.mod_revision, DEADLINE)
+        assert key not in d.registry.status()["rejected"]
+        assert RankRecord.decode(back.value, d.registry.view.layouts) == d.registry.get(a.name)
     assert [lk.id for lk in d.node.links] == [link.id]  # the link never went
     fetch_verified(d, lend(a, "after", 2), 2)
     assert d.registry.get(a.name).capacity == a.registry.get(a.name).capacity
