@@ -41,7 +41,7 @@ import numpy as np
 from multinode_rank import DTYPE, backend, config, emit, make_pools  # examples/, this script's folder
 from workload import run_rank
 
-from kvlend.cluster.registry import Registry
+from kvlend.cluster.registry import Registry, etcd_security_from_env
 from kvlend.cluster.router import Router
 from kvlend.cluster.view import JOINED, LEFT
 from kvlend.core.layout import ReplicaRank, layout_from_pools
@@ -129,7 +129,8 @@ class Watch:
 
 def open_registry(args) -> Registry:
     endpoints = [e.strip() for e in args.etcd.split(",") if e.strip()]
-    return Registry(endpoints, args.prefix, ttl=args.registry_ttl, timeout=args.registry_timeout).start()
+    return Registry(endpoints, args.prefix, ttl=args.registry_ttl, timeout=args.registry_timeout,
+                    **etcd_security_from_env()).start()
 
 
 # ------------------------------------------------------------------ prefill

@@ -322,7 +322,7 @@ def _add_cluster_status(parser: argparse.ArgumentParser) -> None:
 
 def _run_cluster_status(args: argparse.Namespace) -> int:
     try:
-        from .cluster.registry import Registry
+        from .cluster.registry import Registry, etcd_security_from_env
     except ImportError as exc:
         raise CliError(f"cluster status needs the etcd client (pip install 'kvlend[cluster]'): {exc}") from None
     if not 0 < args.timeout < 3600:
@@ -331,7 +331,7 @@ def _run_cluster_status(args: argparse.Namespace) -> int:
 
     logging.getLogger("kvlend.cluster.registry").setLevel(logging.ERROR)  # the failure is our one line
     registry = Registry([e.strip() for e in args.etcd.split(",") if e.strip()], args.prefix,
-                        timeout=min(args.timeout, 2.0))
+                        timeout=min(args.timeout, 2.0), **etcd_security_from_env())
     try:
         registry.start()
         if not registry.ready(args.timeout):

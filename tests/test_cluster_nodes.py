@@ -12,6 +12,7 @@ leaves the known prefills serving.  Every byte fetched is checked.
 
 from __future__ import annotations
 
+import json
 import secrets
 import socket
 import time
@@ -24,11 +25,13 @@ from conftest import (
 )
 
 from kvlend.cluster.etcd_members import EtcdMembers
+from kvlend.cluster.records import RankRecord, record_key
 from kvlend.cluster.registry import Registry
 from kvlend.cluster.router import Router
 from kvlend.core.lender import LEASE_ID_BYTES
 from kvlend.errors import ConfigError, LeaseUnknown, PeerLost, RegistryError
 from kvlend.runtime import DecodeNode, NodeConfig, PrefillNode, Ticket
+from test_registry import Raw
 
 DEADLINE = 10.0  # seconds any single wait may take before the test fails
 PAGES = 256
@@ -280,12 +283,13 @@ def test_a_ticket_whose_prefill_left_fails_at_once_without_dialling(cluster):
     ghost = Ticket(secrets.token_bytes(LEASE_ID_BYTES), "127.0.0.1", 9, "prefill-ghost", TOKENS, gone.layout_id)
     with pytest.raises(PeerLost, match="prefill-ghost"):
         d.node.start_fetch(ghost, destination(d))
-    # a's identity at another endpoint: a restarted process, which cannot hold the lease
+    assert set(d.node.session.links) == links and d.node.in_flight == 0  # nothing dialled, nothing started
+    # a ticket naming a at another endpoint goes over the link that authenticated as a: a answers for it
     moved = Ticket(secrets.token_bytes(LEASE_ID_BYTES), a.node.advertise, a.node.port % 65535 + 1, a.name, TOKENS,
                    a.node.layout.layout_id)
-    with pytest.raises(LeaseUnknown, match="restarted"):
-        d.node.start_fetch(moved, destination(d))
-    assert set(d.node.session.links) == links and d.node.in_flight == 0  # nothing dialled, nothing started
+    with pytest.raises(LeaseUnknown, match="refused lease"):
+        d.node.start_fetch(moved, destination(d)).wait(DEADLINE)
+    assert set(d.node.session.links) == links  # nothing dialled
     fetch_verified(d, lend(a, "still", 3), 3)  # the live prefill's tickets still pass
 
 
@@ -347,6 +351,48 @@ def test_a_decode_leaving_the_registry_has_its_leases_released_before_their_ttl(
     wait_until(lambda: leases_of(p, d2.name) == 0, "decode-2's leases not released", deadline=5.0)
     assert p.node.lender.active_leases == 0 and p.node.lender.locks.locked_pages() == 0
     load_of(p, p.name, 0)
+
+
+# ----------------------------------------------------------------- records not to be trusted
+def test_garbage_over_a_prefills_record_leaves_the_live_link_and_the_record_is_put_back(cluster):
+    a = cluster.prefill("prefill-a")
+    d = cluster.decode("decode-a")
+    sees(d, a.name)
+    fetch_verified(d, lend(a, "before", 1), 1)
+    (link,) = d.node.links
+    key = record_key(cluster.prefix, a.name)
+    raw = Raw(cluster.endpoints[0])
+    liar = {**json.loads(a.registry.get(a.name).encode()), "capacity": 1 << 40}  # would win every routing pick
+    for junk in (b"garbage", json.dumps(liar).encode()):
+        raw.put(key, junk)  # someone else's write over a's record: a puts its own back
+        wait_until(lambda: raw.get(key).value != junk, "a did not put its record back")
+        back = raw.get(key)
+        assert back.lease != 0 and d.registry.wait_for(lambda v: v.revision >= back.mod_revision, DEADLINE)
+        assert key not in d.registry.status()["rejected"]
+        assert RankRecord.decode(back.value, d.registry.view.layouts) == d.registry.get(a.name)
+    assert [lk.id for lk in d.node.links] == [link.id]  # the link never went
+    fetch_verified(d, lend(a, "after", 2), 2)
+    assert d.registry.get(a.name).capacity == a.registry.get(a.name).capacity
+
+
+def test_a_record_moving_its_endpoint_breaks_no_valid_ticket(cluster):
+    a = cluster.prefill("prefill-a")
+    d1, d2 = cluster.decode("decode-1"), cluster.decode("decode-2")
+    sees(d1, a.name)
+    fetch_verified(d1, lend(a, "warm", 1), 1)  # d1 has a link to a; d2 has none
+    real = a.node.port
+    a.registry.update(port=real % 65535 + 1)  # the record says another port (a rebind, a proxy, a forger)
+    for d in (d1, d2):
+        assert d.registry.wait_for(lambda v: v.get(a.name) is not None and v.get(a.name).port != real, DEADLINE)
+    fetch_verified(d1, lend(a, "live-link", 2), 2)  # the ticket goes over the link authenticated as a
+    assert [(lk.host, lk.port) for lk in d1.node.links] == [(a.node.advertise, real)]
+    # a new connection dials what the record says: here a stale ticket, and a record back at the real port
+    a.registry.update(port=real)
+    assert d2.registry.wait_for(lambda v: v.get(a.name).port == real, DEADLINE)
+    stale = lend(a, "stale", 3)
+    fetch_verified(d2, Ticket(stale.lease, stale.host, real % 65535 + 1, stale.prefill, stale.num_tokens,
+                              stale.layout_id, stale.pages), 3)
+    assert [(lk.host, lk.port) for lk in d2.node.links] == [(a.node.advertise, real)]
 
 
 # ----------------------------------------------------------------- outages

@@ -28,8 +28,8 @@ import pytest
 from conftest import make_layout, make_pools
 
 from kvlend.cluster.etcd_members import EtcdMembers, _free_ports
-from kvlend.cluster.records import RankRecord, ranks_prefix, record_key
-from kvlend.cluster.registry import Registry
+from kvlend.cluster.records import RankRecord, layout_digest, layout_key, ranks_prefix, record_key
+from kvlend.cluster.registry import Registry, etcd_security_from_env
 from kvlend.cluster.view import JOINED, LEFT, UPDATED, Change
 from kvlend.errors import ConfigError, RegistryError
 
@@ -38,6 +38,7 @@ TTL, TIMEOUT = 2, 1.0  # short lease and call deadline keep the file fast
 WAIT = 5.0  # the most any "it shows up" wait may take
 LAYOUT = make_layout(make_pools(8))
 LAYOUT_BYTES = LAYOUT.encode()
+LAYOUTS = {layout_digest(LAYOUT_BYTES): LAYOUT_BYTES}
 
 
 # ----------------------------------------------------------------- helpers
@@ -77,6 +78,11 @@ class Raw:
 
     def put(self, key: str, value: bytes) -> None:
         self.run(lambda c: c.put(key.encode(), value))
+
+    def put_record(self, prefix: str, record: RankRecord) -> None:
+        """A record as a rank writes it: its layout under ``layouts/<digest>``, then the record."""
+        self.put(layout_key(prefix, record.layout_digest), record.layout)
+        self.put(record_key(prefix, record.identity), record.encode())
 
     def get(self, key: str):
         return self.run(lambda c: c.get(key.encode()))
@@ -200,6 +206,11 @@ def registries():
     (["127.0.0.1:2379"], {"timeout": 0}, "timeout"),
     (["127.0.0.1:2379"], {"timeout": -1.0}, "timeout"),
     (["127.0.0.1:2379"], {"update_interval": -0.1}, "update_interval"),
+    (["127.0.0.1:2379"], {"username": "root"}, "username and password"),
+    (["127.0.0.1:2379"], {"password": "pw"}, "username and password"),
+    (["127.0.0.1:2379"], {"cert_file": "c.pem"}, "cert_file and key_file"),
+    (["127.0.0.1:2379"], {"cert_file": "c.pem", "key_file": "k.pem"}, "with ca_file"),
+    (["127.0.0.1:2379"], {"ca_file": "/nonexistent/ca.pem"}, "ca_file '/nonexistent/ca.pem'"),
 ])
 def test_bad_arguments_raise_registry_error(endpoints, kw, words):
     with pytest.raises(RegistryError, match=words):
@@ -378,7 +389,7 @@ def test_bad_updates_raise_and_a_failing_listener_hurts_no_one(etcd1, prefix, re
 # ----------------------------------------------------------------- liveness
 CHILD = r"""
 import sys, time
-from kvlend.cluster.registry import Registry
+from kvlend.cluster.registry import Registry, etcd_security_from_env
 from kvlend.cluster.records import RankRecord
 endpoints, prefix, ttl = sys.argv[1].split(","), sys.argv[2], int(sys.argv[3])
 reg = Registry(endpoints, prefix, ttl=ttl, timeout=1).start()
@@ -438,6 +449,7 @@ def test_records_written_while_the_watcher_starts_are_all_seen(etcd1, prefix, re
         failed: list[BaseException] = []
 
         async def write(client):
+            await client.put(layout_key(prefix, prefill("x").layout_digest).encode(), LAYOUT_BYTES)
             i = 0
             while not stop.is_set() and i < 400:
                 identity = f"r{round_}-{i:03d}"
@@ -489,29 +501,176 @@ def test_garbage_under_the_ranks_prefix_is_rejected(etcd1, prefix, registries):
     raw.put(ranks + "junk", b"not json")
     raw.put(ranks + "liar", prefill("someone-else").encode())  # the key and the record disagree
     raw.put(ranks + "old", b'{"version": 0}')
-    raw.put(record_key(prefix, "good"), good.encode())
+    other_layout = make_layout(make_pools(16, layers=2)).encode()
+    raw.put(ranks + "nolayout", RankRecord("nolayout", "prefill", "127.0.0.1", 5001, layout=other_layout).encode())
+    raw.put_record(prefix, good)
     watcher = registries(etcd1.endpoints, prefix)
     seen = Changes()
     watcher.add_listener(seen)
     watcher.start()
     assert watcher.ready(WAIT)
     assert watcher.ranks() == [good]
-    assert set(watcher.view.rejected) == {ranks + "junk", ranks + "liar", ranks + "old"}
+    assert set(watcher.view.rejected) == {ranks + k for k in ("junk", "liar", "old", "nolayout")}
     assert "not JSON" in watcher.view.rejected[ranks + "junk"]
     assert "someone-else" in watcher.view.rejected[ranks + "liar"]
-    # garbage arriving through the watch lands in rejected too, and a good record turned bad leaves
+    assert "not known" in watcher.view.rejected[ranks + "nolayout"]  # names a layout nobody stored
+    # garbage arriving through the watch lands in rejected too; over a live rank it changes nothing
     raw.put(ranks + "late", b"\xff\xfe")
     raw.put(record_key(prefix, "good"), b"{}")
     assert watcher.wait_for(lambda v: ranks + "late" in v.rejected and ranks + "good" in v.rejected, WAIT)
-    assert watcher.ranks() == [] and watcher.get("good") is None
-    assert seen.wait(lambda s: s.of("good", LEFT))
-    assert {c.record.identity for c in seen.all()} == {"good"}
-    assert set(watcher.status()["rejected"]) == {ranks + k for k in ("junk", "liar", "old", "late", "good")}
-    with pytest.raises(RegistryError, match="no live prefill"):
-        watcher.pick(LAYOUT)
-    # fixed again: back in the view, out of rejected
-    raw.put(record_key(prefix, "good"), good.encode())
-    assert watcher.wait_for(lambda v: v.get("good") == good and ranks + "good" not in v.rejected, WAIT)
+    assert watcher.ranks() == [good] and watcher.pick(LAYOUT) == good
+    assert [c.record.identity for c in seen.all()] == ["good"]  # joined once, never left
+    assert set(watcher.status()["rejected"]) == {ranks + k for k in ("junk", "liar", "old", "nolayout", "late",
+                                                                     "good")}
+    # a lying capacity is refused the same way, and a valid update is taken again
+    raw.put(record_key(prefix, "good"), prefill("good").encode().replace(b'"capacity":4', b'"capacity":1099511627776'))
+    assert watcher.wait_for(lambda v: "capacity" in v.rejected.get(ranks + "good", ""), WAIT)
+    assert watcher.get("good") == good
+    raw.put(record_key(prefix, "good"), prefill("good", load=3).encode())
+    assert watcher.wait_for(lambda v: v.get("good") == prefill("good", load=3) and ranks + "good" not in v.rejected,
+                            WAIT)
+    # a stored layout that does not hash to its name is refused, and the record naming it too
+    other = RankRecord("other", "prefill", "127.0.0.1", 5001, layout=other_layout)  # its layout, never stored so far
+    raw.put(layout_key(prefix, other.layout_digest), LAYOUT_BYTES)
+    raw.put(record_key(prefix, "other"), other.encode())
+    assert watcher.wait_for(lambda v: "not known" in v.rejected.get(ranks + "other", ""), WAIT)
+    assert watcher.get("other") is None
+    # a deleted key is a rank leaving
+    raw.run(lambda c: c.delete(record_key(prefix, "good").encode()))
+    assert seen.wait(lambda s: s.of("good", LEFT)) and watcher.get("good") is None
+
+
+def test_a_record_overwritten_by_someone_else_is_put_back(etcd1, prefix, registries):
+    pub = registries(etcd1.endpoints, prefix)
+    mine = prefill("p0", load=1)
+    pub.publish(mine)
+    pub.start()
+    watcher = registries(etcd1.endpoints, prefix).start()
+    assert watcher.wait_for(lambda v: v.get("p0") == mine, WAIT)
+    raw = Raw(etcd1.endpoints[0])
+    key = record_key(prefix, "p0")
+    for forged in (prefill("p0", port=6666, load=1).encode(), b"garbage"):  # a valid-looking forgery, then junk
+        raw.put(key, forged)
+        assert wait_until(lambda: (kv := raw.get(key)) is not None and kv.value == mine.encode(), WAIT), \
+            "the publisher did not put its record back"
+        assert raw.get(key).lease != 0 and raw.lease_alive(raw.get(key).lease)  # under its own lease again
+        assert watcher.wait_for(lambda v: v.get("p0") == mine and not v.rejected, WAIT)
+    pub.update(load=2)  # its own updates are not taken for someone else's
+    assert watcher.wait_for(lambda v: v.get("p0") == prefill("p0", load=2), WAIT)
+    assert not pub.degraded and pub.status()["published"]
+
+
+def test_a_dead_ranks_record_overwritten_with_garbage_leaves_after_a_ttl(etcd1, prefix, registries):
+    """The garbage took the key off the dead rank's lease: only the grace makes it leave."""
+    raw = Raw(etcd1.endpoints[0])
+    raw.put_record(prefix, prefill("ghost"))  # no publisher behind it: what a dead rank leaves
+    watcher = registries(etcd1.endpoints, prefix)
+    seen = Changes()
+    watcher.add_listener(seen)
+    watcher.start()
+    assert watcher.wait_for(lambda v: v.get("ghost") is not None, WAIT)
+    raw.put(record_key(prefix, "ghost"), b"garbage")
+    assert watcher.wait_for(lambda v: record_key(prefix, "ghost") in v.rejected, WAIT)
+    assert seen.wait(lambda s: s.of("ghost", LEFT), TTL + WAIT), "the ghost never left"
+    assert watcher.get("ghost") is None and record_key(prefix, "ghost") in watcher.status()["rejected"]
+
+
+def test_a_deep_models_record_is_small_and_its_layout_is_read_once(etcd1, prefix, registries):
+    deep = make_layout(make_pools(8, layers=126)).encode()  # a 405B-class depth: 126 layers
+    record = RankRecord("deep", "prefill", "127.0.0.1", 5000, layout=deep, capacity=4)
+    pub = registries(etcd1.endpoints, prefix)
+    pub.publish(record)
+    pub.start()
+    watcher = registries(etcd1.endpoints, prefix).start()
+    assert watcher.wait_for(lambda v: v.get("deep") == record, WAIT), watcher.status()
+    assert watcher.get("deep").page_layout.encode() == deep and pub.ready(WAIT) and not pub.degraded
+    raw = Raw(etcd1.endpoints[0])
+    stored = raw.get(record_key(prefix, "deep")).value
+    assert len(stored) < 512 and raw.get(layout_key(prefix, record.layout_digest)).value == deep
+    print(f"126-layer layout {len(deep)} bytes; its record {len(stored)} bytes")
+
+
+def test_a_fresh_registry_reads_240_ranks_in_pages(etcd1, prefix, registries):
+    """240 ranks, each with its own 32-layer layout (8B-class): over 4 MiB as whole records in one read."""
+    ranks = [RankRecord(f"r{i:03d}", "prefill", "127.0.0.1", 5000 + i, capacity=4,
+                        layout=make_layout(make_pools(2, layers=32)).encode()) for i in range(240)]
+
+    async def write(client):
+        for r in ranks:
+            await client.put(layout_key(prefix, r.layout_digest).encode(), r.layout)
+            await client.put(record_key(prefix, r.identity).encode(), r.encode())
+
+    Raw(etcd1.endpoints[0]).run(write, timeout=60)
+    assert sum(len(r.layout) for r in ranks) > 3 << 20
+    watcher = registries(etcd1.endpoints, prefix)
+    t0 = time.monotonic()
+    watcher.start()
+    assert watcher.ready(30), watcher.status()
+    took = time.monotonic() - t0
+    assert watcher.ranks() == ranks and not watcher.status()["rejected"]
+    print(f"a fresh registry read 240 ranks and their layouts in {took:.2f} s")
+
+
+# ----------------------------------------------------------------- etcd's own security
+def enable_auth(endpoint: str, prefix: str, user: str, password: str) -> None:
+    """etcd auth on: a root user, and ``user`` with read-write on ``prefix``/ only (what etcdctl does)."""
+    from aetcd.rpc import rpc_pb2 as pb
+
+    async def go(client):
+        auth = aetcd.rpc.AuthStub(client.channel)
+        start = f"{prefix}/".encode()
+        for request in (pb.AuthUserAddRequest(name="root", password="root-pw"),
+                        pb.AuthUserGrantRoleRequest(user="root", role="root"),
+                        pb.AuthRoleAddRequest(name="kvlend"),
+                        pb.AuthRoleGrantPermissionRequest(name="kvlend", perm=aetcd.rpc.Permission(
+                            permType=aetcd.rpc.Permission.READWRITE, key=start,
+                            range_end=aetcd.utils.prefix_range_end(start))),
+                        pb.AuthUserAddRequest(name=user, password=password),
+                        pb.AuthUserGrantRoleRequest(user=user, role="kvlend")):
+            method = {pb.AuthUserAddRequest: auth.UserAdd, pb.AuthUserGrantRoleRequest: auth.UserGrantRole,
+                      pb.AuthRoleAddRequest: auth.RoleAdd, pb.AuthRoleGrantPermissionRequest: auth.RoleGrantPermission}
+            await method[type(request)](request, timeout=2)
+        await auth.AuthEnable(pb.AuthEnableRequest(), timeout=2)
+
+    Raw(endpoint).run(go)
+
+
+def test_etcd_auth_user_and_password(registries):
+    with EtcdMembers(1) as etcd:
+        prefix = "/kvlend/auth"
+        enable_auth(etcd.endpoints[0], prefix, "kvlend", "s3cret")
+        pub = registries(etcd.endpoints, prefix, username="kvlend", password="s3cret")
+        pub.publish(prefill("p0"))
+        pub.start()
+        watcher = registries(etcd.endpoints, prefix, username="kvlend", password="s3cret").start()
+        assert watcher.wait_for(lambda v: v.get("p0") == prefill("p0"), WAIT), watcher.status()
+        assert pub.ready(WAIT) and not pub.degraded
+        # the probe, a read under the prefix, passes too: nothing degrades over a few probe periods
+        assert not watcher.wait_for(lambda v: v.degraded, 3 * TTL / 3 + TIMEOUT) and not pub.degraded
+        for kw in ({}, {"username": "kvlend", "password": "wrong"}):
+            outsider = registries(etcd.endpoints, prefix, **kw).start()
+            assert not outsider.ready(1.0) and outsider.degraded
+            assert outsider.status()["why"], outsider.status()
+        pub.close()
+        assert watcher.wait_for(lambda v: v.get("p0") is None, WAIT)  # its lease revoked under auth too
+
+
+def test_etcd_over_tls_with_a_client_certificate(registries):
+    with EtcdMembers(1, tls=True) as etcd:
+        prefix = "/kvlend/tls"
+        tls = etcd.client_tls
+        pub = registries(etcd.endpoints, prefix, **tls)
+        pub.publish(prefill("p0"))
+        pub.start()
+        env = {"KVLEND_ETCD_CA": tls["ca_file"], "KVLEND_ETCD_CERT": tls["cert_file"],
+               "KVLEND_ETCD_KEY": tls["key_file"], "KVLEND_ETCD_USER": ""}  # empty: unset
+        assert etcd_security_from_env(env) == tls
+        watcher = registries(etcd.endpoints, prefix, **etcd_security_from_env(env)).start()
+        assert watcher.wait_for(lambda v: v.get("p0") == prefill("p0"), WAIT), watcher.status()
+        assert pub.ready(WAIT) and not pub.degraded
+        for kw in ({}, {"ca_file": tls["ca_file"]}):  # plaintext, or TLS without a client certificate
+            outsider = registries(etcd.endpoints, prefix, **kw).start()
+            assert not outsider.ready(1.0) and outsider.degraded
 
 
 # ----------------------------------------------------------------- no etcd
@@ -568,7 +727,7 @@ def test_leader_killed_registries_recover_and_lose_nothing(etcd3, prefix, regist
     raw = Raw(etcd3.endpoints[_others(etcd3, lead)[0]])
     peers = [prefill(f"peer{i}") for i in range(5)]
     for record in peers:
-        raw.put(record_key(prefix, record.identity), record.encode())
+        raw.put_record(prefix, record)
     everyone = {"p0"} | {r.identity for r in peers}
     assert watcher.wait_for(lambda v: {r.identity for r in v.ranks()} == everyone, WAIT)
     assert watcher.status()["endpoint"] == order[0] and pub.status()["endpoint"] == order[0]
@@ -592,7 +751,8 @@ def test_leader_killed_registries_recover_and_lose_nothing(etcd3, prefix, regist
     etcd3.start(lead)
     etcd3.wait_healthy([lead], 10)
     back = Raw(etcd3.endpoints[lead])
-    assert wait_until(lambda: RankRecord.decode(back.get(record_key(prefix, "p0")).value).load == 7, WAIT) is not None
+    assert wait_until(lambda: RankRecord.decode(back.get(record_key(prefix, "p0")).value, LAYOUTS).load == 7,
+                      WAIT) is not None
 
 
 def test_quorum_lost_degrades_keeps_known_ranks_and_recovers(etcd3, prefix, registries):
@@ -609,7 +769,7 @@ def test_quorum_lost_degrades_keeps_known_ranks_and_recovers(etcd3, prefix, regi
     watcher.add_listener(seen)
     watcher.start()
     raw = Raw(etcd3.endpoints[0])
-    raw.put(record_key(prefix, "peer"), prefill("peer", port=5001).encode())
+    raw.put_record(prefix, prefill("peer", port=5001))
     everyone = {"p0", "gone-soon", "peer"}
     assert watcher.wait_for(lambda v: {r.identity for r in v.ranks()} == everyone, WAIT)
     lease_before = raw.get(record_key(prefix, "p0")).lease
@@ -665,7 +825,7 @@ def test_quorum_lost_degrades_keeps_known_ranks_and_recovers(etcd3, prefix, regi
     pub.update(load=60)  # outside the 2..51 written during the outage
     assert watcher.wait_for(lambda v: v.get("p0") is not None and v.get("p0").load == 60, WAIT), watcher.status()
     kv = raw.get(record_key(prefix, "p0"))
-    assert kv is not None and RankRecord.decode(kv.value).load == 60 and raw.lease_alive(kv.lease)
+    assert kv is not None and RankRecord.decode(kv.value, LAYOUTS).load == 60 and raw.lease_alive(kv.lease)
     print(f"healed {healed:.2f} s after the members were healthy; p0's lease "
           f"{'kept' if kv.lease == lease_before else 'granted again'}")
     # the bystander could not revoke, so its record outlives it by one TTL after the recovery

@@ -7,7 +7,10 @@ each by its PID on every exit path (``close`` is idempotent; it also runs
 from ``atexit``).  Fast raft timings (heartbeat 10 ms, election 100 ms) make
 a single member healthy in about 0.1 s and a leader failover take well
 under a second.  The binary is ``$KVLEND_ETCD`` or ``etcd`` on PATH
-(Debian's ``etcd-server``, which ``scripts/setup`` installs).
+(Debian's ``etcd-server``, which ``scripts/setup`` installs).  ``tls=True``
+serves clients over TLS with a throwaway CA made in the work directory and
+asks them for a certificate from it (``--client-cert-auth``): ``client_tls``
+names the files a client needs.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import os
 import shutil
 import signal
 import socket
+import ssl
 import subprocess
 import tempfile
 import time
@@ -53,7 +57,7 @@ def _free_ports(n: int) -> list[int]:
 class EtcdMembers:
     """``n`` etcd members of one fresh cluster on 127.0.0.1; ``endpoints`` are their client URLs' host:port."""
 
-    def __init__(self, n: int = 1, workdir: str | None = None, host: str = "127.0.0.1") -> None:
+    def __init__(self, n: int = 1, workdir: str | None = None, host: str = "127.0.0.1", tls: bool = False) -> None:
         if not 1 <= n <= 7:
             raise RegistryError(f"etcd members: expected 1..7, got {n}")
         self.binary = etcd_binary()
@@ -67,7 +71,11 @@ class EtcdMembers:
         self.procs: list[subprocess.Popen | None] = [None] * n
         self._started = [False] * n
         atexit.register(self.close)
+        self.client_tls: dict[str, str] | None = None  # ca_file, cert_file, key_file for a client
+        self._server_tls: list[str] = []
         try:
+            if tls:
+                self._make_tls()
             for i in range(n):
                 self.start(i)
             self.wait_healthy(range(n))
@@ -84,9 +92,10 @@ class EtcdMembers:
         if self.procs[i] is not None and self.procs[i].poll() is None:
             return
         name, client, peer = self.names[i], self.client_ports[i], self.peer_ports[i]
+        scheme = "https" if self.client_tls else "http"
         cmd = [self.binary, "--name", name, "--data-dir", os.path.join(self.workdir, name),
-               "--listen-client-urls", f"http://{self.host}:{client}",
-               "--advertise-client-urls", f"http://{self.host}:{client}",
+               "--listen-client-urls", f"{scheme}://{self.host}:{client}",
+               "--advertise-client-urls", f"{scheme}://{self.host}:{client}", *self._server_tls,
                "--listen-peer-urls", f"http://{self.host}:{peer}",
                "--initial-advertise-peer-urls", f"http://{self.host}:{peer}",
                "--initial-cluster", self.cluster,
@@ -111,10 +120,66 @@ class EtcdMembers:
         return proc is not None and proc.poll() is None
 
     def _get(self, i: int, path: str, body: dict | None = None, timeout: float = 1.0) -> dict:
-        url = f"http://{self.host}:{self.client_ports[i]}{path}"
+        context = None
+        if self.client_tls:
+            context = ssl.create_default_context(cafile=self.client_tls["ca_file"])
+            context.load_cert_chain(self.client_tls["cert_file"], self.client_tls["key_file"])
+        url = f"{'https' if context else 'http'}://{self.host}:{self.client_ports[i]}{path}"
         data = None if body is None else json.dumps(body).encode()
-        with urllib.request.urlopen(urllib.request.Request(url, data=data), timeout=timeout) as r:
+        with urllib.request.urlopen(urllib.request.Request(url, data=data), timeout=timeout, context=context) as r:
             return json.loads(r.read())
+
+    def _make_tls(self) -> None:
+        """A throwaway CA, a server certificate for ``host`` and a client one, as PEM files in the work dir."""
+        import datetime
+        import ipaddress
+
+        from cryptography import x509
+        from cryptography.hazmat.primitives import hashes, serialization
+        from cryptography.hazmat.primitives.asymmetric import ec
+        from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+
+        now = datetime.datetime.now(datetime.timezone.utc)
+
+        def make(name: str, issuer=None, san=None):
+            key = ec.generate_private_key(ec.SECP256R1())
+            subject = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name)])
+            builder = (x509.CertificateBuilder().subject_name(subject)
+                       .issuer_name(issuer[0].subject if issuer else subject).public_key(key.public_key())
+                       .serial_number(x509.random_serial_number()).not_valid_before(now - datetime.timedelta(hours=1))
+                       .not_valid_after(now + datetime.timedelta(days=7))
+                       .add_extension(x509.BasicConstraints(ca=issuer is None, path_length=None), critical=True))
+            if issuer:
+                builder = builder.add_extension(x509.ExtendedKeyUsage(
+                    [ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH]), critical=False)
+            if san:
+                builder = builder.add_extension(x509.SubjectAlternativeName(san), critical=False)
+            cert = builder.sign(issuer[1] if issuer else key, hashes.SHA256())
+            return cert, key
+
+        def write(name: str, data: bytes) -> str:
+            path = os.path.join(self.workdir, name)
+            with open(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "wb") as f:
+                f.write(data)
+            return path
+
+        def pem(cert, key, name: str) -> tuple[str, str]:
+            return (write(f"{name}.pem", cert.public_bytes(serialization.Encoding.PEM)),
+                    write(f"{name}.key", key.private_bytes(serialization.Encoding.PEM,
+                                                           serialization.PrivateFormat.PKCS8,
+                                                           serialization.NoEncryption())))
+
+        ca = make("kvlend etcd test CA")
+        try:
+            address = x509.IPAddress(ipaddress.ip_address(self.host))
+        except ValueError:
+            address = x509.DNSName(self.host)
+        server = pem(*make("etcd", ca, [address, x509.DNSName("localhost")]), "server")
+        client = pem(*make("kvlend", ca), "client")
+        ca_file = pem(*ca, "ca")[0]
+        self._server_tls = ["--cert-file", server[0], "--key-file", server[1], "--trusted-ca-file", ca_file,
+                            "--client-cert-auth"]
+        self.client_tls = {"ca_file": ca_file, "cert_file": client[0], "key_file": client[1]}
 
     def healthy(self, i: int) -> bool:
         try:

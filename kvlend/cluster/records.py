@@ -5,17 +5,21 @@ with ``etcdctl get``), at most ``MAX_RECORD_BYTES``, stored under
 ``<prefix>/ranks/<identity>``; the identity is the rank's certificate
 identity, so the channel's authentication (not the record) decides who a
 peer is, and a record only says where to find it and how loaded it is.
-The layout travels whole (``PageLayout.encode``, base64), so a router or a
-decode can run ``negotiate`` against it before opening any connection.
-Decoding another rank's record is strict: a bad one raises
-``RegistryError`` naming the field, and readers skip it.
+A record names its layout by digest (the SHA-256 of ``PageLayout.encode``);
+the layout itself lives once under ``<prefix>/layouts/<digest>``, written by
+the rank that publishes it and read by others on first use (and checked
+against its digest), so a record stays a few hundred bytes whatever the
+model's depth and a router or a decode can still run ``negotiate`` before
+opening any connection.  Decoding another rank's record is strict: a bad
+one raises ``RegistryError`` naming the field, and readers keep the last
+valid record instead.
 """
 
 from __future__ import annotations
 
-import base64
-import binascii
+import hashlib
 import json
+import re
 from dataclasses import dataclass, field
 from functools import cached_property, lru_cache
 from types import MappingProxyType
@@ -25,13 +29,16 @@ from ..core.layout import PageLayout
 from ..errors import ConfigError, KvlendError, RegistryError
 from ..core.names import check_identity
 
-RECORD_VERSION = 1
-MAX_RECORD_BYTES = 64 << 10
+RECORD_VERSION = 2  # 2: the layout by digest (version 1 carried it whole)
+MAX_RECORD_BYTES = 16 << 10  # a record is a few hundred bytes (its layout is a digest); meta takes the rest
+MAX_LAYOUT_BYTES = 1 << 20  # a layout key's value: under etcd's default request cap (1.5 MiB)
+MAX_CAPACITY = MAX_LOAD = 1 << 16  # leases or fetches at once: more is a broken or lying record
 ROLES = ("prefill", "decode", "router")
 _MAX_HOST = 255
 _FIELDS = ("version", "identity", "role", "host", "port", "layout", "tp_size", "tp_rank", "pp_size", "pp_rank",
            "capacity", "load", "meta")
 _MAX_META, _MAX_META_TEXT = 16, 256
+_DIGEST = re.compile(r"[0-9a-f]{64}")
 
 
 @lru_cache(maxsize=256)
@@ -43,11 +50,25 @@ def _layout(data: bytes) -> PageLayout:
         raise RegistryError(f"record.layout: {exc}") from None
 
 
-def ranks_prefix(prefix: str) -> str:
-    """The key prefix every rank record lives under (``prefix`` is the cluster's, e.g. ``/kvlend/prod``)."""
+def layout_digest(data: bytes) -> str:
+    """The name a layout's encoding goes by in records and in its ``layouts/`` key."""
+    return hashlib.sha256(data).hexdigest()
+
+
+def _check_prefix(prefix: str) -> str:
     if not isinstance(prefix, str) or not prefix.startswith("/") or prefix.endswith("/") or len(prefix) > 200:
         raise ConfigError(f"registry prefix {prefix!r}: expected a path like '/kvlend/prod' (no trailing '/')")
-    return prefix + "/ranks/"
+    return prefix
+
+
+def ranks_prefix(prefix: str) -> str:
+    """The key prefix every rank record lives under (``prefix`` is the cluster's, e.g. ``/kvlend/prod``)."""
+    return _check_prefix(prefix) + "/ranks/"
+
+
+def layout_key(prefix: str, digest: str) -> str:
+    """Where the layout named ``digest`` is stored (written once, by any rank that has it)."""
+    return _check_prefix(prefix) + "/layouts/" + digest
 
 
 def record_key(prefix: str, identity: str) -> str:
@@ -88,16 +109,16 @@ class RankRecord:
         if not isinstance(self.host, str) or not 0 < len(self.host) <= _MAX_HOST:
             raise RegistryError(f"record.host: expected a str of 1..{_MAX_HOST} characters, got {self.host!r}")
         for name, low, high in (("port", 0, 65535), ("tp_size", 1, 1 << 16), ("pp_size", 1, 1 << 16),
-                                ("tp_rank", 0, 1 << 16), ("pp_rank", 0, 1 << 16), ("capacity", 1, 1 << 40),
-                                ("load", 0, 1 << 40)):
+                                ("tp_rank", 0, 1 << 16), ("pp_rank", 0, 1 << 16), ("capacity", 1, MAX_CAPACITY),
+                                ("load", 0, MAX_LOAD)):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
                 raise RegistryError(f"record.{name}: expected an int in [{low}, {high}], got {value!r}")
         if self.tp_rank >= self.tp_size or self.pp_rank >= self.pp_size:
             raise RegistryError(f"record: tp_rank {self.tp_rank}/{self.tp_size} or pp_rank "
                                 f"{self.pp_rank}/{self.pp_size} is out of range")
-        if not isinstance(self.layout, bytes):
-            raise RegistryError(f"record.layout: expected bytes, got {type(self.layout).__name__}")
+        if not isinstance(self.layout, bytes) or len(self.layout) > MAX_LAYOUT_BYTES:
+            raise RegistryError(f"record.layout: expected bytes, at most {MAX_LAYOUT_BYTES}")
         if (self.role == "router") != (not self.layout):
             raise RegistryError(f"record.layout: a {self.role} rank {'has no' if self.role == 'router' else 'needs a'} "
                                 "layout")
@@ -120,6 +141,10 @@ class RankRecord:
     def page_layout(self) -> PageLayout | None:
         return _layout(self.layout) if self.layout else None
 
+    @cached_property
+    def layout_digest(self) -> str:
+        return layout_digest(self.layout) if self.layout else ""
+
     @property
     def layout_id(self) -> str:
         return self.page_layout.layout_id if self.layout else ""
@@ -134,7 +159,7 @@ class RankRecord:
 
     def encode(self) -> bytes:
         body = {name: getattr(self, name) for name in _FIELDS if name != "version"}
-        body["layout"] = base64.b64encode(self.layout).decode("ascii")
+        body["layout"] = self.layout_digest
         body["meta"] = dict(self.meta)
         data = json.dumps({"version": RECORD_VERSION, **body}, sort_keys=True, separators=(",", ":")).encode()
         if len(data) > MAX_RECORD_BYTES:
@@ -142,23 +167,38 @@ class RankRecord:
         return data
 
     @classmethod
-    def decode(cls, data: bytes) -> RankRecord:
-        if not isinstance(data, (bytes, bytearray)) or not 0 < len(data) <= MAX_RECORD_BYTES:
-            raise RegistryError(f"record: expected 1..{MAX_RECORD_BYTES} bytes")
-        try:
-            obj = json.loads(bytes(data))
-        except (ValueError, UnicodeDecodeError, RecursionError):  # a hostile record may nest deep
-            raise RegistryError("record: not JSON") from None
-        if not isinstance(obj, dict) or type(obj.get("version")) is not int or obj["version"] != RECORD_VERSION:
-            raise RegistryError(f"record: expected a JSON object of version {RECORD_VERSION}")
+    def decode(cls, data: bytes, layouts: Mapping[str, bytes] = MappingProxyType({})) -> RankRecord:
+        """The record ``data`` encodes; ``layouts`` maps digests to the layouts already fetched."""
+        obj = _object(data)
         missing = [f for f in _FIELDS if f not in obj]
         if missing:
             raise RegistryError(f"record: missing fields {missing}")
-        layout = obj["layout"]
-        if not isinstance(layout, str):
-            raise RegistryError("record.layout: expected base64 text")
-        try:
-            raw = base64.b64decode(layout, validate=True)
-        except (binascii.Error, ValueError):
-            raise RegistryError("record.layout: not base64") from None
-        return cls(**{f: obj[f] for f in _FIELDS if f not in ("version", "layout")}, layout=raw)
+        digest = obj["layout"]
+        if not isinstance(digest, str):
+            raise RegistryError("record.layout: expected a layout digest")
+        layout = layouts.get(digest) if digest else b""
+        if layout is None:
+            raise RegistryError(f"record.layout: layout {digest[:64]!r} is not known (not stored, or not fetched)")
+        return cls(**{f: obj[f] for f in _FIELDS if f not in ("version", "layout")}, layout=layout)
+
+
+def wanted_layout(data: bytes) -> str | None:
+    """The layout digest a record's value names (for the reader to fetch first), or None."""
+    try:
+        digest = _object(data).get("layout")
+    except RegistryError:
+        return None
+    return digest if isinstance(digest, str) and _DIGEST.fullmatch(digest) else None
+
+
+def _object(data: bytes) -> dict:
+    """A record's JSON object, of the current version."""
+    if not isinstance(data, (bytes, bytearray)) or not 0 < len(data) <= MAX_RECORD_BYTES:
+        raise RegistryError(f"record: expected 1..{MAX_RECORD_BYTES} bytes")
+    try:
+        obj = json.loads(bytes(data))
+    except (ValueError, UnicodeDecodeError, RecursionError):  # a hostile record may nest deep
+        raise RegistryError("record: not JSON") from None
+    if not isinstance(obj, dict) or type(obj.get("version")) is not int or obj["version"] != RECORD_VERSION:
+        raise RegistryError(f"record: expected a JSON object of version {RECORD_VERSION}")
+    return obj

@@ -10,11 +10,22 @@ import with current protobuf or cannot attach a lease to a put).  Each pass:
    seconds: granted once, refreshed every ``ttl / 3``, granted again only
    if it expired while etcd was out of reach; revoked on ``close``, so a
    clean shutdown leaves at once and a dead rank one TTL later;
-3. read the prefix (a snapshot at a revision), then watch from the next
-   revision, so no change is missed between the two;
+3. read the prefix (a snapshot at a revision, in pages of ``PAGE`` keys
+   read at that one revision, so no reply nears gRPC's message cap however
+   many ranks there are), then watch from the next revision, so no change is
+   missed between the two; a record's layout is fetched from its
+   ``layouts/<digest>`` key the first time a digest is seen, checked
+   against the digest, and kept;
 4. probe etcd every ``ttl / 3`` (the lease refresh, or a linearizable read
    for a rank that only watches), because a member that lost its quorum
    keeps a watch open and silent.
+
+A write by anyone else over this rank's own key (garbage, a forged
+endpoint) is answered by putting the record back at once.  Records that do
+not decode change nothing (the view keeps the last valid one, for at most
+one ``ttl``: after that the rank counts as gone, since a live publisher
+would have put its own back) and are
+logged once per key per ``REJECT_LOG_EVERY`` seconds.
 
 Any failure or deadline marks the view degraded and starts the next pass
 after a short backoff; the ranks known stay known (an unreachable registry
@@ -27,6 +38,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import logging
 import threading
 import time
@@ -34,7 +46,7 @@ from typing import Callable, Iterable, Mapping, Sequence
 
 from ..core.layout import PageLayout
 from ..errors import RegistryError
-from .records import RankRecord, record_key
+from .records import RankRecord, layout_key, record_key, wanted_layout
 from .view import Change, ClusterView
 
 log = logging.getLogger(__name__)
@@ -42,6 +54,16 @@ log = logging.getLogger(__name__)
 Listener = Callable[[list[Change]], None]
 MIN_TTL = 1.0  # etcd refuses shorter leases with the fast raft timings used here (2 s with its defaults)
 _BACKOFF = (0.05, 1.0)
+PAGE = 16  # keys per prefix read: 16 values at etcd's 1.5 MiB request cap stay under the receive cap below
+_MAX_RECEIVE = 32 << 20  # gRPC's default is 4 MiB
+_MINE_KEPT = 8  # the last values put for this rank: their watch events are not someone else's writes
+REJECT_LOG_EVERY = 60.0
+_PUT_BACK_GAP = 0.1  # two processes publishing one identity trade at most ~10 puts a second
+ETCD_USER_ENV = "KVLEND_ETCD_USER"
+ETCD_PASSWORD_ENV = "KVLEND_ETCD_PASSWORD"
+ETCD_CA_ENV = "KVLEND_ETCD_CA"
+ETCD_CERT_ENV = "KVLEND_ETCD_CERT"
+ETCD_KEY_ENV = "KVLEND_ETCD_KEY"
 
 
 def _endpoint(text: str) -> tuple[str, int]:
@@ -57,13 +79,18 @@ class Registry:
     ``endpoints``: etcd client endpoints as ``host:port``.  ``ttl``: seconds
     a record outlives its rank (etcd leases count whole seconds).  ``timeout``: the deadline of each etcd call.
     ``update_interval``: the least time between two puts of a changing
-    record (load changes are coalesced).  Listeners get each batch of
+    record (load changes are coalesced).  etcd's own security: ``username`` and ``password``
+    (etcd's auth: both or neither), ``ca_file`` (PEM: TLS to etcd, its server certificate checked
+    against it), ``cert_file`` and ``key_file`` (PEM: a client certificate, for etcd's
+    ``--client-cert-auth``; TLS only).  Listeners get each batch of
     ``Change`` on the registry thread; they must be quick and must not call
     back into a blocking wait.
     """
 
     def __init__(self, endpoints: Sequence[str], prefix: str = "/kvlend/default", *, ttl: float = 5.0,
-                 timeout: float = 2.0, update_interval: float = 0.25) -> None:
+                 timeout: float = 2.0, update_interval: float = 0.25, username: str | None = None,
+                 password: str | None = None, ca_file: str | None = None, cert_file: str | None = None,
+                 key_file: str | None = None) -> None:
         if isinstance(endpoints, str) or not endpoints:
             raise RegistryError(f"endpoints: expected a non-empty list of host:port, got {endpoints!r}")
         self.endpoints = [_endpoint(e) for e in endpoints]
@@ -71,6 +98,12 @@ class Registry:
                                  ("update_interval", update_interval, 0.0)):
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not low <= value < 3600:
                 raise RegistryError(f"{name}: expected seconds in [{low}, 3600), got {value!r}")
+        if (username is None) != (password is None):
+            raise RegistryError("etcd username and password: give both or neither")
+        if (cert_file is None) != (key_file is None) or (cert_file is not None and ca_file is None):
+            raise RegistryError("etcd cert_file and key_file: give both, with ca_file (a client certificate is TLS)")
+        self._auth = (username, password)
+        self._tls = _read_pem(ca_file, cert_file, key_file) if ca_file is not None else None
         self.prefix = prefix
         self.view = ClusterView(prefix)  # read under ``self._cond``; use the query methods
         self.ttl, self.timeout, self.update_interval = float(ttl), float(timeout), float(update_interval)
@@ -79,6 +112,11 @@ class Registry:
         self._record: RankRecord | None = None
         self._lease: int | None = None
         self._published: RankRecord | None = None  # what etcd holds for us, as far as we know
+        self._mine: list[bytes] = []  # the values last put for this rank (see ``_foreign``)
+        self._layout_stored = ""  # the digest whose ``layouts/`` key this connection has written
+        self._reject_logged: dict[str, float] = {}  # key -> when its refusal was last logged
+        self._put_back = False  # the next put answers someone else's write over our record
+        self._last_put_back = -_PUT_BACK_GAP
         self._withdrawn = False  # ``withdraw`` asked for the lease to go
         self._retired = False  # withdrawn and not published again: ``update`` does nothing
         self._ready = False
@@ -255,24 +293,38 @@ class Registry:
             name = getattr(coro, "__qualname__", "call")
             raise RegistryError(f"{name} did not answer within {self.timeout:g} s") from None
 
+    def _client(self, aetcd, host: str, port: int, connect_wait: float):
+        options = {"grpc.max_receive_message_length": _MAX_RECEIVE}
+        username, password = self._auth
+        kind = aetcd.Client if self._tls is None else _tls_client(aetcd)
+        client = kind(host, port, username=username, password=password, timeout=max(1, round(self.timeout)),
+                      options=options, connect_wait_timeout=max(1, round(connect_wait)))
+        client.kvlend_tls = self._tls
+        return client
+
     async def _pass(self, aetcd, host: str, port: int) -> None:
-        client = aetcd.Client(host, port, timeout=max(1, round(self.timeout)), connect_wait_timeout=max(1, round(self.timeout)))
+        client = self._client(aetcd, host, port, self.timeout)
+        self._layout_stored = ""
         try:
             await self._call(client.connect())
             self._endpoint = f"{host}:{port}"
             await self._keep_record(client)
             prefix = self.view.prefix.encode()
-            snap = await self._call(client.get_prefix(prefix))
+            revision, items = await self._read_prefix(aetcd, client, prefix)
+            await self._fetch_layouts(client, [value for _, value in items])
             with self._cond:
-                changes = self.view.reset(snap.header.revision, [(kv.key, kv.value) for kv in snap.kvs])
+                changes = self.view.reset(revision, items, time.monotonic())
+                rejected = dict(self.view.rejected)
                 was = self.view.degraded_since
                 self.view.mark_healthy()
                 self._ready = True
             if was is not None:
                 log.warning("cluster registry recovered at %s after %.1f s", self._endpoint, time.monotonic() - was)
+            for key, why in rejected.items():
+                self._log_rejected(key, why)
             self._notify(changes)
-            watch = await self._call(client.watch_prefix(prefix, start_revision=snap.header.revision + 1))
-            watcher = asyncio.ensure_future(self._watch(watch, aetcd.rtypes.EventKind.DELETE))
+            watch = await self._call(client.watch_prefix(prefix, start_revision=revision + 1))
+            watcher = asyncio.ensure_future(self._watch(client, watch, aetcd.rtypes.EventKind.DELETE))
             try:
                 await self._keep(client, watcher)
             finally:
@@ -288,10 +340,42 @@ class Registry:
             except Exception:
                 pass
 
-    async def _watch(self, watch, delete) -> None:
+    async def _read_prefix(self, aetcd, client, prefix: bytes) -> tuple[int, list[tuple[bytes, bytes]]]:
+        """Every key under ``prefix`` at one revision, ``PAGE`` keys a read (etcd ranges with a limit,
+        each page from the key after the last one)."""
+        end = aetcd.utils.prefix_range_end(prefix)
+        start, revision, items = prefix, 0, []
+        while True:
+            request = aetcd.rpc.RangeRequest(key=start, range_end=end, limit=PAGE, revision=revision)
+            reply = await self._call(client.kvstub.Range(request, timeout=self.timeout, metadata=client.metadata))
+            revision = revision or reply.header.revision  # later pages read the first page's revision
+            items.extend((kv.key, kv.value) for kv in reply.kvs)
+            if not reply.more or not reply.kvs:
+                return revision, items
+            start = reply.kvs[-1].key + b"\0"
+
+    async def _fetch_layouts(self, client, values: Iterable[bytes]) -> None:
+        """Fetch the layouts these record values name that the view does not know yet.
+
+        One missing or wrong is left out (the record naming it is then refused, and listed as such)."""
+        with self._cond:
+            wanted = {d for d in map(wanted_layout, values) if d is not None and d not in self.view.layouts}
+        for digest in sorted(wanted):
+            got = await self._call(client.get(layout_key(self.prefix, digest).encode()))
+            if got is None:
+                continue
+            try:
+                with self._cond:
+                    self.view.learn_layout(digest, got.value, keep=wanted)
+            except RegistryError as exc:
+                self._log_rejected(layout_key(self.prefix, digest), str(exc))
+
+    async def _watch(self, client, watch, delete) -> None:
         try:
             async for event in watch:
                 kv = event.kv
+                if event.kind != delete:
+                    await self._fetch_layouts(client, [kv.value])
                 with self._cond:
                     if event.kind == delete:
                         changes = self.view.delete(kv.mod_revision, kv.key)
@@ -300,9 +384,19 @@ class Registry:
                         if mine:  # deleted by hand while we live: put it back (``_keep`` wakes now)
                             self._published = None
                     else:
-                        changes = self.view.put(kv.mod_revision, kv.key, kv.value)
+                        changes = self.view.put(kv.mod_revision, kv.key, kv.value, time.monotonic())
+                        mine = self._foreign(kv)
+                        if mine:  # someone else wrote over our record: put ours back
+                            self._published, self._put_back, self._layout_stored = None, True, ""
+                        why = self.view.rejected.get(kv.key.decode("utf-8", "replace"))
+                if event.kind != delete and why is not None:
+                    self._log_rejected(kv.key.decode("utf-8", "replace"), why)
+                if mine and event.kind != delete:
+                    self._warn_every(f"own:{kv.key!r}", "cluster registry: another writer replaced this rank's "
+                                     "record at revision %d; putting it back (two ranks with one identity trade "
+                                     "puts like this)", kv.mod_revision)
                 self._notify(changes)
-                if event.kind == delete:
+                if mine:
                     self._wake.set()
             raise RegistryError("the watch stream ended")
         finally:
@@ -317,16 +411,39 @@ class Registry:
                 watcher.result()  # raises why the watch ended
                 raise RegistryError("the watch ended")
             put = await self._keep_record(client)
+            with self._cond:  # a rank whose key holds a refused value for a TTL: its publisher is not there
+                gone = self.view.expire_refused(time.monotonic(), self.ttl)
+            if gone:
+                self._notify(gone)
             if time.monotonic() >= next_probe:
                 if self._lease is not None:
                     await self._refresh(client)
                 else:
-                    await self._call(client.get(b"/kvlend-probe"))  # linearizable: needs a quorum
+                    await self._call(client.get(f"{self.prefix}/probe".encode()))  # linearizable: needs a quorum
                 next_probe = time.monotonic() + probe_every
             if put and self.update_interval:
                 await asyncio.sleep(self.update_interval)  # coalesce a burst of updates into one put
             else:
                 await self._nap(next_probe - time.monotonic())
+
+    def _foreign(self, kv) -> bool:
+        """Whether a put event on ``kv`` is someone else's write over this rank's own key (under ``_cond``)."""
+        if self._record is None or kv.key != record_key(self.prefix, self._record.identity).encode():
+            return False
+        return kv.lease != self._lease or kv.value not in self._mine
+
+    def _log_rejected(self, key: str, why: str) -> None:
+        self._warn_every(key, "cluster registry: ignoring %r (the last valid record stays): %s", key[:300], why)
+
+    def _warn_every(self, key: str, message: str, *args) -> None:
+        """A warning about ``key``, at most once per ``REJECT_LOG_EVERY`` s (a hostile writer sets the pace)."""
+        now = time.monotonic()
+        if now - self._reject_logged.get(key, -REJECT_LOG_EVERY) < REJECT_LOG_EVERY:
+            return
+        if len(self._reject_logged) >= 1024:
+            self._reject_logged.clear()
+        self._reject_logged[key] = now
+        log.warning(message, *args)
 
     async def _keep_record(self, client) -> bool:
         """Put the record if etcd may not hold the current one (first time, changed, reconnected);
@@ -347,11 +464,29 @@ class Registry:
             self._lease = (await self._call(client.lease(int(round(self.ttl))))).id
         elif self._published is None:  # reconnected: the lease may have run out meanwhile
             await self._refresh(client)
-        await self._call(client.put(record_key(self.prefix, record.identity).encode(), record.encode(),
-                                    lease=self._lease))
-        with self._cond:
+        if self._put_back:  # answering someone else's write: at most one put-back per ``_PUT_BACK_GAP``
+            self._put_back = False
+            await asyncio.sleep(max(0.0, self._last_put_back + _PUT_BACK_GAP - time.monotonic()))
+            self._last_put_back = time.monotonic()
+        if record.layout and self._layout_stored != record.layout_digest:
+            await self._store_layout(client, record)
+        value = record.encode()
+        with self._cond:  # before the put: a foreign write seen meanwhile clears it again (a failed put degrades)
+            self._mine = [*self._mine[-(_MINE_KEPT - 1):], value]
             self._published = record
+        await self._call(client.put(record_key(self.prefix, record.identity).encode(), value, lease=self._lease))
         return True
+
+    async def _store_layout(self, client, record: RankRecord) -> None:
+        """Make sure ``layouts/<digest>`` holds this rank's layout (once per connection and digest).
+
+        Written without a lease: it is content-addressed, so every rank with the same layout writes
+        the same bytes, and a layout outliving its ranks costs one key per distinct layout."""
+        key = layout_key(self.prefix, record.layout_digest).encode()
+        stored = await self._call(client.get(key))
+        if stored is None or stored.value != record.layout:
+            await self._call(client.put(key, record.layout))
+        self._layout_stored = record.layout_digest
 
     async def _refresh(self, client) -> None:
         reply = await self._call(client.refresh_lease(self._lease))
@@ -365,7 +500,7 @@ class Registry:
         if self._lease is None:
             return
         for host, port in self.endpoints:
-            client = aetcd.Client(host, port, timeout=max(1, round(self.timeout)), connect_wait_timeout=1)
+            client = self._client(aetcd, host, port, 1)
             try:
                 await self._call(client.connect())
                 await self._call(client.revoke_lease(self._lease))
@@ -409,3 +544,60 @@ class Registry:
                 listener(changes)
             except Exception:
                 log.exception("registry listener failed")
+
+
+def etcd_security_from_env(environ: Mapping[str, str] | None = None) -> dict[str, str]:
+    """``Registry`` keyword arguments for etcd's own auth and TLS from the ``KVLEND_ETCD_*`` variables
+    (unset or empty ones left out, so ``Registry`` refuses half a pair)."""
+    import os
+
+    env = os.environ if environ is None else environ
+    found = {"username": env.get(ETCD_USER_ENV), "password": env.get(ETCD_PASSWORD_ENV),
+             "ca_file": env.get(ETCD_CA_ENV), "cert_file": env.get(ETCD_CERT_ENV), "key_file": env.get(ETCD_KEY_ENV)}
+    return {name: value for name, value in found.items() if value}
+
+
+def _read_pem(ca_file: str, cert_file: str | None, key_file: str | None) -> tuple[bytes, bytes | None, bytes | None]:
+    """The PEM bytes of etcd's CA and our client pair, read once (``RegistryError`` naming a missing one)."""
+    out = []
+    for name, path in (("ca_file", ca_file), ("cert_file", cert_file), ("key_file", key_file)):
+        try:
+            out.append(None if path is None else open(path, "rb").read())
+        except OSError as exc:
+            raise RegistryError(f"etcd {name} {path!r}: {exc.strerror or exc}") from None
+    return out[0], out[1], out[2]
+
+
+@functools.lru_cache(maxsize=1)
+def _tls_client(aetcd):
+    """``aetcd.Client`` over TLS: aetcd itself only opens plaintext channels, so ``connect`` is its own,
+    the same steps over ``grpc.aio.secure_channel``."""
+    import grpc
+
+    class TlsClient(aetcd.Client):
+        kvlend_tls: tuple[bytes, bytes | None, bytes | None]
+
+        async def connect(self) -> None:
+            if self._connected.is_set():
+                return
+            ca, cert, key = self.kvlend_tls
+            credentials = grpc.ssl_channel_credentials(root_certificates=ca, private_key=key, certificate_chain=cert)
+            self.channel = aetcd.rpc.secure_channel(f"{self._host}:{self._port}", credentials,
+                                                    options=self._options.items())
+            try:
+                if self._username is not None:
+                    self.auth_stub = aetcd.rpc.AuthStub(self.channel)
+                    request = aetcd.rpc.AuthenticateRequest(name=self._username, password=self._password)
+                    reply = await self.auth_stub.Authenticate(request, timeout=self._timeout)
+                    self.metadata = (("token", reply.token),)
+            except aetcd.rpc.AioRpcError as exc:
+                aetcd.exceptions._handle_exception(exc)
+            self.kvstub = aetcd.rpc.KVStub(self.channel)
+            self.clusterstub = aetcd.rpc.ClusterStub(self.channel)
+            self.leasestub = aetcd.rpc.LeaseStub(self.channel)
+            self.maintenancestub = aetcd.rpc.MaintenanceStub(self.channel)
+            self._watcher = aetcd.watcher.Watcher(aetcd.rpc.WatchStub(self.channel), timeout=self._timeout,
+                                                  metadata=self.metadata)
+            self._connected.set()
+
+    return TlsClient

@@ -8,8 +8,18 @@ links to ranks that left.  Events below the revision already applied are
 ignored, and one at it is applied again (etcd gives every key one
 transaction touches the same revision; a key changes once per revision,
 so applying its event twice changes nothing), so a watch restarted from
-``revision + 1`` after a snapshot misses nothing and counts nothing twice; a record that does not decode is
-kept out (and listed in ``rejected``) rather than trusted or fatal.
+``revision + 1`` after a snapshot misses nothing and counts nothing twice.
+
+A record that does not decode (garbage, a lying capacity, a layout nobody
+stored) is listed in ``rejected`` and changes nothing: a rank known before
+keeps its last valid record, so a bad write over a live rank's key cannot
+tear down its links (its publisher notices and puts its record back).  A
+delete, which etcd does when the rank's lease ends, makes a rank leave, and
+so does a record refused for longer than a grace (``expire_refused``): the
+bad write took the key off the rank's lease, and a live publisher would
+have put its own back long before.
+Layouts are known by digest (``learn_layout``, fed by the shell, which
+fetches them from etcd and which this checks against their digest).
 
 Health: the shell reports when etcd stops answering (``degraded``) and when
 it answers again; the ranks known meanwhile stay known, since a registry
@@ -25,9 +35,10 @@ from typing import Iterable, Mapping
 from ..core.layout import PageLayout
 from ..core.negotiate import negotiate
 from ..errors import KvlendError, RegistryError
-from .records import RankRecord, ranks_prefix
+from .records import MAX_LAYOUT_BYTES, RankRecord, layout_digest, ranks_prefix
 
 JOINED, LEFT, UPDATED = "joined", "left", "updated"
+_MAX_LAYOUTS = 256  # layouts remembered beyond those live ranks use (each rank's differs: its addresses)
 
 
 @dataclass(frozen=True)
@@ -48,17 +59,40 @@ class ClusterView:
         self.degraded_why = ""
         self._compatible: dict[tuple[bytes, bytes], bool] = {}  # (local, remote layout encoded) -> negotiates
         self._mine: tuple[PageLayout, bytes] | None = None  # the last local layout asked about, encoded
+        self.layouts: dict[str, bytes] = {}  # digest -> layout encoding, checked
+        self._refused: dict[str, float] = {}  # identity -> since when its key holds a refused value
+
+    def learn_layout(self, digest: str, data: bytes, keep: Iterable[str] = ()) -> None:
+        """Remember the layout named ``digest``: ``RegistryError`` unless ``data`` is what it names.
+
+        Past ``_MAX_LAYOUTS`` remembered, the ones no live rank uses are forgotten first, except
+        ``keep`` (the others the caller fetched for the same records); the shell fetches any again."""
+        if not isinstance(data, (bytes, bytearray)) or not 0 < len(data) <= MAX_LAYOUT_BYTES:
+            raise RegistryError(f"layout {digest[:16]}: expected 1..{MAX_LAYOUT_BYTES} bytes")
+        if layout_digest(bytes(data)) != digest:
+            raise RegistryError(f"layout {digest[:16]}: the stored bytes do not hash to their digest")
+        if len(self.layouts) >= _MAX_LAYOUTS:
+            used = {r.layout_digest for r in self._ranks.values()} | set(keep)
+            self.layouts = {d: v for d, v in self.layouts.items() if d in used}
+        self.layouts[digest] = bytes(data)
 
     # ------------------------------------------------------------- feeding
-    def reset(self, revision: int, items: Iterable[tuple[bytes, bytes]]) -> list[Change]:
+    def reset(self, revision: int, items: Iterable[tuple[bytes, bytes]], now: float = 0.0) -> list[Change]:
         """Replace everything with a snapshot taken at ``revision``; the changes against what was known."""
         revision = _revision(revision)
         fresh: dict[str, RankRecord] = {}
+        refused: dict[str, float] = {}
         self.rejected = {}
         for key, value in items:
             record = self._decode(key, value)
+            if record is None:  # unreadable now: the last valid record, if any, still holds
+                identity = self._identity(key)
+                record = self._ranks.get(identity) if identity else None
+                if record is not None:
+                    refused[identity] = self._refused.get(identity, now)
             if record is not None:
                 fresh[record.identity] = record
+        self._refused = refused
         old, self._ranks = self._ranks, fresh
         self.revision = revision  # the watch resumes after it, even from a member that lags
         changes = [Change(LEFT, r) for i, r in old.items() if i not in fresh]
@@ -70,19 +104,19 @@ class ClusterView:
                 changes.append(Change(UPDATED, record))
         return changes
 
-    def put(self, revision: int, key: bytes, value: bytes) -> list[Change]:
-        """A watch event: ``key`` was written at ``revision``."""
+    def put(self, revision: int, key: bytes, value: bytes, now: float = 0.0) -> list[Change]:
+        """A watch event: ``key`` was written at ``revision`` (seen at ``now``)."""
         if _revision(revision) < self.revision:
             return []
         self.revision = revision
         identity = self._identity(key)
         record = self._decode(key, value)
         before = self._ranks.get(identity) if identity else None
-        if record is None:  # unreadable now: whatever it said before no longer holds
+        if record is None:  # refused (listed in ``rejected``): the last valid record still holds
             if before is not None:
-                del self._ranks[identity]
-                return [Change(LEFT, before)]
+                self._refused.setdefault(identity, now)
             return []
+        self._refused.pop(record.identity, None)
         self._ranks[record.identity] = record
         if before is None:
             return [Change(JOINED, record)]
@@ -96,7 +130,17 @@ class ClusterView:
         self.rejected.pop(_shown(key), None)
         identity = self._identity(key)
         gone = self._ranks.pop(identity, None) if identity else None
+        self._refused.pop(identity, None)
         return [Change(LEFT, gone)] if gone is not None else []
+
+    def expire_refused(self, now: float, grace: float) -> list[Change]:
+        """Ranks whose key has held a refused value for ``grace`` seconds leave (their key stays rejected)."""
+        changes = []
+        for identity, since in list(self._refused.items()):
+            if now - since >= grace:
+                del self._refused[identity]
+                changes.append(Change(LEFT, self._ranks.pop(identity)))
+        return changes
 
     def mark_degraded(self, now: float, why: str) -> None:
         if self.degraded_since is None:
@@ -169,7 +213,7 @@ class ClusterView:
         try:
             if identity is None:
                 raise RegistryError(f"key is not under {self.prefix!r}")
-            record = RankRecord.decode(value)
+            record = RankRecord.decode(value, self.layouts)
             if record.identity != identity:
                 raise RegistryError(f"record names {record.identity!r}, its key {identity!r}")
         except RegistryError as exc:

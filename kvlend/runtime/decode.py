@@ -15,8 +15,11 @@ dials out; ``load`` = fetches in flight) and trusts the registry, while it is
 healthy, on which prefills exist: a ticket naming a prefill the registry
 does not list fails at once without dialling, and the links to a prefill
 whose record leaves are closed (their fetches fail ``PeerLost``, once
-quiet).  While the registry is degraded, tickets are redeemed at the
-endpoint they name (an etcd outage says nothing about the prefills).
+quiet).  A record that moves its endpoint breaks nothing live: a ticket
+rides the open link that authenticated as its prefill, wherever either
+says it is, and only a new connection dials the record's endpoint.  While
+the registry is degraded, tickets are redeemed at the endpoint they name
+(an etcd outage says nothing about the prefills).
 """
 
 from __future__ import annotations
@@ -24,14 +27,14 @@ from __future__ import annotations
 import socket
 import time
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping
 
 from ..cluster.records import RankRecord
 from ..cluster.view import LEFT, Change
 from ..core.negotiate import TransferPlan
 from ..core.text import printable
-from ..errors import ConfigError, KvlendError, LeaseUnknown, PeerLost, ProtocolError, TransferTimeout
+from ..errors import ConfigError, KvlendError, PeerLost, ProtocolError, TransferTimeout
 from ..metrics import METRICS
 from ..protocol.actions import FetchFinished, Offered, PeerReady
 from ..protocol.config import NodeConfig
@@ -219,7 +222,7 @@ class DecodeNode(Shell):
         offer pushed over ``link``.  ``timeout`` (default ``config.transfer_timeout``) bounds the
         fetch up to the prefill's done ack.  Bad arguments raise here, before anything changes, and
         so does a ticket the registry (when healthy) rules out: ``PeerLost`` if its prefill is not
-        listed, ``LeaseUnknown`` if it is listed at another endpoint (see ``_registered``).
+        listed (see ``_registered``, also for a prefill listed at another endpoint).
         """
         started = time.perf_counter()
         with self._lock:
@@ -254,8 +257,13 @@ class DecodeNode(Shell):
 
     def unclaim(self, ticket: Ticket | str | bytes) -> None:
         """Give back a lease claimed with ``claim`` and never fetched."""
+        ticket = _ticket(ticket)
+        try:
+            ticket = self._registered(ticket)  # where ``claim`` sent it
+        except PeerLost:
+            pass
         with self._lock:
-            self.session.unclaim(_ticket(ticket))
+            self.session.unclaim(ticket)
         self._wake()
 
     def finished(self) -> list[FetchHandle]:
@@ -302,30 +310,33 @@ class DecodeNode(Shell):
         return self.registry.compatible(self.layout)
 
     def _registered(self, ticket: Ticket, resume_from: Any = 0) -> Ticket:
-        """``ticket`` if the registry may hold its lease; else raise without dialling.
+        """``ticket`` as this rank should redeem it; ``PeerLost`` without dialling if the registry rules it out.
 
-        Not listed (healthy registry): ``PeerLost``, the prefill is gone.  Listed at another endpoint:
-        ``LeaseUnknown``, since a lease lives in the process that lent it and a new endpoint is a new
-        process (a restart), so dialling either endpoint could only be refused; failing now lets the
-        engine re-prefill at once.  Degraded (or not yet ready): the ticket as is.
+        Not listed (healthy registry): ``PeerLost``, the prefill is gone.  Listed at another endpoint
+        than the ticket's: the ticket goes over the open link that authenticated as its prefill (a
+        record's endpoint proves nothing, a link's certificate does), else to the listed endpoint,
+        where the channel checks the certificate and the prefill itself answers for the lease (a
+        restarted process refuses it: ``LeaseUnknown``).  Degraded (or not yet ready): as is.
         """
         registry = self.registry
         if registry is None or registry.degraded:
             return ticket
         record = registry.get(ticket.prefill)
-        where = f"{ticket.host}:{ticket.port}"
         if record is None or record.role != "prefill":
-            error: KvlendError = PeerLost(
+            error = PeerLost(
                 f"prefill {ticket.prefill!r} is not in the cluster registry (it left or never joined): lease "
-                f"{ticket.lease.hex()} cannot be read; not dialling {where}")
-        elif record.endpoint != ticket.endpoint:
-            error = LeaseUnknown(
-                f"lease {ticket.lease.hex()} was lent by prefill {ticket.prefill!r} at {where}, but the registry "
-                f"lists it at {record.host}:{record.port} now: a restarted process, which does not hold the lease")
-        else:
+                f"{ticket.lease.hex()} cannot be read; not dialling {ticket.host}:{ticket.port}")
+            error.request, error.bound = "", resume_from  # as on a fetch's error: nothing was read
+            raise error
+        if record.endpoint == ticket.endpoint:
             return ticket
-        error.request, error.bound = "", resume_from  # as on a fetch's error: nothing was read
-        raise error
+        with self._lock:
+            for conn in self.session.links:
+                info = self.session.link_info(conn)
+                if info["peer"] == ticket.prefill and self.session.ready(conn):
+                    host, port = info["endpoint"]
+                    return replace(ticket, host=host, port=port)
+        return replace(ticket, host=record.host, port=record.port)
 
     def _watches(self, change: Change) -> bool:
         return change.kind == LEFT and change.record.role == "prefill"
