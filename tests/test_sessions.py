@@ -345,8 +345,9 @@ def test_a_ticket_for_one_prompt_is_refused_to_a_claim_for_another_before_any_re
     config = dataclasses.replace(CFG, read_ahead=read_ahead)
     world, p, d, conn = rig(config)
     t = p.ticket(20, seed=4, prompt_digest=PROMPT_A)
-    assert t.pages is not None  # small and final: read-ahead would read from the ticket's table
-    thief = d.fetch_ticket(t, seed=5, prompt_digest=claimed_with)
+    assert t.pages is None  # small and final, but bound to its prompt: no table to read ahead from ...
+    forged = t.with_pages(p.lent[t.lease].lease.pages)  # ... and a decode bound to its prompt ignores a forged one
+    thief = d.fetch_ticket(forged if claimed_with else t, seed=5, prompt_digest=claimed_with)
     assert thief.fetch.state is FetchState.FAILED and isinstance(thief.fetch.error, PromptMismatch)
     assert thief.fetch.bound == 0 and not d.backend.reads and not d.backend.writes  # no byte moved
     assert live(p, t) and p.lender.get(t.lease, p.now).peer is None  # still anyone's who has the prompt

@@ -201,8 +201,9 @@ class PrefillSession(Outbox):
         """The portable form of a lease, for the decode that ``host:port`` reaches us from."""
         ticket = Ticket(lease.id, host, port, self.name, lease.num_tokens, self.layout.layout_id)
         # A small, final lease of every row: its page table rides along, so its reader need not wait for
-        # the claim's answer (it reads with the full selection of our layout, which it holds).
-        whole = lease.final and lease.selection == self.layout.full_selection()
+        # the claim's answer (it reads with the full selection of our layout, which it holds).  Not for a
+        # lease bound to its prompt: nothing may be read before we checked the claim's digest.
+        whole = lease.final and lease.selection == self.layout.full_selection() and lease.prompt_digest is None
         return ticket.with_pages(lease.pages) if whole else ticket
 
     def release(self, lease_id: bytes) -> Lease | None:
