@@ -550,7 +550,8 @@ def lease_offers(draw):
 valid_messages = st.one_of(
     st.builds(Handshake, st.binary(max_size=200), st.text(max_size=20), st.binary(max_size=200)),
     st.builds(Offer, lease_offers()), st.builds(Heartbeat, st.lists(ids16, max_size=5).map(tuple)),
-    st.builds(Renewed, st.lists(ids16, max_size=5).map(tuple)), st.builds(Claim, ids16, st.sampled_from([b"", bytes(32)])),
+    st.builds(Renewed, st.lists(ids16, max_size=5).map(tuple)),
+    st.builds(Claim, ids16, st.sampled_from([b"", bytes(32)])),
     st.builds(Done, ids16, int64), st.builds(DoneAck, ids16, st.booleans(), st.text(max_size=40)),
     st.builds(Abort, ids16, st.text(max_size=40)), st.builds(Bye, st.text(max_size=40)),
 )
