@@ -28,6 +28,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import toy_engine  # noqa: E402
 from workload import run_rank  # noqa: E402
 
+from kvlend import prompt_digest  # noqa: E402
 from kvlend.core.fetchplan import destination_pages  # noqa: E402
 from kvlend.errors import TransferCancelled, TransferTimeout  # noqa: E402
 from kvlend.runtime import DecodeNode, NodeConfig, PrefillNode, Ticket  # noqa: E402
@@ -93,8 +94,11 @@ def main() -> int:
 
     def lend(request: str) -> None:
         h = held[request]
+        # Bound to the prompt: the ticket crosses a router (an HTTP client could copy it onto another prompt),
+        # and only a claim with this prompt's digest reads the pages.
         ticket = prefill.lend(request, len(prompts[request]), p_cache.group_tables(h.table, h.slot),
-                              p_layout.full_selection(), meta={"first": h.first})
+                              p_layout.full_selection(), meta={"first": h.first},
+                              prompt_digest=prompt_digest(prompts[request]))
         h.lent, h.while_lent = True, (evictable(prefill, "L3.kv", h.table), evictable(prefill, "L0.kv", h.table))
         router.append((request, ticket.to_text()))
 
@@ -107,7 +111,8 @@ def main() -> int:
             need = destination_pages(link.plan, ticket.num_tokens)  # entries per local group ("ssm": 1)
             table, slot = d_cache.alloc(max(need["full"], need["swa"])), d_cache.alloc_state()
             dst, bound = d_cache.group_tables(table, slot), 0
-        handle = decode.start_fetch(text, dst, resume_from=bound)  # never blocks
+        # never blocks; the digest of the decode's own copy of the prompt, which the prefill checks
+        handle = decode.start_fetch(text, dst, resume_from=bound, prompt_digest=prompt_digest(prompts[request]))
         fetching[handle] = (request, ticket, table, slot, dst)
         return handle
 

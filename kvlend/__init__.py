@@ -3,9 +3,10 @@
 from .errors import (
     AuthError, BackendError, ConfigError, KvlendError, LayoutError, LayoutMismatch, LeaseDenied, LeaseError,
     LeaseExpired, LeaseUnknown, PageRangeError, PeerLost, ProtocolError, TrackerError, TransferTimeout,
-    IncompleteFetch, LeaseLifetimeExceeded, NegotiationLimit, QuotaExceeded, TransferCancelled,
+    IncompleteFetch, LeaseLifetimeExceeded, NegotiationLimit, PromptMismatch, QuotaExceeded, TransferCancelled,
 )
 from .core.pages import GroupPages
+from .core.prompt import prompt_digest
 from .core.layout import (
     BufferDesc, HeadGeometry, HeadOrder, LayerGroup, LayerIdentity, LayerKind, MemoryKind,
     MemoryRegion, PageLayout, ReplicaRank, Role, RowSelection, SelectionMode, Sharding,
@@ -17,8 +18,8 @@ __version__ = "0.1.0"
 __all__ = [
     "AuthError", "BackendError", "ConfigError", "KvlendError", "LayoutError", "LayoutMismatch", "LeaseDenied", "LeaseError",
     "LeaseExpired", "LeaseUnknown", "PageRangeError", "PeerLost", "ProtocolError", "TrackerError", "TransferTimeout",
-    "IncompleteFetch", "LeaseLifetimeExceeded", "NegotiationLimit", "QuotaExceeded", "TransferCancelled",
-    "GroupPages",
+    "IncompleteFetch", "LeaseLifetimeExceeded", "NegotiationLimit", "PromptMismatch", "QuotaExceeded",
+    "TransferCancelled", "GroupPages", "prompt_digest",
     "BufferDesc", "HeadGeometry", "HeadOrder", "LayerGroup", "LayerIdentity", "LayerKind", "MemoryKind",
     "MemoryRegion", "PageLayout", "ReplicaRank", "Role", "RowSelection", "SelectionMode", "Sharding",
     "layout_from_pools",

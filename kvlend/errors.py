@@ -52,6 +52,10 @@ class LeaseDenied(LeaseError):
     """The lease exists but was offered to another peer."""
 
 
+class PromptMismatch(LeaseDenied):
+    """A claim's prompt digest is not the one its lease was lent for: the KV belongs to another prompt."""
+
+
 class TrackerError(KvlendError):
     """The delivery tracker was told about an unknown request or chunk, or one settled twice."""
 

@@ -297,7 +297,8 @@ class PrefillEnd:
         return prefill_request(self.layout, self.pools, self.free, num_tokens, seed)
 
     def lend(self, num_tokens: int, seed: int, *, request: str | None = None, peer: str | None = None,
-             selection: RowSelection | None = None, lease_id: bytes | None = None, ready: int | None = None):
+             selection: RowSelection | None = None, lease_id: bytes | None = None, ready: int | None = None,
+             prompt_digest: bytes | None = None):
         """Fill and lend a request's pages (to a ticket: ``peer`` None); the lease.
 
         ``ready``: lend progressively (``PrefillSession.lend(ready=)``): pages not yet wholly below
@@ -309,7 +310,8 @@ class PrefillEnd:
         try:
             lease = self.session.lend(request or f"req-{seed}", num_tokens, tables,
                                       selection or self.layout.full_selection(), self.now,
-                                      meta={"seed": seed}, peer=peer, lease_id=lease_id, ready=ready)
+                                      meta={"seed": seed}, peer=peer, lease_id=lease_id, ready=ready,
+                                      prompt_digest=prompt_digest)
         except BaseException:
             self._free(tables)
             raise
@@ -488,10 +490,10 @@ class DecodeEnd:
         return record
 
     def fetch_ticket(self, ticket, dst: dict | None = None, resume_from: int = 0, seed: int | None = None,
-                     timeout: float | None = None) -> Record:
+                     timeout: float | None = None, prompt_digest: bytes | None = None) -> Record:
         dst = self.alloc(ticket.num_tokens, resume_from, seed) if dst is None else dst
         try:
-            fetch = self.session.fetch_ticket(ticket, dst, self.now, resume_from, timeout)
+            fetch = self.session.fetch_ticket(ticket, dst, self.now, resume_from, timeout, prompt_digest)
         except BaseException:
             self._free_tables(dst)
             raise
@@ -499,9 +501,9 @@ class DecodeEnd:
         self.world.pump()
         return record
 
-    def claim(self, ticket) -> None:
+    def claim(self, ticket, prompt_digest: bytes | None = None) -> None:
         """Claim a ticket ahead of its fetch (``DecodeSession.claim_ticket``)."""
-        self.session.claim_ticket(ticket, self.now)
+        self.session.claim_ticket(ticket, self.now, prompt_digest)
         self.world.pump()
 
     def unclaim(self, ticket) -> None:

@@ -9,8 +9,9 @@ from hypothesis import given, settings, strategies as st
 
 from kvlend.errors import (
     KvlendError, LayoutError, LeaseDenied, LeaseError, LeaseExpired, LeaseLifetimeExceeded, LeaseUnknown,
-    PageRangeError, QuotaExceeded,
+    PageRangeError, PromptMismatch, QuotaExceeded,
 )
+from kvlend.core.prompt import prompt_digest
 from kvlend.core.layout import (
     BufferDesc, LayerIdentity, LayerKind, MemoryKind, MemoryRegion, PageLayout, Role, RowSelection,
 )
@@ -608,6 +609,32 @@ def test_a_claim_past_the_lifetime_changes_nothing():
     claimed = lender.claim(t.id, "d0", 2)
     assert (claimed.peer, claimed.expires_at) == ("d0", 12)
     assert lender.claim(t.id, "d0", 2) == claimed  # a repeated claim by its peer is harmless
+
+
+def test_a_lease_lent_for_a_prompt_is_claimed_only_with_its_digest_and_a_refusal_changes_nothing():
+    lender = Lender(hybrid(host=False), new_id=ids())
+    mine = prompt_digest(range(161))
+    t = lender.lend("t", 161, tables(), ALL, 0, 10, prompt_digest=mine)
+    for other in (None, b"", prompt_digest(range(1, 162)), prompt_digest(range(161), context=b"lora-a")):
+        with pytest.raises(PromptMismatch):
+            lender.claim(t.id, "d0", 5, prompt_digest=other)
+        assert lender.get(t.id, 5) == t and lender.usage("d0") == (0, 0)  # not bound, not renewed
+    assert isinstance(PromptMismatch("x"), LeaseDenied)  # a decode that maps refusals by base class still refuses
+    claimed = lender.claim(t.id, "d0", 5, prompt_digest=mine)
+    assert (claimed.peer, claimed.expires_at, claimed.prompt_digest) == ("d0", 15, mine)
+    with pytest.raises(PromptMismatch):  # bound to d0 now: its own claim still needs the prompt
+        lender.claim(t.id, "d0", 6)
+
+
+def test_a_prompt_digest_covers_every_token_id_and_the_context():
+    base = prompt_digest([1, 2, 3])
+    assert len(base) == 32 and base == prompt_digest(np.array([1, 2, 3], dtype=np.int32))
+    others = {prompt_digest(ids) for ids in ([1, 2], [1, 2, 3, 0], [3, 2, 1], [1, 2, 3 + (1 << 32)], [])}
+    others.add(prompt_digest([1, 2, 3], context=b"img:ab"))
+    assert base not in others and len(others) == 6
+    for bad in ([1.5], [[1, 2]], ["a"], [1 << 64]):
+        with pytest.raises(PageRangeError):
+            prompt_digest(bad)
 
 
 @settings(max_examples=60, deadline=None)

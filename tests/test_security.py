@@ -27,13 +27,16 @@ import time
 
 import numpy as np
 import pytest
-from conftest import CA, creds, make_layout, make_pools, nixl, prefill_request
+from conftest import (
+    CA, SENTINEL, creds, group_layers, make_layout, make_pools, nixl, pattern, prefill_request, slots,
+)
 from test_connection_nodes import wait_until
 from test_node import DEADLINE, DECODE_CONFIG, DST_PAGES, SRC_PAGES, fetch_and_verify, free_lists, rig
 
 import kvlend.runtime.certificates
 import kvlend.runtime.tls
-from kvlend.errors import AuthError, ConfigError, PeerLost
+from kvlend import prompt_digest
+from kvlend.errors import AuthError, ConfigError, PeerLost, PromptMismatch
 from kvlend.metrics import METRICS
 from kvlend.runtime import DecodeNode, NodeConfig, PrefillNode, reload_on_sighup
 from kvlend.runtime.certificates import CertWatch
@@ -469,3 +472,40 @@ def test_a_rank_whose_own_certificate_expired_says_so_loudly(monkeypatch, caplog
         backend.close()
     errors = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]
     assert sum(m.startswith("decode-lapsed: this rank's certificate expired at") for m in errors) == 1, errors
+@pytest.mark.parametrize("read_ahead", [False, True])
+def test_a_ticket_for_one_prompt_writes_no_byte_into_another_prompts_pages(read_ahead):
+    """Issue 22, finding 4: a ticket put on another prompt (leaked, guessed, sent by a client) is refused
+    by the prefill before any read is posted, even by a decode that reads ahead; the lease stays live
+    and its own prompt's fetch then reads it byte for byte."""
+    tokens, seed = 32, 5
+    mine, theirs = prompt_digest(range(tokens)), prompt_digest(range(1000, 1000 + tokens))
+    with rig() as r:
+        tables = prefill_request(r.layout, r.src, free_lists(r.layout, SRC_PAGES, 8), tokens, seed=seed)
+        ticket = r.prefill.lend("prompt-a", tokens, tables, r.layout.full_selection(), prompt_digest=mine)
+        assert ticket.pages is None  # a bound lease's ticket names no pages to read ahead from ...
+        lease = r.prefill.lender.get(ticket.lease, r.prefill.clock())
+        forged = ticket.with_pages(lease.pages)  # ... and a decode bound to its prompt ignores forged ones
+        assert forged.pages is not None
+        pools = make_pools(DST_PAGES)
+        for pool in pools:
+            pool[...] = SENTINEL
+        decode = DecodeNode(make_layout(pools), nixl("thief"), creds("decode-thief"),
+                            config=dataclasses.replace(DECODE_CONFIG, read_ahead=read_ahead))
+        try:
+            free = free_lists(decode.layout, DST_PAGES, 9)
+            dst = {name: free[name].alloc(tokens // decode.layout.tokens_per_page) for name in decode.layout.groups}
+            for digest in (theirs, None):
+                handle = decode.start_fetch(forged if digest else ticket, dst, prompt_digest=digest)
+                with pytest.raises(PromptMismatch):
+                    handle.wait(DEADLINE)
+                assert handle.bound == 0
+                assert all((pool == SENTINEL).all() for pool in pools), "a refused claim wrote into the pages"
+            assert r.released == []  # the lease is still its prompt's to read
+            assert decode.start_fetch(ticket, dst, prompt_digest=mine).wait(DEADLINE).bound == tokens
+            for name, table in dst.items():
+                for layer in group_layers(decode.layout, name):
+                    got = slots(pools[layer])[table]
+                    np.testing.assert_array_equal(got, pattern(seed, layer, len(table), got.shape[1]))
+        finally:
+            decode.close()
+            decode.backend.close()

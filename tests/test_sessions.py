@@ -10,6 +10,8 @@ really there).  Each test drives one scenario with the clock in its hands.
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 from conftest import group_layers, slots
@@ -18,9 +20,10 @@ from memory_transport import SCRIBBLE, ContractError, World, finish_all
 import kvlend.protocol.decode as decode_mod
 from kvlend.core.layout import RowSelection
 from kvlend.errors import (
-    AuthError, BackendError, ConfigError, IncompleteFetch, KvlendError, LeaseDenied, LeaseExpired, LeaseUnknown,
-    PageRangeError, PeerLost, ProtocolError, TransferCancelled, TransferTimeout,
+    AuthError, BackendError, ConfigError, IncompleteFetch, KvlendError, LeaseDenied, LeaseError, LeaseExpired,
+    LeaseUnknown, PageRangeError, PeerLost, PromptMismatch, ProtocolError, TransferCancelled, TransferTimeout,
 )
+from kvlend.core.prompt import prompt_digest
 from kvlend.protocol.actions import Close, Offered, RemovePeer
 from kvlend.protocol.config import NodeConfig
 from kvlend.protocol.decode import FetchState
@@ -328,6 +331,88 @@ def test_claiming_ahead_twice_or_after_the_fetch_started_changes_nothing():
     d.claim(t)
     finish_all(world, d)
     assert r.fetch.state is FetchState.DONE and [why for _, why in p.ended] == ["done"]
+
+
+# ------------------------------------------------------------- prompt digests
+PROMPT_A, PROMPT_B = prompt_digest(range(20)), prompt_digest([7] * 20)  # same length: the count check passes
+
+
+@pytest.mark.parametrize("claimed_with, read_ahead", [(PROMPT_B, False), (PROMPT_B, True), (None, False)],
+                         ids=["another-prompt", "another-prompt-read-ahead", "no-digest"])
+def test_a_ticket_for_one_prompt_is_refused_to_a_claim_for_another_before_any_read(read_ahead, claimed_with):
+    """Finding 4 of issue 22: a stolen ticket put on another prompt reads nothing, even with read-ahead
+    (whose reads would otherwise go out with the claim), and the lease stays its owner's."""
+    config = dataclasses.replace(CFG, read_ahead=read_ahead)
+    world, p, d, conn = rig(config)
+    t = p.ticket(20, seed=4, prompt_digest=PROMPT_A)
+    assert t.pages is None  # small and final, but bound to its prompt: no table to read ahead from ...
+    forged = t.with_pages(p.lent[t.lease].lease.pages)  # ... and a decode bound to its prompt ignores a forged one
+    thief = d.fetch_ticket(forged if claimed_with else t, seed=5, prompt_digest=claimed_with)
+    assert thief.fetch.state is FetchState.FAILED and isinstance(thief.fetch.error, PromptMismatch)
+    assert thief.fetch.bound == 0 and not d.backend.reads and not d.backend.writes  # no byte moved
+    assert live(p, t) and p.lender.get(t.lease, p.now).peer is None  # still anyone's who has the prompt
+    owner = d.fetch_ticket(t, seed=4, prompt_digest=PROMPT_A)
+    finish_all(world, d)
+    assert owner.fetch.state is FetchState.DONE, owner.fetch.error
+    d.check_done(owner)
+    assert [why for _, why in p.ended] == ["done"] and locked(p) == 0
+
+
+def test_a_claim_waiting_for_its_lend_is_refused_if_the_lend_is_for_another_prompt():
+    world, p, d, conn = rig(WAIT)
+    t = minted(p, 20)
+    r = d.fetch_ticket(t, seed=6, prompt_digest=PROMPT_B)
+    assert r.fetch.state is FetchState.CLAIMING
+    p.lend(20, seed=6, lease_id=t.lease, prompt_digest=PROMPT_A)
+    world.pump()
+    assert r.fetch.state is FetchState.FAILED and isinstance(r.fetch.error, PromptMismatch)
+    assert not d.backend.reads and live(p, t)
+
+
+def test_a_lease_claimed_ahead_for_one_prompt_is_not_fetched_for_another():
+    world, p, d, conn = rig(LONG)
+    t = p.ticket(20, seed=8, prompt_digest=PROMPT_A)
+    d.claim(t, prompt_digest=PROMPT_A)
+    with pytest.raises(PromptMismatch):
+        d.fetch_ticket(t, seed=8, prompt_digest=PROMPT_B)
+    with pytest.raises(PromptMismatch):
+        d.fetch_ticket(t, seed=8)
+    assert not d.backend.reads
+    r = d.fetch_ticket(t, seed=8, prompt_digest=PROMPT_A)
+    finish_all(world, d)
+    assert r.fetch.state is FetchState.DONE
+
+
+def test_an_early_claim_for_another_prompt_fails_the_later_fetch():
+    world, p, d, conn = rig(LONG)
+    t = p.ticket(20, seed=8, prompt_digest=PROMPT_A)
+    d.claim(t, prompt_digest=PROMPT_B)
+    r = d.fetch_ticket(t, seed=8, prompt_digest=PROMPT_B)
+    assert r.fetch.state is FetchState.FAILED and isinstance(r.fetch.error, PromptMismatch)
+    assert not d.backend.reads and live(p, t)
+
+
+def test_a_lease_lent_without_a_digest_is_read_by_any_claim():
+    """The raw API's engines (the toy engine, tickets that stay in trusted hands) lend without one."""
+    world, p, d, conn = rig()
+    records = [d.fetch_ticket(p.ticket(20, seed=i), seed=i, prompt_digest=digest)
+               for i, digest in enumerate([None, PROMPT_A])]
+    finish_all(world, d)
+    assert all(r.fetch.state is FetchState.DONE for r in records)
+
+
+@pytest.mark.parametrize("bad", [b"short", "a" * 32, bytes(33)])
+def test_a_malformed_digest_is_refused_before_anything_changes(bad):
+    world, p, d, conn = rig()
+    with pytest.raises(LeaseError, match="prompt_digest"):
+        p.ticket(20, seed=1, prompt_digest=bad)
+    assert locked(p) == 0
+    t = p.ticket(20, seed=1, prompt_digest=PROMPT_A)
+    with pytest.raises(LeaseError, match="prompt_digest"):
+        d.fetch_ticket(t, seed=1, prompt_digest=bad)
+    with pytest.raises(LeaseError, match="prompt_digest"):
+        d.claim(t, prompt_digest=bad)
+    assert d.session.in_flight == 0 and not d.backend.reads
 
 
 def test_no_prefill_at_the_ticket_endpoint():

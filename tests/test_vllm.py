@@ -6,21 +6,25 @@ UCX on loopback (``UCX_TLS=tcp``: reads are really in flight when a server is
 killed, unlike one-host cma copies), a local Llama with seeded weights.  Prompts are token ids of
 mixed lengths (one block is 128 tokens), decoded greedily; outputs are compared
 token for token.  The tests run in order and share the servers: a negative
-control (a prefill on other weights must change the answers), then the decode
-killed, then the prefill killed.  About two minutes on 2 cores.
+control (a prefill on other weights must change the answers), tickets put on
+other prompts (issue 22, finding 4), then the decode killed, then the prefill
+killed.  About two minutes on 2 cores.
 """
 
 from __future__ import annotations
 
 import http.client
+import json
 import os
 import random
 import threading
 import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from types import SimpleNamespace
 
 import pytest
 from vllm_rig import (
-    Rig, decode_with, ensure_model, fetch_stats, generate, kv_usage, prefill_only,
+    Rig, completion, decode_with, ensure_model, fetch_stats, generate, kv_usage, post, prefill_only,
 )
 
 from kvlend_vllm import launch
@@ -28,6 +32,7 @@ from kvlend_vllm import launch
 LENGTHS = [3, 17, 64, 100, 127, 128, 129, 150, 200, 255, 256, 257, 300, 383, 384, 385,
            400, 450, 500, 511, 512, 513, 600, 640, 700, 777, 800, 900, 1000, 1023, 1024, 1100]
 MAX_TOKENS = 8
+STOLEN = [8, 18, 28]  # prompts whose tickets a client puts on another prompt of the same length
 TTL, HEARTBEAT = 8.0, 1.0
 PREFILL = launch.kvlend_transfer_config("kv_producer", {"ttl": TTL, "heartbeat": HEARTBEAT, "claim_wait": 3.0})
 
@@ -48,6 +53,7 @@ def pair(tmp_path_factory):
     model = ensure_model("tiny")
     rng = random.Random(13)
     prompts = [[rng.randrange(4, 1000) for _ in range(n)] for n in LENGTHS]
+    others = [[rng.randrange(4, 1000) for _ in range(LENGTHS[i])] for i in STOLEN]
     rig = Rig(model, logs)
     stats = os.path.join(logs, "decode-stats.jsonl")
     try:
@@ -56,11 +62,12 @@ def pair(tmp_path_factory):
         decode = rig.engine("decode", decode_config(stats), env=TCP)
         router = rig.router("router", prefill, decode)
         rig.wait(plain, prefill, decode, router)
-        expected = generate(plain, model, prompts, MAX_TOKENS)
+        expected = generate(plain, model, prompts + others, MAX_TOKENS)
         rig.stop(plain)  # memory for the servers the later tests boot
         assert all("tokens" in e and len(e["tokens"]) == MAX_TOKENS for e in expected), expected
+        expected, expected_others = expected[:len(prompts)], expected[len(prompts):]
         state = dict(rig=rig, model=model, prompts=prompts, expected=expected, prefill=prefill, decode=decode,
-                     router=router, stats=stats, logs=logs)
+                     router=router, stats=stats, logs=logs, others=others, expected_others=expected_others)
         yield state
     finally:
         rig.close()
@@ -74,6 +81,70 @@ def test_greedy_outputs_through_kvlend_equal_a_single_server_token_for_token(pai
     # Every prompt's KV really came over kvlend (a silent local recompute would also match).
     assert len(fetched) == len(LENGTHS) and all(s["bytes"] > 0 and s["error"] is None for s in fetched), fetched
     assert sum(s["bound"] for s in fetched) == sum(LENGTHS)
+
+
+def test_a_ticket_put_on_another_prompt_never_gives_that_request_the_tickets_kv(pair):
+    """Issue 22, finding 4: a client that has seen a ticket (a log, the clear HTTP between router and
+    decode) sends it with its own prompt of the same length, straight to the decode and through the
+    router.  The prefill refuses the claim (the prompt digests differ): the direct request is computed
+    locally, the routed one gets its own prefill's KV (the router drops the client's params), both
+    answer right, and the ticket's own prompt still reads its KV afterwards."""
+    model, router = pair["model"], pair["router"]
+    for i, other, want in zip(STOLEN, pair["others"], pair["expected_others"]):
+        params = prefill_only(pair["prefill"], model, pair["prompts"][i])
+        before = len(fetch_stats(pair["stats"]))
+        assert decode_with(pair["decode"], model, other, params, MAX_TOKENS) == want, LENGTHS[i]
+        routed = post(router.url + "/v1/completions", completion(model, other, MAX_TOKENS, kv_transfer_params=params))
+        assert [c["token_ids"] for c in routed["choices"]] == [want["tokens"]], (LENGTHS[i], routed)
+        assert decode_with(pair["decode"], model, pair["prompts"][i], params, MAX_TOKENS) == pair["expected"][i]
+        lines = fetch_stats(pair["stats"])[before:]
+        assert [(s["ok"], s["error"]) for s in lines] == [(False, "PromptMismatch"), (True, None), (True, None)], \
+            lines
+
+
+def test_the_router_never_forwards_a_clients_kv_transfer_params(tmp_path):
+    """Even when the prefill answers without any (a request it did not lend), the decode gets none of
+    the client's: upstreams that record what they were sent, behind the real router process."""
+    received = []
+
+    class Upstream(BaseHTTPRequestHandler):
+        def do_POST(self):
+            body = json.loads(self.rfile.read(int(self.headers["content-length"])))
+            received.append((self.server.server_port, body))
+            lent = body["prompt"][0] == 1 and body["max_tokens"] == 1  # the prefill leg of prompt [1, ...]
+            answer = {"choices": [{"text": "", "token_ids": [7], "finish_reason": "length"}],
+                      **({"kv_transfer_params": {"kvlend_ticket": "the prefill's"}} if lent else {})}
+            data = json.dumps(answer).encode()
+            self.send_response(200)
+            self.send_header("content-type", "application/json")
+            self.send_header("content-length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def log_message(self, *args):
+            pass
+
+    servers = [ThreadingHTTPServer(("127.0.0.1", 0), Upstream) for _ in range(2)]
+    for server in servers:
+        threading.Thread(target=server.serve_forever, daemon=True).start()
+    prefill, decode = (SimpleNamespace(url=f"http://127.0.0.1:{s.server_port}") for s in servers)
+    rig = Rig("no model", str(tmp_path))
+    router = rig.router("router-stubs", prefill, decode)
+    try:
+        rig.wait(router)
+        stolen = {"do_remote_prefill": True, "kvlend_ticket": "kvl1.another-requests-ticket"}
+        for prompt in ([1, 2, 3], [2, 3, 4]):
+            answer = post(router.url + "/v1/completions", completion("m", prompt, 4, kv_transfer_params=stolen))
+            assert answer["choices"][0]["token_ids"] == [7], answer
+    finally:
+        rig.close()
+        for server in servers:
+            server.shutdown()
+            server.server_close()
+    to_decode = [body.get("kv_transfer_params") for port, body in received if port == servers[1].server_port]
+    assert to_decode == [{"kvlend_ticket": "the prefill's"}, None]
+    assert all(body["kv_transfer_params"]["do_remote_decode"] for port, body in received
+               if port == servers[0].server_port)
 
 
 def test_negative_control_a_prefill_on_other_weights_changes_the_answers(pair):

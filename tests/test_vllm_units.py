@@ -15,7 +15,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 from kvlend_vllm.layout import layout_from_kv_caches, model_digest, scope_of
-from kvlend_vllm.scheduler import TICKET_KEY, ConsumerScheduler, Endpoint, ProducerScheduler
+from kvlend_vllm.scheduler import TICKET_KEY, ConsumerScheduler, Endpoint, ProducerScheduler, request_digest
 
 from kvlend.core.layout import HeadOrder, PageLayout, Role
 from kvlend.core.negotiate import negotiate
@@ -96,6 +96,9 @@ class Req:
     num_computed_tokens: int = 40
     status: object = field(default_factory=lambda: SimpleNamespace(name="FINISHED_LENGTH_CAPPED"))
     kv_transfer_params: dict | None = field(default_factory=lambda: {"do_remote_decode": True})
+    lora_request: object = None
+    mm_features: list = field(default_factory=list)
+    cache_salt: str | None = None
 
 
 ENDPOINT = Endpoint("127.0.0.1", 5555, "prefill-a", "ab" * 32)
@@ -115,6 +118,7 @@ def test_producer_lends_a_finished_request_and_mints_its_ticket():
     assert (ticket.host, ticket.port, ticket.prefill, ticket.num_tokens) == ("127.0.0.1", 5555, "prefill-a", 40)
     (lend,) = s.take_plan().lends
     assert (lend.request, lend.lease, lend.blocks) == ("r1", ticket.lease, (7, 3, 9))  # 40 tokens: 3 blocks
+    assert lend.digest == request_digest(Req(), 40)  # lent for this prompt alone
     assert s.holding == 1 and not s.take_plan().lends
     s.finished_sending({"r1"})
     assert s.holding == 0
@@ -132,6 +136,8 @@ def test_two_tickets_never_share_a_lease_id():
     (Req(kv_transfer_params={"do_remote_decode": False}), [1, 2, 3]),
     (Req(status=SimpleNamespace(name="FINISHED_ABORTED")), [1, 2, 3]),
     (Req(), []),
+    (Req(prompt_token_ids=None), [1, 2, 3]),  # prompt embeddings: no token ids to bind a ticket to
+    (Req(prompt_token_ids=list(range(39))), [1, 2, 3]),  # KV past the prompt: no decode would take it
 ])
 def test_producer_frees_at_once_what_it_must_not_lend(req, blocks):
     s = producer()
@@ -164,6 +170,7 @@ def test_consumer_loads_a_ticket_once_into_the_blocks_vllm_allocated():
     s.update_state_after_alloc(req, Blocks([5, 4, 8, 2]), 40)
     (load,) = s.take_plan().loads
     assert (load.ticket, load.num_tokens, load.blocks, load.resume_from) == (text, 40, (5, 4, 8), 0)
+    assert load.digest == request_digest(req, 40)
     assert s.get_num_new_matched_tokens(req, 0) == (0, False)  # used: a reschedule recomputes
     s.update_state_after_alloc(req, Blocks([5, 4, 8, 2]), 0)
     assert not s.take_plan().loads
@@ -193,7 +200,7 @@ def test_consumer_claims_at_arrival_and_gives_back_what_it_will_not_load():
     loaded, local, aborted = decode_req(text), decode_req(text, request_id="r2"), decode_req(text, request_id="r3")
     for req in (loaded, local, aborted):
         s.on_new_request(req)
-    assert s.take_plan().claims == [text, text, text]
+    assert s.take_plan().claims == [(text, request_digest(loaded, 40))] * 3
     s.update_state_after_alloc(loaded, Blocks([5, 4, 8]), 40)
     s.update_state_after_alloc(local, Blocks([1, 2, 3]), 0)  # a full local hit after all
     s.request_finished(aborted)  # aborted in the queue
@@ -208,3 +215,44 @@ def test_consumer_claims_nothing_for_a_request_without_a_usable_ticket():
     s.on_new_request(Req(kv_transfer_params=None))
     s.on_new_request(Req(kv_transfer_params={"do_remote_prefill": True, TICKET_KEY: "kvl1.!!"}))
     assert not s.take_plan().claims
+
+
+# ------------------------------------------------------------- request digests
+def test_a_request_digest_is_its_prompt_and_whatever_else_its_kv_depends_on():
+    """A ticket is bound to what made its KV: the prompt's token ids, the LoRA adapter, the multimodal
+    inputs (their placeholders are the same token ids for any image) and the tenant's cache salt."""
+    base = Req()
+    image = SimpleNamespace(identifier="img-1", mm_position=SimpleNamespace(offset=4, length=8))
+    variants = [
+        Req(prompt_token_ids=list(range(1, 41))),
+        Req(prompt_token_ids=list(range(40)) + [0]),  # more prompt than the 40 tokens lent: the 40 count
+        Req(lora_request=SimpleNamespace(lora_name="adapter-a")),
+        Req(mm_features=[image]),
+        Req(mm_features=[SimpleNamespace(identifier="img-2", mm_position=image.mm_position)]),
+        Req(mm_features=[SimpleNamespace(identifier="img-1", mm_position=SimpleNamespace(offset=5, length=8))]),
+        Req(cache_salt="tenant-b"),
+    ]
+    digests = [request_digest(r, 40) for r in variants]
+    assert digests[1] == request_digest(base, 40)
+    del digests[1]
+    assert request_digest(base, 40) not in digests and len(set(digests)) == len(digests)
+    assert request_digest(base, 40) == request_digest(Req(request_id="other"), 40)  # content, not identity
+    assert request_digest(Req(prompt_token_ids=None), 40) is None
+    assert request_digest(Req(prompt_token_ids=list(range(39))), 40) is None
+
+
+def test_a_ticket_on_another_prompt_of_its_length_is_claimed_with_that_prompts_digest():
+    """The prefill, not the decode, decides: the decode claims with its own request's digest, so a
+    ticket copied onto another prompt is refused (and the request computed locally)."""
+    p = producer()
+    params = p.request_finished(Req(), [7, 3, 9])[1]
+    (lend,) = p.take_plan().lends
+    s = ConsumerScheduler(BS)
+    own, thief = decode_req(params[TICKET_KEY]), decode_req(params[TICKET_KEY], request_id="r2")
+    thief.prompt_token_ids = [t + 1 for t in thief.prompt_token_ids]
+    for req in (own, thief):
+        s.on_new_request(req)
+        s.update_state_after_alloc(req, Blocks([1, 2, 3]), 40)
+    plan = s.take_plan()
+    assert [digest for _, digest in plan.claims] == [load.digest for load in plan.loads]
+    assert [load.digest == lend.digest for load in plan.loads] == [True, False]

@@ -86,15 +86,16 @@ def make_pair(config: NodeConfig, decode: WorkerSettings | None = None):
 
 
 def lend(pair, rid: str, num_tokens: int, blocks: list[int]) -> dict:
-    req = Req(request_id=rid, num_computed_tokens=num_tokens, status=SimpleNamespace(name="FINISHED_STOPPED"),
-              kv_transfer_params={"do_remote_decode": True})
+    req = Req(request_id=rid, prompt_token_ids=list(range(num_tokens)), num_computed_tokens=num_tokens,
+              status=SimpleNamespace(name="FINISHED_STOPPED"), kv_transfer_params={"do_remote_decode": True})
     delay, params = pair.p.request_finished(req, blocks)
     assert delay
     return params
 
 
-def arrive(rid: str, params: dict, num_tokens: int) -> Req:
-    return Req(request_id=rid, prompt_token_ids=list(range(num_tokens)), num_computed_tokens=0,
+def arrive(rid: str, params: dict, num_tokens: int, first: int = 0) -> Req:
+    """A decode request for the prompt ``first, first + 1, ...`` (``lend``'s prompt when ``first`` is 0)."""
+    return Req(request_id=rid, prompt_token_ids=list(range(first, first + num_tokens)), num_computed_tokens=0,
                kv_transfer_params=dict(params))
 
 
@@ -220,3 +221,21 @@ def test_a_request_aborted_while_queued_gives_its_claimed_lease_back(short):
     started = time.monotonic()
     steps(short, lambda r, s: "r1" in s, finished=frozenset({"r1"}))
     assert time.monotonic() - started < 0.9  # released at once, not at the one-second TTL
+
+
+@pytest.mark.parametrize("early", [False, True], ids=["claimed-at-load", "claimed-at-arrival"])
+def test_a_ticket_put_on_another_prompt_gets_no_kv_and_the_lease_stays_its_prompts(pair, early):
+    """Issue 22, finding 4: a client copies another request's ticket onto its own prompt of the same
+    length. The prefill refuses the claim before any read: nothing lands in the thief's blocks, which
+    are all recomputed, and the ticket's own prompt then loads its KV."""
+    params = lend(pair, "r1", 40, [5, 2, 9])
+    thief = arrive("thief", params, 40, first=1000)
+    if early:
+        pair.d.on_new_request(thief)
+    load(pair, "thief", params, 40, [7, 1, 30], thief)
+    steps(pair, lambda r, s: "thief" in r)
+    assert pair.consumer.load_errors() == {7, 1, 30}
+    assert all(float(t.abs().sum()) == 0 for t in pair.dst.values())  # not one byte of r1's KV landed
+    load(pair, "d1", params, 40, [11, 12, 13])
+    steps(pair, lambda r, s: "d1" in r and "r1" in s, finished=frozenset({"r1"}))
+    assert same_blocks(pair, [5, 2, 9], [11, 12, 13]) and not pair.consumer.load_errors()

@@ -56,6 +56,7 @@ SAMPLES = [
     DoneAck(LID2, False, "LeaseExpired: gone"),
     Abort(LID, "decode gave up"),
     Claim(LID2),
+    Claim(LID, bytes(range(32))),  # bound to the claimer's prompt
     Bye("shutdown"),
     Offer(LeaseOffer(LID2, "req-2", 300, {"full": GroupPages(np.arange(2), np.array([5, 9]))}, RowSelection.all(),
                      2.5, ready=40)),  # progressive: 2 pages of 16 tokens committed so far
@@ -148,7 +149,7 @@ def test_offer_arrays_selection_and_meta_survive():
 def test_a_frame_is_a_length_then_msgpack_version_and_message():
     frame = encode_frame(Bye("x"))
     assert frame == framed(msgpack.packb([PROTOCOL_VERSION, {"t": "bye", "reason": "x"}], use_bin_type=True))
-    assert PROTOCOL_VERSION == 3
+    assert PROTOCOL_VERSION == 4
 
 
 # ------------------------------------------------------------ malformed bits
@@ -187,11 +188,26 @@ def test_a_flipped_payload_bit_is_refused_or_decodes_to_a_valid_message():
         assert outcomes["refused"] > 0, (m.TYPE, outcomes)
 
 
-@pytest.mark.parametrize("version", [1, 2, 4, 0, True, 3.0, "3", None, -1, 2**64 - 1])
-def test_the_version_must_be_exactly_three(version):
+@pytest.mark.parametrize("version", [1, 2, 3, 5, 0, True, 4.0, "4", None, -1, 2**64 - 1])
+def test_the_version_must_be_exactly_four(version):
     with pytest.raises(ProtocolError, match="protocol version"):
         decode_all(framed(msgpack.packb([version, Bye("x").to_wire()], use_bin_type=True)))
     assert decode_all(framed(msgpack.packb([PROTOCOL_VERSION, Bye("x").to_wire()]))) == [Bye("x")]
+
+
+def test_a_version_3_claim_without_a_prompt_digest_is_refused_naming_both_versions():
+    """Version 4 added ``Claim.digest``: a version 3 peer is told which versions differ, not a field error."""
+    payload = msgpack.packb([3, {"t": "claim", "lease": LID}], use_bin_type=True)
+    with pytest.raises(ProtocolError, match="peer speaks kvlend protocol version 3, this rank speaks 4"):
+        decode_all(framed(payload))
+
+
+@pytest.mark.parametrize("digest", [b"\x00" * 31, b"\x00" * 33, "ab" * 16, None, 7])
+def test_a_claims_digest_is_32_bytes_or_empty(digest):
+    payload = msgpack.packb([PROTOCOL_VERSION, {"t": "claim", "lease": LID, "digest": digest}], use_bin_type=True)
+    with pytest.raises(ProtocolError, match="claim.digest"):
+        decode_all(framed(payload))
+    assert decode_all(encode_frame(Claim(LID))) == [Claim(LID, b"")]
 
 
 def test_a_version_1_frame_is_refused():
@@ -534,7 +550,8 @@ def lease_offers(draw):
 valid_messages = st.one_of(
     st.builds(Handshake, st.binary(max_size=200), st.text(max_size=20), st.binary(max_size=200)),
     st.builds(Offer, lease_offers()), st.builds(Heartbeat, st.lists(ids16, max_size=5).map(tuple)),
-    st.builds(Renewed, st.lists(ids16, max_size=5).map(tuple)), st.builds(Claim, ids16),
+    st.builds(Renewed, st.lists(ids16, max_size=5).map(tuple)),
+    st.builds(Claim, ids16, st.sampled_from([b"", bytes(32)])),
     st.builds(Done, ids16, int64), st.builds(DoneAck, ids16, st.booleans(), st.text(max_size=40)),
     st.builds(Abort, ids16, st.text(max_size=40)), st.builds(Bye, st.text(max_size=40)),
 )

@@ -17,6 +17,10 @@ Decisions:
   for a released one.
 - A lease whose ``peer`` is None may be read by any peer (the id is the
   capability); otherwise only by that peer.
+- A lease lent with a ``prompt_digest`` (``core.prompt``) is claimed only with
+  the same digest (``PromptMismatch`` otherwise, nothing changed): the id alone,
+  which travels in clear through HTTP, then reads nothing.  A lease lent without
+  one is bound to no prompt (engines whose tickets never leave trusted hands).
 - A NAMED selection lends only the groups that hold a named buffer; every group
   must still be given a page table.
 - ``LeaseLimits`` (default: none) caps what one lend or bind may take, each refused
@@ -32,10 +36,11 @@ Decisions:
 from __future__ import annotations
 
 import heapq
+import hmac
 import math
 import secrets
 from collections import OrderedDict
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from types import MappingProxyType
 from typing import Any, Callable, Mapping
 
@@ -43,11 +48,12 @@ import numpy as np
 
 from ..errors import (
     LayoutError, LeaseDenied, LeaseError, LeaseExpired, LeaseLifetimeExceeded, LeaseUnknown, PageRangeError,
-    QuotaExceeded,
+    PromptMismatch, QuotaExceeded,
 )
 from .layout import PageLayout, RowSelection
 from .locks import PageLocks, Slots
 from .pages import GroupPages, int_array
+from .prompt import check_digest
 
 LEASE_ID_BYTES = 16
 _EXPIRED, _RELEASED = "expired", "released"
@@ -69,6 +75,7 @@ class Lease:
     lent_at: float = -math.inf
     ends_by: float = math.inf  # lent_at + the lifetime cap: no renewal pushes expires_at past it
     ready: int = 0  # tokens the prefill has committed; the lease is final once ``ready == num_tokens``
+    prompt_digest: bytes | None = field(default=None, repr=False)  # a claim must carry the same (None: any)
 
     def __hash__(self) -> int:
         return hash(self.id)
@@ -166,6 +173,7 @@ class Lender:
         limits: LeaseLimits = NO_LIMITS,
         lease_id: bytes | None = None,
         ready: int | None = None,
+        prompt_digest: bytes | None = None,
     ) -> Lease:
         """Lend what a decoder at ``num_tokens`` reads; validates everything first.
 
@@ -178,6 +186,7 @@ class Lender:
         ``ready`` (default ``num_tokens``): lend progressively, while prefill still computes. Only the
         pages wholly below ``ready`` tokens are lent (recurrent state only at ``num_tokens``); rows
         past it may hold -1, and ``extend`` lends the rest as chunks are committed.
+        ``prompt_digest``: ``core.prompt.prompt_digest`` of the request's prompt; a claim must then carry it.
         """
         if not isinstance(request, str) or not request:
             raise LeaseError(f"request: must be a non-empty str, got {request!r}")
@@ -200,6 +209,7 @@ class Lender:
         if ttl > limits.max_lease_lifetime:
             raise QuotaExceeded("max_lease_lifetime", ttl, limits.max_lease_lifetime, "a lease ttl of")
         peer = _peer(peer)
+        prompt_digest = check_digest(prompt_digest)
         ready = _ready(ready, num_tokens, 0)
         lent, slots = self._plan(num_tokens, pages, targets, ready)
         num_pages = sum(len(g) for g in lent.values())
@@ -222,7 +232,7 @@ class Lender:
         lease = Lease(
             id=lease_id, request=request, num_tokens=num_tokens, pages=MappingProxyType(lent),
             selection=selection, peer=peer, ttl=ttl, expires_at=now + ttl,
-            lent_at=now, ends_by=now + limits.max_lease_lifetime, ready=ready,
+            lent_at=now, ends_by=now + limits.max_lease_lifetime, ready=ready, prompt_digest=prompt_digest,
         )
         self._live[lease_id] = _Loan(lease, (slots,))
         self._by_key[key] = lease_id
@@ -430,10 +440,20 @@ class Lender:
         self._check_bind(lease, peer, now, limits)
         return self._bind(lease, peer)
 
-    def claim(self, lease_id: bytes, peer: str, now: float, limits: LeaseLimits = NO_LIMITS) -> Lease:
-        """``bind`` then ``renew``, every check of both made before either changes anything."""
+    def claim(self, lease_id: bytes, peer: str, now: float, limits: LeaseLimits = NO_LIMITS,
+              prompt_digest: bytes | None = None) -> Lease:
+        """``bind`` then ``renew``, every check of both made before either changes anything.
+
+        ``prompt_digest``: the digest of the claimer's own prompt; ``PromptMismatch`` unless it is the
+        lease's (a lease lent without one takes any).
+        """
         peer = _peer(peer)
         lease = self.check_read(lease_id, peer, now)
+        if lease.prompt_digest is not None and (
+                not isinstance(prompt_digest, bytes) or not hmac.compare_digest(prompt_digest, lease.prompt_digest)):
+            raise PromptMismatch(f"lease {lease.hex} is bound to its prompt and the claim carries no prompt digest"
+                                 if not prompt_digest else
+                                 f"lease {lease.hex} holds the KV of another prompt than the claim's (digests differ)")
         expires_at = self._renewal(lease, now)
         if lease.peer != peer:
             self._check_bind(lease, peer, now, limits)

@@ -34,12 +34,13 @@ from ..core.layout import PageLayout
 from ..core.negotiate import TransferPlan, negotiate
 from ..core.pages import int_array
 from ..core.plan import plan_reads
+from ..core.prompt import check_digest
 from ..core.text import printable
 from ..core.reads import ReadBatch
 from ..core.tracker import DeliveryTracker
 from ..errors import (
     AuthError, ConfigError, IncompleteFetch, QuotaExceeded, KvlendError, LeaseDenied, LeaseExpired, LeaseUnknown, PageRangeError, PeerLost,
-    ProtocolError, TransferCancelled, TransferTimeout,
+    PromptMismatch, ProtocolError, TransferCancelled, TransferTimeout,
 )
 from .actions import (
     AddPeer, Cancel, Close, Connect, FetchFinished, Offered, Outbox, PeerGone, PeerReady, Post, RemovePeer, Send,
@@ -56,7 +57,7 @@ log = logging.getLogger("kvlend.session")
 _REASON = 4000
 _PLAN_CACHE = 64
 _BEATS_KEPT = 64  # unanswered heartbeats remembered per link (a prefill that stalls costs no more)
-_REFUSALS = {cls.__name__: cls for cls in (LeaseExpired, LeaseUnknown, LeaseDenied)}
+_REFUSALS = {cls.__name__: cls for cls in (LeaseExpired, LeaseUnknown, LeaseDenied, PromptMismatch)}
 _REFUSED_KEPT = 4096  # early claims' refusals remembered per link
 
 
@@ -101,6 +102,7 @@ class Fetch:
     read_rows: dict = field(default_factory=dict)  # remote group -> token pages read or skipped so far
     ticket: Ticket | None = None  # redeemed from this ticket (its page table lets reads start with the claim)
     confirmed: bool = True  # False while reads posted from the ticket's pages await the claim's answer
+    prompt_digest: bytes = b""  # what its claim carries: the digest of the prompt it reads for (empty: none)
 
     @property
     def done(self) -> bool:
@@ -153,6 +155,7 @@ class _Link:
     waiting: list = field(default_factory=list)  # fetch ids to claim once READY
     abandoned: set = field(default_factory=set)  # leases whose claim we gave up on: their offer is stale
     early: dict = field(default_factory=dict)  # claimed ahead of a fetch, not yet answered: lease id -> sent at
+    claimed: dict = field(default_factory=dict)  # claimed ahead, until fetched or given back: lease id -> its digest
     refused: OrderedDict = field(default_factory=OrderedDict)  # early claims the prefill refused: id -> reason
 
 
@@ -301,9 +304,14 @@ class DecodeSession(Outbox):
         return fetch
 
     def fetch_ticket(self, ticket: Ticket, dst: Mapping[str, Any], now: float, resume_from: int = 0,
-                     timeout: float | None = None) -> Fetch:
-        """Redeem ``ticket``: connect to its prefill if no link is open, claim the lease, read it."""
+                     timeout: float | None = None, prompt_digest: bytes | None = None) -> Fetch:
+        """Redeem ``ticket``: connect to its prefill if no link is open, claim the lease, read it.
+
+        ``prompt_digest``: ``prompt_digest`` of the prompt the pages are read for; the claim carries it
+        and the prefill refuses it (``PromptMismatch``) unless its lease holds that prompt's KV.
+        """
         timeout = _timeout(timeout, self.config.transfer_timeout)
+        digest = check_digest(prompt_digest) or b""
         if not isinstance(ticket, Ticket):
             raise ProtocolError(f"expected a Ticket, got {type(ticket).__name__}")
         self._check_size(ticket.num_tokens)
@@ -315,18 +323,22 @@ class DecodeSession(Outbox):
         if known is not None and self._links[known].plan is not None:
             check_destination(self._links[known].plan, dst, ticket.num_tokens)
         self._check_issuer(ticket)
+        self._check_claimed(ticket, digest)
         conn = self.link_to(ticket.host, ticket.port, now)
         link = self._links[conn]
         link.expect = ticket.prefill
         offer = link.offers.get(ticket.lease)
         if offer is not None and offer.num_tokens == ticket.num_tokens:  # claimed ahead and answered: read it
-            return self.fetch_offer(conn, offer, dst, now, resume_from, timeout)
+            fetch = self.fetch_offer(conn, offer, dst, now, resume_from, timeout)
+            link.claimed.pop(ticket.lease, None)
+            return fetch
         if offer is not None:  # not what the ticket says: claim again, and the answer fails the fetch
             link.offers.pop(ticket.lease)
             link.sure.pop(ticket.lease, None)
         fetch = self._new_fetch(conn, ticket.lease, ticket.num_tokens, dst, resume_from, now, timeout,
                                 FetchState.CLAIMING)
-        fetch.ticket = ticket
+        fetch.ticket, fetch.prompt_digest = ticket, digest
+        link.claimed.pop(ticket.lease, None)
         reason = link.refused.pop(ticket.lease, None)
         sent = link.early.pop(ticket.lease, None)  # None too for a claim queued until the link is ready
         if reason is not None:
@@ -341,15 +353,17 @@ class DecodeSession(Outbox):
             link.waiting.append(fetch.id)
         return fetch
 
-    def claim_ticket(self, ticket: Ticket, now: float) -> None:
+    def claim_ticket(self, ticket: Ticket, now: float, prompt_digest: bytes | None = None) -> None:
         """Claim ``ticket``'s lease now and keep it alive (heartbeats) until ``fetch_ticket`` reads it.
 
         For an engine that learns of a request before it has pages to read it into: the lease
         no longer has to outlive the engine's queue on its TTL alone.  Idempotent; a refusal is
         remembered and fails the later fetch at once.  ``unclaim`` gives a lease back unread.
+        ``prompt_digest``: as in ``fetch_ticket``, which must then pass the same.
         """
         if not isinstance(ticket, Ticket):
             raise ProtocolError(f"expected a Ticket, got {type(ticket).__name__}")
+        digest = check_digest(prompt_digest) or b""
         self._check_size(ticket.num_tokens)
         if any(f.lease == ticket.lease and not f.done for f in self._fetches.values()):
             return
@@ -361,11 +375,19 @@ class DecodeSession(Outbox):
         if len(link.early) >= self.config.quotas.max_leases_per_peer:
             raise QuotaExceeded("max_leases_per_peer", len(link.early) + 1, self.config.quotas.max_leases_per_peer,
                                 "early claims on one link:")
+        link.claimed[ticket.lease] = digest
         if link.state is _LinkState.READY:
             link.early[ticket.lease] = now
-            link.conn.send(Claim(ticket.lease))
+            link.conn.send(Claim(ticket.lease, digest))
         else:
             link.early[ticket.lease] = None
+
+    def _check_claimed(self, ticket: Ticket, digest: bytes) -> None:
+        """``PromptMismatch`` if ``ticket``'s lease was claimed ahead for another prompt than ``digest``'s."""
+        conn = self._by_endpoint.get(ticket.endpoint)
+        claimed = self._links[conn].claimed.get(ticket.lease) if conn is not None else None
+        if claimed is not None and claimed != digest:
+            raise PromptMismatch(f"lease {ticket.lease.hex()} was claimed for another prompt than this fetch's")
 
     def _check_issuer(self, ticket: Ticket) -> None:
         """``AuthError`` if the link to the ticket's endpoint serves (or awaits) another prefill than it names."""
@@ -385,6 +407,7 @@ class DecodeSession(Outbox):
         if link is None:
             return
         link.refused.pop(ticket.lease, None)
+        link.claimed.pop(ticket.lease, None)
         if ticket.lease in link.early:
             if link.early.pop(ticket.lease) is not None:  # sent: its offer may still come, dropped then
                 link.abandoned.add(ticket.lease)
@@ -542,7 +565,7 @@ class DecodeSession(Outbox):
                 self._claim(link, fetch, now)
         for lease in [i for i, sent in link.early.items() if sent is None]:
             link.early[lease] = now
-            link.conn.send(Claim(lease))
+            link.conn.send(Claim(lease, link.claimed.get(lease, b"")))
 
     def _offer(self, conn: int, link: _Link, offer: LeaseOffer, now: float) -> None:
         if offer.id in link.abandoned:  # the answer to a claim we gave up on (and aborted)
@@ -639,6 +662,7 @@ class DecodeSession(Outbox):
         """The prefill refused a claim or ended the lease: nothing read under it may be used."""
         if message.lease in link.early or message.lease in link.offers:
             link.early.pop(message.lease, None)
+            link.claimed.pop(message.lease, None)
             link.refused[message.lease] = message.reason  # what a later fetch of its ticket fails with
             while len(link.refused) > _REFUSED_KEPT:
                 link.refused.popitem(last=False)
@@ -702,7 +726,7 @@ class DecodeSession(Outbox):
 
     def _claim(self, link: _Link, fetch: Fetch, now: float) -> None:
         fetch.claimed_at = now
-        link.conn.send(Claim(fetch.lease))
+        link.conn.send(Claim(fetch.lease, fetch.prompt_digest))
         self._read_ahead(link, fetch, now)
 
     def _read_ahead(self, link: _Link, fetch: Fetch, now: float) -> None:
@@ -711,10 +735,11 @@ class DecodeSession(Outbox):
         Nothing read counts until the claim's answer confirms the lease and the same pages
         (``_confirm``): the lease was live when the claim arrived, so it was live for every read
         before that, and the answer renews it for a TTL after.  A ticket without pages, for another
-        layout than the link's, or with pages this rank cannot read, waits for the answer instead.
+        layout than the link's, or with pages this rank cannot read, waits for the answer instead, and so
+        does a fetch bound to its prompt: no byte moves before the prefill checked the prompt digest.
         """
         ticket = fetch.ticket
-        if not self.config.read_ahead or ticket is None or ticket.pages is None \
+        if not self.config.read_ahead or fetch.prompt_digest or ticket is None or ticket.pages is None \
                 or ticket.layout_id != link.plan.remote.layout_id \
                 or not set(ticket.pages) <= set(link.plan.remote.groups):
             return

@@ -76,7 +76,8 @@ class PrefillSession(Outbox):
         self._peers: dict[int, _Peer] = {}
         self._by_name: dict[str, int] = {}  # ready peers
         self._loans: dict[bytes, _Loaned] = {}
-        self._waiting: dict[bytes, tuple[int, float]] = {}  # claims of leases not yet lent: (conn, deadline)
+        # claims of leases not yet lent: (conn, deadline, the claim's prompt digest)
+        self._waiting: dict[bytes, tuple[int, float, bytes]] = {}
         super().__init__()
 
     # ----------------------------------------------------------- connections
@@ -146,20 +147,21 @@ class PrefillSession(Outbox):
     # ---------------------------------------------------------------- engine
     def lend(self, request: str, num_tokens: int, pages: Mapping[str, Any], selection: RowSelection,
              now: float, *, meta: Mapping[str, Any] | None = None, peer: str | None = None,
-             lease_id: bytes | None = None, ready: int | None = None) -> Lease:
+             lease_id: bytes | None = None, ready: int | None = None, prompt_digest: bytes | None = None) -> Lease:
         """Lend ``request``'s pages; with ``peer`` None any decode may claim it through a ticket.
 
         ``lease_id``: the id of a ticket minted before the lend (a claim already waiting is answered now).
         ``ready``: lend progressively (see ``Lender.lend``); ``extend`` lends the rest.
+        ``prompt_digest``: ``prompt_digest`` of the request's prompt: only a claim for the same prompt reads it.
         ``QuotaExceeded`` (nothing lent) past ``max_num_tokens``, or past ``peer``'s lease or page quota.
         """
         meta = check_offer(request, meta or {})  # what the decode would refuse must not take locks
         lease = self.lender.lend(request, num_tokens, pages, selection, now, self.config.ttl, peer=peer,
-                                 limits=self._limits, lease_id=lease_id, ready=ready)
+                                 limits=self._limits, lease_id=lease_id, ready=ready, prompt_digest=prompt_digest)
         self._loans[lease.id] = _Loaned(meta)
-        conn, _ = self._waiting.pop(lease.id, (None, 0.0))
+        conn, _, digest = self._waiting.pop(lease.id, (None, 0.0, b""))
         if conn is not None:
-            self._claim(self._peers[conn], lease.id, now)
+            self._claim(self._peers[conn], lease.id, digest, now)
         return lease
 
     def offer(self, peer: str, request: str, num_tokens: int, pages: Mapping[str, Any],
@@ -199,8 +201,9 @@ class PrefillSession(Outbox):
         """The portable form of a lease, for the decode that ``host:port`` reaches us from."""
         ticket = Ticket(lease.id, host, port, self.name, lease.num_tokens, self.layout.layout_id)
         # A small, final lease of every row: its page table rides along, so its reader need not wait for
-        # the claim's answer (it reads with the full selection of our layout, which it holds).
-        whole = lease.final and lease.selection == self.layout.full_selection()
+        # the claim's answer (it reads with the full selection of our layout, which it holds).  Not for a
+        # lease bound to its prompt: nothing may be read before we checked the claim's digest.
+        whole = lease.final and lease.selection == self.layout.full_selection() and lease.prompt_digest is None
         return ticket.with_pages(lease.pages) if whole else ticket
 
     def release(self, lease_id: bytes) -> Lease | None:
@@ -233,7 +236,7 @@ class PrefillSession(Outbox):
         for conn, peer in list(self._peers.items()):
             if not peer.conn.ready and now > peer.conn.deadline:
                 self._drop(conn, f"no TLS handshake within {AUTH_TIMEOUT:.3g} s", notify=False)
-        for lease_id, (conn, deadline) in list(self._waiting.items()):
+        for lease_id, (conn, deadline, _) in list(self._waiting.items()):
             if now > deadline:
                 del self._waiting[lease_id]
                 self._peers[conn].conn.send(Abort(lease_id, f"LeaseUnknown: lease {lease_id.hex()} was not lent "
@@ -248,7 +251,7 @@ class PrefillSession(Outbox):
     def next_deadline(self) -> float | None:
         """When ``tick`` next has work (None: nothing pending)."""
         times = [p.conn.deadline for p in self._peers.values() if not p.conn.ready]
-        times.extend(deadline for _, deadline in self._waiting.values())
+        times.extend(deadline for _, deadline, _ in self._waiting.values())
         expiry = self.lender.next_expiry()
         if expiry is not None:
             times.append(expiry)
@@ -266,7 +269,7 @@ class PrefillSession(Outbox):
         elif isinstance(message, Heartbeat):
             peer.conn.send(Renewed(self._heartbeat(name, message.leases, now)))
         elif isinstance(message, Claim):
-            self._claim(peer, message.lease, now, conn)
+            self._claim(peer, message.lease, message.digest, now, conn)
         elif isinstance(message, Done):
             try:
                 self.lender.check_read(message.lease, name, now)
@@ -321,20 +324,20 @@ class PrefillSession(Outbox):
         log.info("handshake with %s: %s", printable(peer.name), plan.summary().splitlines()[0])
         self._events.append(PeerReady(conn, peer.name))
 
-    def _claim(self, peer: _Peer, lease_id: bytes, now: float, conn: int | None = None) -> None:
-        """Bind a ticket's lease to this peer and send its offer, renewed from now.
+    def _claim(self, peer: _Peer, lease_id: bytes, digest: bytes, now: float, conn: int | None = None) -> None:
+        """Bind a ticket's lease to this peer and send its offer, renewed from now, if ``digest`` is its prompt's.
 
         A lease never lent (yet) waits up to ``claim_wait`` for the lend when ``conn`` is given,
         one waiting claim per lease id and at most ``max_leases_per_peer`` per connection.
         """
         if conn is not None and self.config.claim_wait > 0 and not self.lender.known(lease_id):
-            mine = sum(c == conn for c, _ in self._waiting.values())
+            mine = sum(c == conn for c, _, _ in self._waiting.values())
             if lease_id not in self._waiting and mine < self.config.quotas.max_leases_per_peer:
-                self._waiting[lease_id] = (conn, now + self.config.claim_wait)
+                self._waiting[lease_id] = (conn, now + self.config.claim_wait, digest)
                 return
         try:
-            # LeaseExpired, LeaseUnknown, LeaseDenied, or QuotaExceeded (the peer's, or the lease's lifetime)
-            lease = self.lender.claim(lease_id, peer.name, now, self._limits)
+            # LeaseExpired, LeaseUnknown, LeaseDenied (PromptMismatch), or QuotaExceeded (the peer's, or the lifetime)
+            lease = self.lender.claim(lease_id, peer.name, now, self._limits, prompt_digest=digest or None)
         except KvlendError as exc:
             log.info("claim of lease %s by %s refused: %s", lease_id.hex(), printable(peer.name), printable(exc))
             peer.conn.send(Abort(lease_id, _error_text(exc)))
@@ -358,7 +361,7 @@ class PrefillSession(Outbox):
     def _drop(self, conn: int, why: str, level: int = logging.WARNING, notify: bool = True) -> None:
         """Forget a connection; its leases stay until they expire (its reads may still land)."""
         peer = self._peers.pop(conn)
-        for lease_id in [i for i, (c, _) in self._waiting.items() if c == conn]:
+        for lease_id in [i for i, (c, _, _) in self._waiting.items() if c == conn]:
             del self._waiting[lease_id]
         name = peer.name
         if name is not None and self._by_name.get(name) == conn:

@@ -3,13 +3,15 @@
 A prefill lends before it knows its reader and exports a ``Ticket``: the
 lease id (the capability), the prefill's control endpoint and identity,
 the token count and the prefill's layout id.  Any authenticated decode
-redeems it (``Claim`` over a link it opens once and reuses).  Bytes are
+redeems it (``Claim`` over a link it opens once and reuses), with the digest
+of the very prompt its lease was lent for when it was lent with one
+(``core.prompt``): a ticket alone, seen in a log or on the wire, reads nothing.  Bytes are
 msgpack; the text form (for JSON such as vLLM's ``kv_transfer_params``) is
 ``kvl1.`` plus unpadded base64url.  Decoding a peer's ticket is strict and
 never trusts a length it has not checked.
 
-A small lease of every row (the prefill layout's full selection) also
-carries its page table (``pages``, int32 rows):
+A small lease of every row (the prefill layout's full selection), not bound
+to a prompt, also carries its page table (``pages``, int32 rows):
 a decode that has a link to the prefill then reads at once, with the claim
 in flight, instead of waiting for the claim's answer; what it reads counts
 only once that answer confirms the same pages (see ``DecodeSession``).

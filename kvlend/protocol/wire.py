@@ -23,9 +23,10 @@ import numpy as np
 from ..errors import ProtocolError
 from ..core.layout import RowSelection, SelectionMode, _show  # _show: a short, non-recursive repr of a peer's value
 from ..core.lender import LEASE_ID_BYTES
+from ..core.prompt import PROMPT_DIGEST_BYTES
 from ..core.pages import GroupPages
 
-PROTOCOL_VERSION = 3  # 2: inside TLS, no MAC or sequence numbers; 3: progressive leases (ready, Extend)
+PROTOCOL_VERSION = 4  # 2: inside TLS, no MAC or sequence numbers; 3: progressive leases; 4: Claim.digest
 MAX_FRAME_BYTES = 16 << 20
 MAX_GROUP_PAGES = 1 << 22
 _LEN = struct.Struct(">I")
@@ -84,6 +85,12 @@ def _float(v: Any, where: str) -> float:
 
 def _is_int64(x: Any) -> bool:
     return isinstance(x, int) and not isinstance(x, bool) and _INT64[0] <= x < _INT64[1]
+
+
+def _digest(v: Any, where: str) -> bytes:
+    if not isinstance(v, bytes) or len(v) not in (0, PROMPT_DIGEST_BYTES):
+        raise ProtocolError(f"{where}: expected {PROMPT_DIGEST_BYTES} bytes, or none")
+    return v
 
 
 def _lease_ids(v: Any, where: str) -> tuple[bytes, ...]:
@@ -318,10 +325,13 @@ class Claim(Message):
 
     The prefill binds the lease to the claiming peer and renews it, so the
     decode knows it stays valid for a TTL from when it sent the claim.
+    ``digest``: the prompt digest of the decode's own request (empty: none); a lease
+    lent with a digest is refused (``PromptMismatch``) to a claim without the same.
     """
     TYPE: ClassVar[str] = "claim"
-    SCHEMA: ClassVar = {"lease": _lease_id}
+    SCHEMA: ClassVar = {"lease": _lease_id, "digest": _digest}
     lease: bytes
+    digest: bytes = b""
 
 
 @dataclass(frozen=True)
@@ -405,5 +415,6 @@ class FrameDecoder:
             raise ProtocolError("frame payload must be [version, message]")
         version, body = obj
         if type(version) is not int or version != PROTOCOL_VERSION:
-            raise ProtocolError(f"protocol version {_show(version)} is not {PROTOCOL_VERSION}")
+            raise ProtocolError(f"peer speaks kvlend protocol version {_show(version)}, this rank speaks "
+                                f"{PROTOCOL_VERSION}: run the same kvlend release on both sides")
         return message_from_wire(body)

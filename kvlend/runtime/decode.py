@@ -215,7 +215,8 @@ class DecodeNode(Shell):
 
     # --------------------------------------------------------------- fetches
     def start_fetch(self, source: Ticket | str | bytes | LeaseOffer, dst: Mapping[str, Any], *,
-                    link: Link | None = None, resume_from: int = 0, timeout: float | None = None) -> FetchHandle:
+                    link: Link | None = None, resume_from: int = 0, timeout: float | None = None,
+                    prompt_digest: bytes | None = None) -> FetchHandle:
         """Start reading ``source`` into ``dst`` (local group -> slot per local token page); never blocks.
 
         ``source`` is a ticket (object, bytes or text: the prefill is connected on first use) or an
@@ -223,6 +224,8 @@ class DecodeNode(Shell):
         fetch up to the prefill's done ack.  Bad arguments raise here, before anything changes, and
         so does a ticket the registry (when healthy) rules out: ``PeerLost`` if its prefill is not
         listed (see ``_registered``, also for a prefill listed at another endpoint).
+        ``prompt_digest``: ``kvlend.prompt_digest`` of the prompt ``dst`` is for, sent with the claim; a
+        ticket lent for another prompt then fails (``PromptMismatch``) before any byte moves.
         """
         started = time.perf_counter()
         with self._lock:
@@ -230,10 +233,12 @@ class DecodeNode(Shell):
             if isinstance(source, LeaseOffer) or link is not None:
                 if link is None:
                     raise ProtocolError("a pushed offer needs the link it came over")
+                if prompt_digest is not None:
+                    raise ProtocolError("a pushed offer was lent to this rank by name: it takes no prompt_digest")
                 fetch = self.session.fetch_offer(link.id, source, dst, now, resume_from, timeout)
             else:
                 fetch = self.session.fetch_ticket(self._registered(_ticket(source), resume_from), dst, now,
-                                                  resume_from, timeout)
+                                                  resume_from, timeout, prompt_digest)
             handle = self._handles[fetch.id] = FetchHandle(self, fetch)
         self._wake()
         if not self.threaded:
@@ -241,16 +246,17 @@ class DecodeNode(Shell):
         METRICS.observe("kvlend_post_seconds", time.perf_counter() - started)
         return handle
 
-    def claim(self, ticket: Ticket | str | bytes) -> None:
+    def claim(self, ticket: Ticket | str | bytes, prompt_digest: bytes | None = None) -> None:
         """Claim ``ticket``'s lease now and keep it alive until ``start_fetch(ticket, ...)`` reads it.
 
         For an engine that learns of a request before it has pages for it (vLLM: at arrival,
         before blocks are allocated); ``unclaim`` gives it back unread.  Never blocks; refuses what
-        ``start_fetch`` would refuse by the registry.
+        ``start_fetch`` would refuse by the registry.  ``prompt_digest``: as for ``start_fetch``, which
+        must then give the same.
         """
         ticket = self._registered(_ticket(ticket))
         with self._lock:
-            self.session.claim_ticket(ticket, self.clock())
+            self.session.claim_ticket(ticket, self.clock(), prompt_digest)
         self._wake()
         if not self.threaded:
             self.flush()

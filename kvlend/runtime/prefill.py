@@ -126,8 +126,12 @@ class PrefillNode(Shell):
 
     def lend(self, request: str, num_tokens: int, pages: Mapping[str, Any],
              selection: RowSelection = RowSelection.all(), meta: Mapping[str, Any] | None = None,
-             lease_id: bytes | None = None, ready: int | None = None) -> Ticket:
+             lease_id: bytes | None = None, ready: int | None = None, prompt_digest: bytes | None = None) -> Ticket:
         """Lend ``request``'s pages to whichever decode redeems the returned ticket.
+
+        ``prompt_digest`` (``kvlend.prompt_digest`` of the request's prompt token ids): only a decode
+        claiming with the same digest reads the pages, so the ticket alone, wherever it leaks, reads
+        nothing.  Give it whenever tickets pass through hands you do not trust (HTTP clients, routers).
 
         ``lease_id``: lend under the id of a ``Ticket`` minted earlier from this node's ``advertise``,
         ``port``, name and layout id, for engines whose scheduler answers the client before the
@@ -137,7 +141,7 @@ class PrefillNode(Shell):
         """
         with self._lock:
             lease = self.session.lend(request, num_tokens, pages, selection, self.clock(), meta=meta,
-                                      lease_id=lease_id, ready=ready)
+                                      lease_id=lease_id, ready=ready, prompt_digest=prompt_digest)
             ticket = self.session.ticket(lease, self.advertise, self.port)
         METRICS.inc("kvlend_leases_total")
         self._wake()

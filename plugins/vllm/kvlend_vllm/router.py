@@ -4,7 +4,8 @@ Why: with a KV connector, a request must first run on a prefill server as a
 one-token request that keeps its KV (``do_remote_decode``), then on a decode
 server with the ``kv_transfer_params`` the prefill returned.  This speaks the
 same protocol as vLLM's toy proxy for NixlConnector, so it drives vLLM's
-NixlConnector and kvlend's connector alike.
+NixlConnector and kvlend's connector alike.  The decode always gets the
+prefill's ``kv_transfer_params`` (or none), never the client's.
 
     python -m kvlend_vllm.router --port P --prefill URL [--prefill URL ...] --decode URL [...]
 
@@ -88,7 +89,11 @@ def build_app(prefill: list[str], decode: list[str], *, timeout_s: float = 600.0
         kv_params = _json_or_text(p).get("kv_transfer_params") or None
         if kv_params is None:
             log.warning("prefill %s returned no kv_transfer_params (rid %s)", p_url, rid)
-        d_body = dict(body, kv_transfer_params=kv_params) if kv_params else body
+        # Only the prefill's: a client's own kv_transfer_params (another request's ticket, say) never reach the
+        # decode, which then computes what the prefill did not lend.
+        d_body = {k: v for k, v in body.items() if k != "kv_transfer_params"}
+        if kv_params:
+            d_body["kv_transfer_params"] = kv_params
         meta = {"x-kvlend-prefill-ms": f"{prefill_ms:.1f}", "x-kvlend-prefill": p_url,
                 "x-kvlend-decode": d_url, "x-request-id": rid}
 

@@ -8,6 +8,12 @@ worker to lend under that id on the next step; a claim that arrives first
 waits for the lend (``NodeConfig.claim_wait``).  Nothing here blocks,
 raises into vLLM on a bad ticket, or touches NIXL.  vLLM objects are read
 duck-typed (``request``, ``blocks``), so the logic is tested without an engine.
+
+A ticket travels in ``kv_transfer_params``, which any HTTP client can set, so
+both sides bind it to the request's content (``request_digest``): the prefill
+lends under the digest of its prompt, the decode claims with its own request's,
+and a ticket put on another prompt reads nothing (the request is computed
+locally).
 """
 
 from __future__ import annotations
@@ -18,6 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvlend.core.lender import LEASE_ID_BYTES
+from kvlend.core.prompt import prompt_digest
 from kvlend.errors import KvlendError
 from kvlend.protocol.ticket import Ticket
 
@@ -43,6 +50,7 @@ class Lend:
     lease: bytes
     num_tokens: int
     blocks: tuple[int, ...]
+    digest: bytes  # ``request_digest`` of the request: only a claim for the same content reads it
 
 
 @dataclass(frozen=True)
@@ -52,6 +60,7 @@ class Load:
     num_tokens: int  # the ticket's: the load is complete once the bound reaches it
     blocks: tuple[int, ...]
     resume_from: int  # tokens vLLM already holds locally (block-aligned): not fetched
+    digest: bytes  # ``request_digest`` of the request the blocks are for: its claim carries it
 
 
 @dataclass
@@ -59,7 +68,7 @@ class StepPlan:
     """What one engine step asks of the worker (the connector metadata's contents)."""
 
     lends: list[Lend] = field(default_factory=list)
-    claims: list[str] = field(default_factory=list)  # tickets to claim now, before vLLM has blocks for them
+    claims: list[tuple[str, bytes]] = field(default_factory=list)  # (ticket, digest) to claim before vLLM has blocks
     loads: list[Load] = field(default_factory=list)
     unclaims: list[str] = field(default_factory=list)  # tickets claimed and never to be loaded
     cancels: list[str] = field(default_factory=list)
@@ -67,6 +76,24 @@ class StepPlan:
 
 def pages_for(num_tokens: int, block_size: int) -> int:
     return -(-num_tokens // block_size)
+
+
+def request_digest(request: Any, num_tokens: int) -> bytes | None:
+    """The prompt digest of ``request``'s first ``num_tokens`` prompt tokens and of what else their KV
+    depends on (LoRA adapter, images and other multimodal inputs, and the cache salt, which keeps tenants
+    apart); None if the prompt has fewer token ids (say, prompt embeddings): such a request is not lent."""
+    ids = request.prompt_token_ids
+    if ids is None or len(ids) < num_tokens:
+        return None
+    lora = getattr(request, "lora_request", None)
+    parts = ["lora", getattr(lora, "lora_name", "") if lora is not None else "",
+             "salt", getattr(request, "cache_salt", None) or ""]
+    for feature in getattr(request, "mm_features", None) or ():
+        position = getattr(feature, "mm_position", None)
+        parts += ["mm", str(feature.identifier), str(getattr(position, "offset", "")),
+                  str(getattr(position, "length", ""))]
+    context = b"".join(len(b).to_bytes(4, "little") + b for b in (p.encode() for p in parts))
+    return prompt_digest(ids[:num_tokens], context)
 
 
 class ProducerScheduler:
@@ -92,11 +119,15 @@ class ProducerScheduler:
         if self.endpoint is None:
             log.warning("request %s: no kvlend endpoint from the worker yet; not lent", request.request_id)
             return False, None
+        digest = request_digest(request, num_tokens)
+        if digest is None:
+            log.info("request %s: its KV covers more than its prompt token ids; not lent", request.request_id)
+            return False, None
         blocks = tuple(block_ids[:pages_for(num_tokens, self.block_size)])
         lease = secrets.token_bytes(LEASE_ID_BYTES)
         e = self.endpoint
         ticket = Ticket(lease, e.host, e.port, e.name, num_tokens, e.layout_id)
-        self._plan.lends.append(Lend(request.request_id, lease, num_tokens, blocks))
+        self._plan.lends.append(Lend(request.request_id, lease, num_tokens, blocks, digest))
         self._held.add(request.request_id)
         return True, {"do_remote_prefill": True, "do_remote_decode": False, TICKET_KEY: ticket.to_text(),
                       "remote_num_tokens": num_tokens}
@@ -120,7 +151,7 @@ class ConsumerScheduler:
     def __init__(self, block_size: int) -> None:
         self.block_size = block_size
         self._plan = StepPlan()
-        self._claimed: dict[str, str] = {}  # request -> ticket, claimed at arrival and not yet loading
+        self._claimed: dict[str, tuple[str, bytes]] = {}  # request -> (ticket, digest), claimed and not yet loading
         self._loading: set[str] = set()
 
     def ticket_of(self, request: Any) -> Ticket | None:
@@ -142,15 +173,16 @@ class ConsumerScheduler:
 
     def on_new_request(self, request: Any) -> None:
         """Claim the ticket as the request arrives: heartbeats keep the lease alive while it queues."""
-        if self.ticket_of(request) is not None:
-            text = request.kv_transfer_params[TICKET_KEY]
-            self._plan.claims.append(text)
-            self._claimed[request.request_id] = text
+        ticket = self.ticket_of(request)
+        if ticket is not None:
+            claim = (request.kv_transfer_params[TICKET_KEY], request_digest(request, ticket.num_tokens))
+            self._plan.claims.append(claim)
+            self._claimed[request.request_id] = claim
 
     def _unclaim(self, request_id: str) -> None:
-        text = self._claimed.pop(request_id, None)
-        if text is not None:
-            self._plan.unclaims.append(text)
+        claim = self._claimed.pop(request_id, None)
+        if claim is not None:
+            self._plan.unclaims.append(claim[0])
 
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
         ticket = self.ticket_of(request)
@@ -167,11 +199,12 @@ class ConsumerScheduler:
         if num_external_tokens <= 0:
             self._unclaim(request.request_id)  # all local: give the prefill its blocks back now
             return
-        self._claimed.pop(request.request_id, None)
+        claim = self._claimed.pop(request.request_id, None)
+        digest = claim[1] if claim is not None else request_digest(request, ticket.num_tokens)
         table = tuple(blocks.get_block_ids()[0][:pages_for(ticket.num_tokens, self.block_size)])
         resume = request.num_computed_tokens
         self._plan.loads.append(Load(request.request_id, request.kv_transfer_params[TICKET_KEY], ticket.num_tokens,
-                                     table, resume))
+                                     table, resume, digest))
         self._loading.add(request.request_id)
 
     def request_finished(self, request: Any) -> None:

@@ -96,7 +96,7 @@ class ProducerWorker:
         for lend in plan.lends:
             try:
                 self.node.lend(lend.request, lend.num_tokens, {"full": list(lend.blocks)},
-                               self.node.layout.full_selection(), lease_id=lend.lease)
+                               self.node.layout.full_selection(), lease_id=lend.lease, prompt_digest=lend.digest)
             except KvlendError as exc:  # nothing lent: free the blocks now; a claim is refused after claim_wait
                 log.warning("request %s: not lent (%s); its blocks are freed", lend.request, exc)
                 with self._lock:
@@ -156,9 +156,9 @@ class ConsumerWorker:
         log.info("kvlend decode %s ready (layout %s)", self.node.name, layout.layout_id)
 
     def start(self, plan: StepPlan) -> None:
-        for text in plan.claims:
+        for text, digest in plan.claims:
             try:
-                self.node.claim(text)
+                self.node.claim(text, prompt_digest=digest)
             except KvlendError as exc:  # the fetch will claim again, or fail and be recomputed
                 log.warning("early claim of a ticket failed: %s", exc)
         for text in plan.unclaims:
@@ -175,7 +175,7 @@ class ConsumerWorker:
             started = time.perf_counter()
             try:
                 handle = self.node.start_fetch(load.ticket, {"full": list(load.blocks)},
-                                               resume_from=load.resume_from)
+                                               resume_from=load.resume_from, prompt_digest=load.digest)
             except KvlendError as exc:  # nothing was read: every block is recomputed
                 log.warning("request %s: fetch not started (%s); recomputing", load.request, exc)
                 recompute = load.blocks[load.resume_from // self.block_size:]
