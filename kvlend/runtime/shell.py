@@ -206,16 +206,19 @@ class Shell:
             self._sockets.send(conn, out)
 
     def _perform(self, action) -> None:
+        """One action.  If it fails (any exception) only what it belongs to fails, typed: its read or its
+        link; the actions queued after it still run."""
+        try:
+            self._act(action)
+        except Exception as exc:
+            self._action_failed(action, exc)
+        self._idle = 0.0
+
+    def _act(self, action) -> None:
         if isinstance(action, Send):
             channel = self._channels.get(action.conn)
             if channel is not None:
-                try:
-                    channel.send(action.data)
-                except KvlendError as exc:
-                    self._channels.pop(action.conn)
-                    self._sockets.close(action.conn)
-                    self._report_closed(action.conn, str(exc))
-                    return
+                channel.send(action.data)
                 self._push(action.conn, channel)
         elif isinstance(action, Close):
             channel = self._channels.pop(action.conn, None)
@@ -237,27 +240,34 @@ class Shell:
         elif isinstance(action, RemovePeer):
             agent = self._agents.pop(action.conn, None)
             if agent is not None:
-                try:
-                    self.backend.remove_peer(agent)
-                except KvlendError as exc:
-                    log.info("removing backend peer %s: %s", printable(agent), printable(exc))
+                self.backend.remove_peer(agent)
         elif isinstance(action, Post):
             self._tags.add(action.tag)
             agent = self._agents.get(action.conn)
-            try:
-                if agent is None:
-                    raise KvlendError(f"link {action.conn} has no backend peer")
-                self.backend.post_read(agent, action.batches, action.tag)
-            except Exception as exc:  # refused before anything moved: nothing is in flight
-                if not isinstance(exc, KvlendError):  # a backend bug must still end the fetch, not hang it
-                    exc = BackendError(f"posting read {action.tag!r}: {type(exc).__name__}: {exc}")
-                self._tags.discard(action.tag)
-                with self._lock:
-                    self._read_done(action.tag, exc, self.clock())
+            if agent is None:
+                raise KvlendError(f"link {action.conn} has no backend peer")
+            self.backend.post_read(agent, action.batches, action.tag)
         elif isinstance(action, Cancel):
             if action.tag in self._tags:
                 self.backend.cancel(action.tag)
-        self._idle = 0.0
+
+    def _action_failed(self, action, exc: Exception) -> None:
+        """``action`` raised: end the read or the link it belongs to (a bug must end them too, not hang them)."""
+        what = type(action).__name__.lower()
+        why = str(exc) if isinstance(exc, KvlendError) else f"{what} failed: {type(exc).__name__}: {exc}"
+        if isinstance(action, Post):  # refused before anything moved: nothing is in flight
+            if not isinstance(exc, KvlendError):
+                exc = BackendError(f"posting read {action.tag!r}: {type(exc).__name__}: {exc}")
+            self._tags.discard(action.tag)
+            with self._lock:
+                self._read_done(action.tag, exc, self.clock())
+        elif isinstance(action, (Send, Close, Connect, AddPeer)):
+            self._channels.pop(action.conn, None)
+            self._sockets.close(action.conn)
+            if not isinstance(action, Close):
+                self._report_closed(action.conn, why)
+        else:  # RemovePeer, Cancel: the session's own deadlines end what they were for
+            log.info("%s: %r failed: %s", self.name, action, printable(why))
 
     # ------------------------------------------------------------- registry
     def _record(self, role: str, host: str, port: int, layout, config, capacity: int | None,

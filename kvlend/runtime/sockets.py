@@ -58,8 +58,8 @@ class Sockets:
             infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
             family, kind, proto, _, address = infos[0]
             sock = socket.socket(family, kind, proto)
-        except OSError as exc:
-            return f"cannot connect to {host}:{port}: {exc}"
+        except Exception as exc:  # not only OSError: a name IDNA cannot encode raises UnicodeError
+            return f"cannot connect to {host}:{port}: {type(exc).__name__}: {exc}"
         sock.setblocking(False)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         code = sock.connect_ex(address)

@@ -1,0 +1,131 @@
+"""The shell under faulty and hostile input, over real NIXL agents and real TLS: one failing action, a slow
+name lookup or a peer that never reads its replies costs only what it belongs to.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+import threading
+import time
+
+import numpy as np
+import pytest
+from conftest import FreeList, creds, make_layout, make_pools, nixl, prefill_request, slots
+from test_many_inflight import expected
+
+from kvlend.errors import PeerLost
+from kvlend.runtime import DecodeNode, NodeConfig, PrefillNode
+
+DEADLINE = 10.0  # a guard: anything that takes this long has hung
+PAGES = 64
+TPP = 4
+CONFIG = NodeConfig(handshake_timeout=DEADLINE, transfer_timeout=DEADLINE)
+
+
+def wait_for(condition, what: str, deadline: float = DEADLINE) -> None:
+    end = time.monotonic() + deadline
+    while not condition():
+        assert time.monotonic() < end, f"{what}: not within {deadline} s"
+        time.sleep(0.005)
+
+
+@contextlib.contextmanager
+def held(node):
+    """The node's loop, held: whatever engine calls queue meanwhile goes out as one batch."""
+    with node._turn:
+        yield
+
+
+@contextlib.contextmanager
+def nodes(prefills: int = 1, advertise=(), prefill_config: NodeConfig = CONFIG):
+    """Started prefill nodes (``advertise``: the host each one's tickets name) and a started decode."""
+    started, srcs = [], []
+    decode = None
+    try:
+        for rank in range(prefills):
+            src = make_pools(PAGES)
+            node = PrefillNode(make_layout(src), nixl(f"prefill{rank}"), creds(f"prefill-{rank}"),
+                               advertise=advertise[rank] if rank < len(advertise) else None, config=prefill_config)
+            node.start()
+            started.append(node)
+            srcs.append(src)
+        dst = make_pools(PAGES)
+        decode = DecodeNode(make_layout(dst), nixl("decode"), creds("decode"), config=CONFIG)
+        decode.start()
+        yield started, srcs, decode, dst
+    finally:
+        if decode is not None:
+            decode.close()
+            decode.backend.close()
+        for node in started:
+            node.close()
+            node.backend.close()
+
+
+class Requests:
+    """Requests lent by prefills as tickets, each read into its own decode pages and checked byte for byte."""
+
+    def __init__(self, decode: DecodeNode, dst) -> None:
+        self.decode, self.dst = decode, dst
+        rng = np.random.default_rng(3)
+        self.dfree = {g: FreeList(PAGES, rng) for g in decode.layout.groups}
+        self.free: dict[int, dict] = {}
+        self.want: dict[str, tuple] = {}
+
+    def lend(self, prefill: PrefillNode, src, seed: int, num_tokens: int = 21):
+        free = self.free.setdefault(id(prefill), {g: FreeList(PAGES, np.random.default_rng(seed))
+                                                  for g in prefill.layout.groups})
+        tables = prefill_request(prefill.layout, src, free, num_tokens, seed)
+        request = f"req-{seed}"
+        table = {g: self.dfree[g].alloc(-(-num_tokens // TPP)) for g in self.decode.layout.groups}
+        self.want[request] = (table, expected(self.decode.layout, table, seed, num_tokens))
+        return prefill.lend(request, num_tokens, tables, prefill.layout.full_selection()), table
+
+    def check(self, handle) -> None:
+        assert handle.ok, handle.error
+        table, exp = self.want[handle.request]
+        for (group, layer), (rows, data) in exp.items():
+            np.testing.assert_array_equal(slots(self.dst[layer])[table[group][rows]], data, err_msg=handle.request)
+
+
+# ------------------------------------------------------------ one action fails
+@pytest.mark.parametrize("host", ["a..b", "bug.invalid"])
+def test_a_connect_that_raises_fails_only_its_link_and_the_rest_of_the_batch_runs(host):
+    """``a..b`` makes ``getaddrinfo`` raise ``UnicodeError`` (not an ``OSError``); for ``bug.invalid`` the
+    sockets' connect raises a plain ``RuntimeError``, as a bug would.  Either way its link fails typed, and the
+    claims queued in the same batch still go out, so their fetches finish byte-exact."""
+    with nodes() as (prefills, srcs, decode, dst):
+        prefill = prefills[0]
+        decode.connect(*prefill.address)
+        connect = decode._sockets.connect
+
+        def buggy_connect(conn, to, port):
+            if to == "bug.invalid":
+                raise RuntimeError("injected fault")
+            return connect(conn, to, port)
+
+        decode._sockets.connect = buggy_connect
+        requests = Requests(decode, dst)
+        lent = [requests.lend(prefill, srcs[0], seed) for seed in (1, 2)]
+        failure: list[BaseException] = []
+
+        def dial_bad_host() -> None:
+            try:
+                decode.connect(host, prefill.port)
+            except BaseException as exc:
+                failure.append(exc)
+
+        bad = threading.Thread(target=dial_bad_host, daemon=True)
+        with held(decode):
+            handles = [decode.start_fetch(ticket.to_text(), table) for ticket, table in lent]
+            bad.start()
+            wait_for(lambda: any(decode.session.link_info(c)["endpoint"][0] == host for c in decode.session.links),
+                     "the bad connect queued")
+        decode.wait(handles, DEADLINE)
+        for handle in handles:
+            requests.check(handle)
+        bad.join(DEADLINE)
+        assert len(failure) == 1 and isinstance(failure[0], PeerLost), failure
+        assert host in str(failure[0])
+        assert [link.host for link in decode.links] == [prefill.host]  # the good link is still up
