@@ -13,8 +13,9 @@ import numpy as np
 import pytest
 from conftest import FreeList, creds, make_layout, make_pools, nixl, prefill_request, slots
 from test_many_inflight import expected
+from test_ticket_fields import wire_text
 
-from kvlend.errors import PeerLost
+from kvlend.errors import PeerLost, ProtocolError
 from kvlend.runtime import DecodeNode, NodeConfig, PrefillNode
 
 DEADLINE = 10.0  # a guard: anything that takes this long has hung
@@ -129,3 +130,19 @@ def test_a_connect_that_raises_fails_only_its_link_and_the_rest_of_the_batch_run
         assert len(failure) == 1 and isinstance(failure[0], PeerLost), failure
         assert host in str(failure[0])
         assert [link.host for link in decode.links] == [prefill.host]  # the good link is still up
+
+
+def test_a_ticket_with_a_bad_host_is_refused_before_anything_connects_and_others_still_read():
+    with nodes() as (prefills, srcs, decode, dst):
+        requests = Requests(decode, dst)
+        ticket, table = requests.lend(prefills[0], srcs[0], 3)
+        forged = wire_text(lease=ticket.lease, host="a..b", port=ticket.port, prefill=ticket.prefill,
+                           num_tokens=ticket.num_tokens, layout_id=ticket.layout_id)
+        with pytest.raises(ProtocolError, match="ticket.host"):
+            decode.start_fetch(forged, table)
+        with pytest.raises(ProtocolError, match="ticket.host"):
+            decode.claim(forged)
+        assert decode.session.links == [] and decode.in_flight == 0  # nothing dialled, nothing started
+        handle = decode.start_fetch(ticket.to_text(), table)
+        decode.wait([handle], DEADLINE)
+        requests.check(handle)
