@@ -146,3 +146,37 @@ def test_a_ticket_with_a_bad_host_is_refused_before_anything_connects_and_others
         handle = decode.start_fetch(ticket.to_text(), table)
         decode.wait([handle], DEADLINE)
         requests.check(handle)
+
+
+# ------------------------------------------------------------ name lookups
+def test_a_slow_name_lookup_holds_up_no_fetch_to_another_prefill(monkeypatch):
+    """Tickets name their prefills by host name; the lookup of one hangs (a slow DNS server) until the test
+    lets it go.  A fetch from the other prefill finishes meanwhile, and the slow one once its name resolves."""
+    slow = threading.Event()
+    real = socket.getaddrinfo
+
+    def getaddrinfo(host, port, *args, **kwargs):
+        if kwargs.get("flags", 0) & socket.AI_NUMERICHOST:
+            return real(host, port, *args, **kwargs)  # only asks whether it is an IP literal: never waits
+        if host == "slow.test":
+            slow.wait(3 * DEADLINE)
+        return real("127.0.0.1" if host.endswith(".test") else host, port, *args, **kwargs)
+
+    monkeypatch.setattr(socket, "getaddrinfo", getaddrinfo)
+    try:
+        with nodes(2, advertise=("slow.test", "fast.test")) as (prefills, srcs, decode, dst):
+            requests = Requests(decode, dst)
+            (slow_ticket, slow_table), (fast_ticket, fast_table) = (
+                requests.lend(prefill, src, seed) for seed, prefill, src in zip((4, 5), prefills, srcs))
+            assert (slow_ticket.host, fast_ticket.host) == ("slow.test", "fast.test")
+            held_up = decode.start_fetch(slow_ticket.to_text(), slow_table)
+            wait_for(lambda: decode.session.links, "the slow lookup started")
+            fast = decode.start_fetch(fast_ticket.to_text(), fast_table)
+            decode.wait([fast], DEADLINE)
+            requests.check(fast)
+            assert not held_up.done and not slow.is_set()  # its name is still being looked up
+            slow.set()
+            decode.wait([held_up], DEADLINE)
+            requests.check(held_up)
+    finally:
+        slow.set()
