@@ -5,6 +5,7 @@ name lookup or a peer that never reads its replies costs only what it belongs to
 from __future__ import annotations
 
 import contextlib
+import logging
 import socket
 import threading
 import time
@@ -13,9 +14,13 @@ import numpy as np
 import pytest
 from conftest import FreeList, creds, make_layout, make_pools, nixl, prefill_request, slots
 from test_many_inflight import expected
+from raw_peer import RawDecode
 from test_ticket_fields import wire_text
 
+from kvlend.core.lender import LEASE_ID_BYTES
 from kvlend.errors import PeerLost, ProtocolError
+from kvlend.protocol.connection import Connection
+from kvlend.protocol.wire import Claim
 from kvlend.runtime import DecodeNode, NodeConfig, PrefillNode
 
 DEADLINE = 10.0  # a guard: anything that takes this long has hung
@@ -180,3 +185,64 @@ def test_a_slow_name_lookup_holds_up_no_fetch_to_another_prefill(monkeypatch):
             requests.check(held_up)
     finally:
         slow.set()
+
+
+# ------------------------------------------------------ a peer that never reads
+class Drops(logging.Handler):
+    """Why the prefill session dropped a decode: its "dropped decode rank" lines, nothing else."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if record.msg.startswith("dropped decode rank"):
+            self.lines.append(record.getMessage())
+
+
+@pytest.mark.parametrize("limits, why", [
+    # One TLS record of claims (16 KiB) is answered by 64 KiB of aborts: past the cap in one turn.
+    (dict(output_pause_bytes=16 << 10, max_output_bytes=48 << 10), "exceed the cap of 49152"),
+    (dict(output_pause_bytes=16 << 10, output_stall_timeout=1.0), "pending for more than 1 s"),
+], ids=["cap", "deadline"])
+def test_a_decode_that_never_reads_its_replies_is_paused_then_dropped_and_others_still_read(limits, why):
+    """An authenticated decode pipelines claims of unknown leases (each answered by an Abort) and reads
+    nothing: the prefill stops reading it once its replies pile up, then drops it; an honest decode's
+    fetch from the same prefill finishes byte-exact meanwhile."""
+    config = NodeConfig(handshake_timeout=DEADLINE, transfer_timeout=DEADLINE, **limits)
+    with nodes(prefill_config=config) as (prefills, srcs, decode, dst):
+        prefill = prefills[0]
+        hung_up = threading.Event()
+        with RawDecode(prefill.address, creds("mute-decode")) as mute:
+            mute.handshake(decode.layout)
+            claims = Connection(time.monotonic())
+            claims.authenticate(mute.peer)
+            for i in range(4096):
+                claims.send(Claim(i.to_bytes(LEASE_ID_BYTES, "big")))
+            burst = claims.data_to_send()  # 4096 claims: pipelined, never waiting for an answer
+
+            def flood() -> None:
+                try:
+                    while True:
+                        mute.send_bytes(burst)
+                except (PeerLost, OSError):
+                    hung_up.set()
+
+            drops = Drops()
+            session_log = logging.getLogger("kvlend.session")
+            level = session_log.level
+            session_log.setLevel(logging.INFO)
+            session_log.addHandler(drops)
+            try:
+                threading.Thread(target=flood, daemon=True).start()
+                wait_for(lambda: "mute-decode" not in prefill.ready_peers(), "the mute decode dropped", 3 * DEADLINE)
+            finally:
+                session_log.removeHandler(drops)
+                session_log.setLevel(level)
+            assert len(drops.lines) == 1 and "mute-decode" in drops.lines[0] and why in drops.lines[0], drops.lines
+            requests = Requests(decode, dst)
+            ticket, table = requests.lend(prefill, srcs[0], 6)
+            handle = decode.start_fetch(ticket.to_text(), table)
+            decode.wait([handle], DEADLINE)
+            requests.check(handle)
+            assert hung_up.wait(DEADLINE), "the mute decode's connection is still open"

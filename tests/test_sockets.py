@@ -462,3 +462,57 @@ def test_lookups_running_at_once_are_capped_and_a_closed_one_frees_nothing_early
     finally:
         stuck.set()
         client.close_all()
+
+
+# ------------------------------------------------------ a peer that never reads
+def fill(server: Sockets, sid: int, ev: Events, until, chunk: int = 256 << 10) -> int:
+    """Send ``chunk``-byte pieces to a client that never reads until ``until()``; the most ever pending."""
+    most = 0
+    end = time.monotonic() + DEADLINE
+    while not until():
+        assert time.monotonic() < end, "the peer's backlog never built up"
+        server.send(sid, bytes(chunk))
+        most = max(most, server.pending_output(sid))
+        ev.add(server.poll(0.001))
+    return most
+
+
+def test_a_peer_whose_output_piles_up_is_not_read_until_it_drains():
+    server, client = Sockets(pause_output=64 << 10, max_output=1 << 30), Sockets()
+    try:
+        sev, cev, _ = connect_pair(server, client)
+        fill(server, 7, sev, lambda: server.pending_output(7) > 64 << 10)
+        client.send(1, b"a request the server must not read yet")
+        for _ in range(50):  # the request sits in the kernel: the server reads nothing while backed up
+            sev.add(server.poll(0.002))
+        assert 7 not in sev.data
+        pump({server: sev, client: cev}, lambda: bytes(sev.data.get(7, b"")) == b"a request the server must not "
+             b"read yet", "the client reads, the server drains and then reads")
+        assert server.pending_output(7) <= 64 << 10 and 7 not in sev.gone
+    finally:
+        server.close_all()
+        client.close_all()
+
+
+def test_a_peer_whose_output_passes_the_cap_is_dropped():
+    server, client = Sockets(pause_output=64 << 10, max_output=1 << 20), Sockets()
+    try:
+        sev, _, _ = connect_pair(server, client)
+        most = fill(server, 7, sev, lambda: 7 in sev.gone)
+        assert most <= 1 << 20
+        assert "exceed the cap of 1048576" in sev.gone[7] and 7 not in server
+    finally:
+        server.close_all()
+        client.close_all()
+
+
+def test_a_peer_backed_up_past_the_output_timeout_is_dropped():
+    server, client = Sockets(pause_output=64 << 10, max_output=1 << 30, output_timeout=0.3), Sockets()
+    try:
+        sev, _, _ = connect_pair(server, client)
+        fill(server, 7, sev, lambda: server.pending_output(7) > 64 << 10)
+        pump({server: sev}, lambda: 7 in sev.gone, "the stalled peer dropped")
+        assert "for more than 0.3 s" in sev.gone[7] and 7 not in server
+    finally:
+        server.close_all()
+        client.close_all()

@@ -84,10 +84,17 @@ class NodeConfig:
     # then the reader holds no lease, so it may be reading pages the prefill has already reused (for
     # it, garbage that it then discards; the prefill is never written).
     read_ahead: bool = False
+    # What a peer that does not read what it is sent may cost (both ends, per connection): past
+    # ``output_pause_bytes`` unsent, nothing more is read from it until that drains; past ``max_output_bytes``,
+    # or backed up for longer than ``output_stall_timeout``, its connection is dropped.
+    output_pause_bytes: int = 4 << 20
+    max_output_bytes: int = 64 << 20  # above the largest frame (16 MiB): one message never passes it alone
+    output_stall_timeout: float = 30.0
     quotas: Quotas = Quotas()  # what one peer may take (enforced by the prefill)
 
     def __post_init__(self) -> None:
-        for name in ("ttl", "heartbeat", "handshake_timeout", "transfer_timeout", "cancel_grace"):
+        for name in ("ttl", "heartbeat", "handshake_timeout", "transfer_timeout", "cancel_grace",
+                     "output_stall_timeout"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
                 raise ConfigError(f"NodeConfig.{name} must be a positive number of seconds, got {value!r}")
@@ -98,6 +105,13 @@ class NodeConfig:
             raise ConfigError(f"NodeConfig.heartbeat {self.heartbeat} must be shorter than ttl {self.ttl}")
         if isinstance(self.chunk_pages, bool) or not isinstance(self.chunk_pages, int) or self.chunk_pages < 1:
             raise ConfigError(f"NodeConfig.chunk_pages must be an int >= 1, got {self.chunk_pages!r}")
+        for name in ("output_pause_bytes", "max_output_bytes"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ConfigError(f"NodeConfig.{name} must be an int >= 1, got {value!r}")
+        if self.max_output_bytes <= self.output_pause_bytes:
+            raise ConfigError(f"NodeConfig.max_output_bytes {self.max_output_bytes} must exceed output_pause_bytes "
+                              f"{self.output_pause_bytes}")
         if not isinstance(self.read_ahead, bool):
             raise ConfigError(f"NodeConfig.read_ahead must be a bool, got {self.read_ahead!r}")
         if not isinstance(self.quotas, Quotas):

@@ -80,9 +80,8 @@ class PrefillNode(Shell):
                  registry: Registry | None = None, capacity: int | None = None,
                  meta: Mapping[str, str] | None = None) -> None:
         self.layout = layout
-        self.config = config
         self.on_release = on_release or (lambda lease, reason: None)
-        super().__init__(None, backend, credentials, clock)
+        super().__init__(None, backend, credentials, clock, config)
         try:
             self.host, self.port = self._sockets.listen(host, port)  # a port in use fails before registering
             self.advertise = advertise or self.host

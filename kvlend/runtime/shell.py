@@ -23,6 +23,7 @@ from ..cluster.view import Change
 from ..core.text import printable
 from ..errors import AuthError, BackendError, ConfigError, KvlendError, TransferTimeout
 from ..protocol.actions import AddPeer, Cancel, Close, Connect, Post, RemovePeer, Send
+from ..protocol.config import NodeConfig
 from ..security.credentials import Credentials
 from ..transport import TransferBackend
 from .sockets import Sockets
@@ -41,7 +42,7 @@ class Shell:
     """The loop, the lock and the thread; subclasses feed their own session."""
 
     def __init__(self, session, backend: TransferBackend, credentials: Credentials,
-                 clock: Callable[[], float]) -> None:
+                 clock: Callable[[], float], config: NodeConfig) -> None:
         if not isinstance(credentials, Credentials):
             raise ConfigError(f"expected the rank's Credentials (kvlend.security), got {type(credentials).__name__}")
         self.session = session
@@ -50,10 +51,12 @@ class Shell:
         self.name = credentials.identity  # who this rank is: what its certificate names
         self._contexts = (credentials.context(server=True), credentials.context(server=False))  # bad PEM fails here
         self.clock = clock
+        self.config = config
         self._lock = threading.RLock()  # the session's
         self._changed = threading.Condition(self._lock)
         self._turn = threading.RLock()  # one thread at a time runs the loop (sockets and backend)
-        self._sockets = Sockets()
+        self._sockets = Sockets(pause_output=config.output_pause_bytes, max_output=config.max_output_bytes,
+                                output_timeout=config.output_stall_timeout)
         self._channels: dict[int, TlsChannel] = {}  # connection -> its TLS; touched only by the loop's turn
         self._agents: dict[int, str] = {}  # connection -> backend peer
         self._tags: set[bytes] = set()  # posted, not yet reported

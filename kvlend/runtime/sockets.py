@@ -7,6 +7,12 @@ on every socket at once (``poll(2)``, not ``select``, which fails on
 descriptors above 1023, common in a process that also runs UCX and CUDA).
 A wake-up pipe lets another thread cut a wait short, and a lookup's worker
 wakes the loop when it is done.
+
+A peer that does not read what it is sent is not read either: past
+``pause_output`` bytes buffered for it, its input waits in the kernel until
+the buffer drains (so a request it pipelines cannot add replies), and past
+``max_output`` bytes, or backed up for longer than ``output_timeout`` s, its
+connection is dropped.
 """
 
 from __future__ import annotations
@@ -43,6 +49,7 @@ class _Conn:
     connecting: bool = False
     out: bytearray = field(default_factory=bytearray)
     read_bytes: int = HANDSHAKE_READ_BYTES
+    backed_up: float | None = None  # since when ``out`` holds more than the pause threshold (not read meanwhile)
 
 
 @dataclass(eq=False)
@@ -63,9 +70,13 @@ class Sockets:
 
     ``resolve(host, port)`` looks a host name up (``getaddrinfo``'s first stream entry), on a thread of its
     own, at most ``MAX_LOOKUPS`` at once; one taking longer than ``lookup_timeout`` s fails its connect.
+    ``pause_output``, ``max_output`` (bytes) and ``output_timeout`` (s) bound what a peer that reads nothing
+    costs (None: no bound).
     """
 
-    def __init__(self, resolve: Callable[[str, int], tuple] = resolve, lookup_timeout: float = LOOKUP_TIMEOUT) -> None:
+    def __init__(self, resolve: Callable[[str, int], tuple] = resolve, lookup_timeout: float = LOOKUP_TIMEOUT, *,
+                 pause_output: int | None = None, max_output: int | None = None,
+                 output_timeout: float | None = None) -> None:
         self._conns: dict[int, _Conn] = {}
         self._listener: socket.socket | None = None
         self._wake_r, self._wake_w = os.pipe()
@@ -77,6 +88,10 @@ class Sockets:
         self._lookups: dict[int, _Lookup] = {}  # connects waiting for their host name
         self._looked_up: deque[_Lookup] = deque()  # lookups done, appended by their workers
         self._lookup_slots = threading.BoundedSemaphore(MAX_LOOKUPS)
+        self._pause_output = math.inf if pause_output is None else pause_output
+        self._max_output = math.inf if max_output is None else max_output
+        self._output_timeout = math.inf if output_timeout is None else output_timeout
+        self._dropped: list[tuple[int, str]] = []  # dropped outside a poll, reported by the next one
 
     # --------------------------------------------------------------- set-up
     def listen(self, host: str, port: int) -> tuple[str, int]:
@@ -163,9 +178,22 @@ class Sockets:
         c = self._conns.get(conn)
         if c is not None:
             c.out += data
-            self._flush(conn, c)
+            if self._flush(conn, c):
+                self._backlog(conn, c, time.monotonic())
         elif conn in self._lookups:
             self._lookups[conn].out += data
+
+    def _backlog(self, conn: int, c: _Conn, now: float) -> None:
+        """Track how much ``conn``'s peer left unread: pause its input past the threshold, drop it past the cap."""
+        size = len(c.out)
+        if size <= self._pause_output:
+            c.backed_up = None
+        elif size > self._max_output:
+            self._drop(conn)
+            self._dropped.append((conn, f"the peer does not read: {size} bytes of output pending exceed the cap of "
+                                        f"{self._max_output}"))
+        elif c.backed_up is None:
+            c.backed_up = now
 
     def close(self, conn: int) -> None:
         """Close after flushing what is buffered, if the socket takes it now; otherwise drop it."""
@@ -205,9 +233,21 @@ class Sockets:
         """
         accepted, up, data, gone = [], [], [], []
         now = time.monotonic()
+        gone += self._dropped
+        self._dropped = []
         self._lookups_done(now, gone)
-        if self._lookups:
-            timeout = min(timeout, max(0.0, min(l.deadline for l in self._lookups.values()) - now))
+        deadlines = [l.deadline for l in self._lookups.values()]
+        for conn, c in list(self._conns.items()):
+            if c.backed_up is None:
+                continue
+            if now - c.backed_up >= self._output_timeout:
+                self._drop(conn)
+                gone.append((conn, f"the peer does not read: {len(c.out)} bytes of output pending for more than "
+                                   f"{self._output_timeout:g} s"))
+            else:
+                deadlines.append(c.backed_up + self._output_timeout)
+        if deadlines:
+            timeout = min(timeout, max(0.0, min(deadlines) - now))
         if gone:
             timeout = 0.0
         poller = select.poll()
@@ -216,7 +256,7 @@ class Sockets:
             poller.register(self._listener, select.POLLIN)
         fds = {}
         for conn, c in self._conns.items():
-            events = _IN | (select.POLLOUT if c.connecting or c.out else 0)
+            events = (_IN if c.backed_up is None else 0) | (select.POLLOUT if c.connecting or c.out else 0)
             poller.register(c.sock, events)
             fds[c.sock.fileno()] = conn
         ready = poller.poll(max(0, math.ceil(timeout * 1000)))
@@ -248,6 +288,7 @@ class Sockets:
             if not self._flush(conn, c):
                 gone.append((conn, "send failed"))
                 return
+            self._backlog(conn, c, time.monotonic())
         if events & (_IN | _BAD):
             try:
                 chunk = c.sock.recv(c.read_bytes)
