@@ -18,7 +18,7 @@ from raw_peer import RawDecode
 from test_ticket_fields import wire_text
 
 from kvlend.core.lender import LEASE_ID_BYTES
-from kvlend.errors import PeerLost, ProtocolError
+from kvlend.errors import ConfigError, PeerLost, ProtocolError
 from kvlend.protocol.connection import Connection
 from kvlend.protocol.wire import Claim
 from kvlend.runtime import DecodeNode, NodeConfig, PrefillNode
@@ -152,6 +152,15 @@ def test_a_ticket_with_a_bad_host_is_refused_before_anything_connects_and_others
         decode.wait([handle], DEADLINE)
         requests.check(handle)
 
+
+
+def test_a_prefill_advertising_a_host_no_ticket_may_name_is_refused_at_construction():
+    backend = nixl("prefill")
+    try:
+        with pytest.raises(ConfigError, match="advertise: .*label 'b_c'"):
+            PrefillNode(make_layout(make_pools(PAGES)), backend, creds("prefill-0"), advertise="a.b_c.example")
+    finally:
+        backend.close()
 
 # ------------------------------------------------------------ name lookups
 def test_a_slow_name_lookup_holds_up_no_fetch_to_another_prefill(monkeypatch):

@@ -58,7 +58,7 @@ class Ticket:
         for name, value, cap in (("prefill", self.prefill, _MAX_NAME), ("layout_id", self.layout_id, 64)):
             if not isinstance(value, str) or not 0 < len(value) <= cap:
                 raise ProtocolError(f"ticket.{name}: expected a str of 1..{cap} characters")
-        problem = _host_problem(self.host)
+        problem = host_problem(self.host)
         if problem is not None:
             raise ProtocolError(f"ticket.host: expected an IP address or a DNS name: {problem}")
         for name, value, low, high in (("port", self.port, 1, 65535), ("num_tokens", self.num_tokens, 1, 1 << 40)):
@@ -122,7 +122,7 @@ class Ticket:
         return cls.decode(data)
 
 
-def _host_problem(host) -> str | None:
+def host_problem(host) -> str | None:
     """What makes ``host`` neither an IP literal nor a DNS name by the RFC 1123 rules (None: it is one), so a
     ticket's host reaches the resolver only as a name it can look up."""
     if not isinstance(host, str):
