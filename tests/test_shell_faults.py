@@ -5,6 +5,7 @@ name lookup or a peer that never reads its replies costs only what it belongs to
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import socket
 import threading
@@ -44,7 +45,7 @@ def held(node):
 
 
 @contextlib.contextmanager
-def nodes(prefills: int = 1, advertise=(), prefill_config: NodeConfig = CONFIG):
+def nodes(prefills: int = 1, advertise=(), prefill_config: NodeConfig = CONFIG, decode_config: NodeConfig = CONFIG):
     """Started prefill nodes (``advertise``: the host each one's tickets name) and a started decode."""
     started, srcs = [], []
     decode = None
@@ -57,7 +58,7 @@ def nodes(prefills: int = 1, advertise=(), prefill_config: NodeConfig = CONFIG):
             started.append(node)
             srcs.append(src)
         dst = make_pools(PAGES)
-        decode = DecodeNode(make_layout(dst), nixl("decode"), creds("decode"), config=CONFIG)
+        decode = DecodeNode(make_layout(dst), nixl("decode"), creds("decode"), config=decode_config)
         decode.start()
         yield started, srcs, decode, dst
     finally:
@@ -96,12 +97,15 @@ class Requests:
 
 
 # ------------------------------------------------------------ one action fails
+@pytest.mark.parametrize("read_ahead", [False, True], ids=["claims", "claims-and-reads"])
 @pytest.mark.parametrize("host", ["a..b", "bug.invalid"])
-def test_a_connect_that_raises_fails_only_its_link_and_the_rest_of_the_batch_runs(host):
+def test_a_connect_that_raises_fails_only_its_link_and_the_rest_of_the_batch_runs(host, read_ahead):
     """``a..b`` makes ``getaddrinfo`` raise ``UnicodeError`` (not an ``OSError``); for ``bug.invalid`` the
-    sockets' connect raises a plain ``RuntimeError``, as a bug would.  Either way its link fails typed, and the
-    claims queued in the same batch still go out, so their fetches finish byte-exact."""
-    with nodes() as (prefills, srcs, decode, dst):
+    sockets' connect raises a plain ``RuntimeError``, as a bug would.  Either way its link fails typed, and
+    what is queued after it in the same batch still runs: the claims (and with ``read_ahead`` the reads, which
+    would otherwise never be posted nor ever go quiet), so those fetches finish byte-exact."""
+    decode_config = dataclasses.replace(CONFIG, read_ahead=read_ahead)
+    with nodes(decode_config=decode_config) as (prefills, srcs, decode, dst):
         prefill = prefills[0]
         decode.connect(*prefill.address)
         connect = decode._sockets.connect
@@ -124,10 +128,11 @@ def test_a_connect_that_raises_fails_only_its_link_and_the_rest_of_the_batch_run
 
         bad = threading.Thread(target=dial_bad_host, daemon=True)
         with held(decode):
-            handles = [decode.start_fetch(ticket.to_text(), table) for ticket, table in lent]
             bad.start()
             wait_for(lambda: any(decode.session.link_info(c)["endpoint"][0] == host for c in decode.session.links),
                      "the bad connect queued")
+            handles = [decode.start_fetch(ticket.to_text(), table) for ticket, table in lent]
+            assert all(ticket.pages is not None for ticket, _ in lent)  # small: read as the claim goes out
         decode.wait(handles, DEADLINE)
         for handle in handles:
             requests.check(handle)
