@@ -354,3 +354,165 @@ def test_poll_with_nothing_to_do_waits_its_timeout():
         assert s.poll(0.0) == ([], [], [], [])
     finally:
         s.close_all()
+
+
+# ---------------------------------------------------------- name lookups
+def resolver(**by_host):
+    """A resolver with a behaviour per host name: an ``Event`` to wait for (then 127.0.0.1), an exception to
+    raise, or absent: 127.0.0.1 at once.  Records every name it was asked."""
+    asked = []
+
+    def resolve(host, port):
+        asked.append(host)
+        how = by_host.get(host)
+        if isinstance(how, threading.Event):
+            how.wait(DEADLINE)
+        elif isinstance(how, BaseException):
+            raise how
+        return socket.getaddrinfo(HOST, port, type=socket.SOCK_STREAM)[0]
+
+    resolve.asked = asked
+    return resolve
+
+
+def test_an_ip_literal_connects_without_a_lookup():
+    resolve = resolver()
+    server, client = Sockets(), Sockets(resolve=resolve)
+    try:
+        sev, cev, _ = connect_pair(server, client)
+        assert resolve.asked == []
+    finally:
+        server.close_all()
+        client.close_all()
+
+
+def test_a_slow_lookup_holds_up_no_other_connection_and_connects_once_done():
+    slow = threading.Event()
+    resolve = resolver(**{"slow.test": slow})
+    server, client = Sockets(), Sockets(resolve=resolve)
+    try:
+        _, port = server.listen(HOST, 0)
+        sev, cev = Events(), Events()
+        assert client.connect(1, "slow.test", port) is None and 1 in client
+        assert client.connect(2, "fast.test", port) is None
+        client.send(1, b"queued while looking up")
+        pump({server: sev, client: cev}, lambda: 2 in cev.up, "the fast name connects")
+        assert 1 not in cev.up and 1 not in cev.gone  # still looking up
+        slow.set()
+        pump({server: sev, client: cev}, lambda: 1 in cev.up and len(sev.accepted) == 2, "the slow name connects")
+        for i, sock in enumerate(sev.accepted):
+            server.adopt(10 + i, sock)
+        pump({server: sev, client: cev}, lambda: b"queued while looking up" in b"".join(sev.data.values()),
+             "what was sent while looking up arrives")
+        assert sorted(resolve.asked) == ["fast.test", "slow.test"]
+    finally:
+        slow.set()
+        server.close_all()
+        client.close_all()
+
+
+@pytest.mark.parametrize("error, why", [
+    (socket.gaierror(socket.EAI_NONAME, "Name or service not known"), "name lookup failed: gaierror"),
+    (UnicodeError("label empty or too long"), "name lookup failed: UnicodeError"),
+    (RuntimeError("a resolver bug"), "name lookup failed: RuntimeError: a resolver bug"),
+])
+def test_a_failed_lookup_is_reported_in_gone(error, why):
+    client = Sockets(resolve=resolver(**{"bad.test": error}))
+    cev = Events()
+    try:
+        assert client.connect(1, "bad.test", 9) is None
+        pump({client: cev}, lambda: 1 in cev.gone, "the failed lookup reported")
+        assert why in cev.gone[1] and "bad.test:9" in cev.gone[1]
+        assert 1 not in client
+    finally:
+        client.close_all()
+
+
+def test_a_lookup_past_its_deadline_fails_its_connect_and_its_late_answer_is_ignored():
+    stuck = threading.Event()
+    client = Sockets(resolve=resolver(**{"stuck.test": stuck}), lookup_timeout=0.2)
+    cev = Events()
+    try:
+        assert client.connect(1, "stuck.test", 9) is None
+        pump({client: cev}, lambda: 1 in cev.gone, "the overdue lookup reported")
+        assert "name lookup took longer than 0.2 s" in cev.gone[1] and 1 not in client
+        stuck.set()  # the answer comes late: nothing connects
+        end = time.monotonic() + 0.3
+        while time.monotonic() < end:
+            cev.add(client.poll(0.01))
+        assert cev.up == [] and 1 not in client
+    finally:
+        stuck.set()
+        client.close_all()
+
+
+def test_lookups_running_at_once_are_capped_and_a_closed_one_frees_nothing_early():
+    from kvlend.runtime.sockets import MAX_LOOKUPS
+    stuck = threading.Event()
+    client = Sockets(resolve=resolver(**{"stuck.test": stuck}))
+    try:
+        for conn in range(MAX_LOOKUPS):
+            assert client.connect(conn, "stuck.test", 9) is None
+        client.close(0)  # its worker still runs: its slot is not free yet
+        error = client.connect(99, "stuck.test", 9)
+        assert error is not None and f"{MAX_LOOKUPS} host name lookups are running" in error and 99 not in client
+        stuck.set()
+        cev = Events()
+        pump({client: cev}, lambda: client.connect(100, "other.test", dead_port()) is None, "a slot frees")
+    finally:
+        stuck.set()
+        client.close_all()
+
+
+# ------------------------------------------------------ a peer that never reads
+def fill(server: Sockets, sid: int, ev: Events, until, chunk: int = 256 << 10) -> int:
+    """Send ``chunk``-byte pieces to a client that never reads until ``until()``; the most ever pending."""
+    most = 0
+    end = time.monotonic() + DEADLINE
+    while not until():
+        assert time.monotonic() < end, "the peer's backlog never built up"
+        server.send(sid, bytes(chunk))
+        most = max(most, server.pending_output(sid))
+        ev.add(server.poll(0.001))
+    return most
+
+
+def test_a_peer_whose_output_piles_up_is_not_read_until_it_drains():
+    server, client = Sockets(pause_output=64 << 10, max_output=1 << 30), Sockets()
+    try:
+        sev, cev, _ = connect_pair(server, client)
+        fill(server, 7, sev, lambda: server.pending_output(7) > 64 << 10)
+        client.send(1, b"a request the server must not read yet")
+        for _ in range(50):  # the request sits in the kernel: the server reads nothing while backed up
+            sev.add(server.poll(0.002))
+        assert 7 not in sev.data
+        pump({server: sev, client: cev}, lambda: bytes(sev.data.get(7, b"")) == b"a request the server must not "
+             b"read yet", "the client reads, the server drains and then reads")
+        assert server.pending_output(7) <= 64 << 10 and 7 not in sev.gone
+    finally:
+        server.close_all()
+        client.close_all()
+
+
+def test_a_peer_whose_output_passes_the_cap_is_dropped():
+    server, client = Sockets(pause_output=64 << 10, max_output=1 << 20), Sockets()
+    try:
+        sev, _, _ = connect_pair(server, client)
+        most = fill(server, 7, sev, lambda: 7 in sev.gone)
+        assert most <= 1 << 20
+        assert "exceed the cap of 1048576" in sev.gone[7] and 7 not in server
+    finally:
+        server.close_all()
+        client.close_all()
+
+
+def test_a_peer_backed_up_past_the_output_timeout_is_dropped():
+    server, client = Sockets(pause_output=64 << 10, max_output=1 << 30, output_timeout=0.3), Sockets()
+    try:
+        sev, _, _ = connect_pair(server, client)
+        fill(server, 7, sev, lambda: server.pending_output(7) > 64 << 10)
+        pump({server: sev}, lambda: 7 in sev.gone, "the stalled peer dropped")
+        assert "for more than 0.3 s" in sev.gone[7] and 7 not in server
+    finally:
+        server.close_all()
+        client.close_all()

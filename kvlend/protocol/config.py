@@ -87,10 +87,17 @@ class NodeConfig:
     # A certificate, this rank's or a connected peer's, that expires within this is warned of (once, in the
     # log; kvlend_cert_expiry_seconds always says how long is left): time to renew and reload it.
     cert_warning: float = 7 * 86400.0
+    # What a peer that does not read what it is sent may cost (both ends, per connection): past
+    # ``output_pause_bytes`` unsent, nothing more is read from it until that drains; past ``max_output_bytes``,
+    # or backed up for longer than ``output_stall_timeout``, its connection is dropped.
+    output_pause_bytes: int = 4 << 20
+    max_output_bytes: int = 64 << 20  # above the largest frame (16 MiB): one message never passes it alone
+    output_stall_timeout: float = 30.0
     quotas: Quotas = Quotas()  # what one peer may take (enforced by the prefill)
 
     def __post_init__(self) -> None:
-        for name in ("ttl", "heartbeat", "handshake_timeout", "transfer_timeout", "cancel_grace"):
+        for name in ("ttl", "heartbeat", "handshake_timeout", "transfer_timeout", "cancel_grace",
+                     "output_stall_timeout"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
                 raise ConfigError(f"NodeConfig.{name} must be a positive number of seconds, got {value!r}")
@@ -104,6 +111,13 @@ class NodeConfig:
         warning = self.cert_warning
         if isinstance(warning, bool) or not isinstance(warning, (int, float)) or not 0 <= warning < math.inf:
             raise ConfigError(f"NodeConfig.cert_warning must be a number of seconds >= 0, got {warning!r}")
+        for name in ("output_pause_bytes", "max_output_bytes"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ConfigError(f"NodeConfig.{name} must be an int >= 1, got {value!r}")
+        if self.max_output_bytes <= self.output_pause_bytes:
+            raise ConfigError(f"NodeConfig.max_output_bytes {self.max_output_bytes} must exceed output_pause_bytes "
+                              f"{self.output_pause_bytes}")
         if not isinstance(self.read_ahead, bool):
             raise ConfigError(f"NodeConfig.read_ahead must be a bool, got {self.read_ahead!r}")
         if not isinstance(self.quotas, Quotas):

@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import base64
 import binascii
+import ipaddress
+import re
 from dataclasses import dataclass, field, replace
 from typing import Mapping
 
@@ -29,6 +31,7 @@ import numpy as np
 
 from ..core.lender import LEASE_ID_BYTES
 from ..core.pages import GroupPages
+from ..core.text import printable
 from ..errors import ProtocolError
 
 TICKET_VERSION = 2  # 2: the page table of a small lease
@@ -36,7 +39,8 @@ TEXT_PREFIX = "kvl1."
 MAX_TICKET_BYTES = 2048
 MAX_TICKET_ROWS = 192  # page-table rows a ticket carries at most (int32 pairs: 1.5 KiB)
 _MAX_GROUPS = 16
-_MAX_HOST = 255
+_MAX_HOST = 253  # a DNS name's length, without a trailing dot (RFC 1035)
+_LABEL = re.compile(r"[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?")  # RFC 1123: 1..63 characters
 _MAX_NAME = 256
 
 
@@ -53,10 +57,12 @@ class Ticket:
     def __post_init__(self) -> None:
         if not isinstance(self.lease, bytes) or len(self.lease) != LEASE_ID_BYTES:
             raise ProtocolError(f"ticket.lease: expected {LEASE_ID_BYTES} bytes")
-        for name, value, cap in (("host", self.host, _MAX_HOST), ("prefill", self.prefill, _MAX_NAME),
-                                 ("layout_id", self.layout_id, 64)):
+        for name, value, cap in (("prefill", self.prefill, _MAX_NAME), ("layout_id", self.layout_id, 64)):
             if not isinstance(value, str) or not 0 < len(value) <= cap:
                 raise ProtocolError(f"ticket.{name}: expected a str of 1..{cap} characters")
+        problem = host_problem(self.host)
+        if problem is not None:
+            raise ProtocolError(f"ticket.host: expected an IP address or a DNS name: {problem}")
         for name, value, low, high in (("port", self.port, 1, 65535), ("num_tokens", self.num_tokens, 1, 1 << 40)):
             if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
                 raise ProtocolError(f"ticket.{name}: expected an int in [{low}, {high}]")
@@ -116,6 +122,31 @@ class Ticket:
         except (binascii.Error, ValueError):
             raise ProtocolError("ticket text: not base64url") from None
         return cls.decode(data)
+
+
+def host_problem(host) -> str | None:
+    """What makes ``host`` neither an IP literal nor a DNS name by the RFC 1123 rules (None: it is one), so a
+    ticket's host reaches the resolver only as a name it can look up."""
+    if not isinstance(host, str):
+        return f"got a {type(host).__name__}"
+    try:
+        ipaddress.ip_address(host)
+        return None
+    except ValueError:
+        pass
+    name = host[:-1] if host.endswith(".") else host  # a fully qualified name may end with a dot
+    if not 0 < len(name) <= _MAX_HOST:
+        return f"{len(name)} characters, not 1..{_MAX_HOST}"
+    if not name.isascii():
+        return f"'{printable(host)}' is not ASCII (write an internationalized name in its xn-- form)"
+    labels = name.split(".")
+    for label in labels:
+        if not _LABEL.fullmatch(label):
+            return (f"label '{printable(label)}' of '{printable(host)}': expected 1..63 letters, digits or hyphens, "
+                    "neither first nor last a hyphen")
+    if labels[-1].isdigit():
+        return f"'{printable(host)}' is not an IP address, and a name's last label is never all digits"
+    return None
 
 
 def _pages(v) -> dict[str, GroupPages]:

@@ -162,12 +162,11 @@ class DecodeNode(Shell):
                  config: NodeConfig = NodeConfig(), clock: Callable[[], float] = time.monotonic,
                  registry: Registry | None = None, capacity: int | None = None,
                  meta: Mapping[str, str] | None = None) -> None:
-        super().__init__(None, backend, credentials, clock)
+        super().__init__(None, backend, credentials, clock, config)
         record = None if registry is None else self._record(
             "decode", (socket.gethostname() or "localhost")[:255], 0, layout, config, capacity, meta)
         backend.register(layout.regions)
         self.layout = layout
-        self.config = config
         self.session = DecodeSession(layout, backend.kind, backend.metadata(), name=self.name, config=config)
         self.tracker = self.session.tracker
         self._handles: dict[int, FetchHandle] = {}

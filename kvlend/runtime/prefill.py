@@ -30,7 +30,7 @@ from ..metrics import METRICS
 from ..protocol.actions import LeaseEnded, PeerGone, PeerReady
 from ..protocol.config import NodeConfig
 from ..protocol.prefill import PrefillSession
-from ..protocol.ticket import Ticket
+from ..protocol.ticket import Ticket, host_problem
 from ..security.credentials import Credentials
 from ..transport import TransferBackend
 from .shell import Shell, log
@@ -80,12 +80,14 @@ class PrefillNode(Shell):
                  registry: Registry | None = None, capacity: int | None = None,
                  meta: Mapping[str, str] | None = None) -> None:
         self.layout = layout
-        self.config = config
         self.on_release = on_release or (lambda lease, reason: None)
-        super().__init__(None, backend, credentials, clock)
+        super().__init__(None, backend, credentials, clock, config)
         try:
             self.host, self.port = self._sockets.listen(host, port)  # a port in use fails before registering
             self.advertise = advertise or self.host
+            problem = host_problem(self.advertise)
+            if problem is not None:  # every ticket would name it: refuse it now, not at the first lend
+                raise ConfigError(f"advertise: expected an IP address or a DNS name: {problem}")
             record = None if registry is None else self._record("prefill", self.advertise, self.port, layout,
                                                                 config, capacity, meta)
             backend.register(layout.regions)

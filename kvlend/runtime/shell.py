@@ -23,6 +23,7 @@ from ..cluster.view import Change
 from ..core.text import printable
 from ..errors import AuthError, BackendError, ConfigError, KvlendError, TransferTimeout
 from ..protocol.actions import AddPeer, Cancel, Close, Connect, Post, RemovePeer, Send
+from ..protocol.config import NodeConfig
 from ..security.credentials import Credentials
 from ..transport import TransferBackend
 from .certificates import CertWatch
@@ -42,7 +43,7 @@ class Shell:
     """The loop, the lock and the thread; subclasses feed their own session."""
 
     def __init__(self, session, backend: TransferBackend, credentials: Credentials,
-                 clock: Callable[[], float]) -> None:
+                 clock: Callable[[], float], config: NodeConfig) -> None:
         if not isinstance(credentials, Credentials):
             raise ConfigError(f"expected the rank's Credentials (kvlend.security), got {type(credentials).__name__}")
         self.session = session
@@ -51,10 +52,12 @@ class Shell:
         self.name = credentials.identity  # who this rank is: what its certificate names
         self._contexts = (credentials.context(server=True), credentials.context(server=False))  # bad PEM fails here
         self.clock = clock
+        self.config = config
         self._lock = threading.RLock()  # the session's
         self._changed = threading.Condition(self._lock)
         self._turn = threading.RLock()  # one thread at a time runs the loop (sockets and backend)
-        self._sockets = Sockets()
+        self._sockets = Sockets(pause_output=config.output_pause_bytes, max_output=config.max_output_bytes,
+                                output_timeout=config.output_stall_timeout)
         self._channels: dict[int, TlsChannel] = {}  # connection -> its TLS; touched only by the loop's turn
         self._agents: dict[int, str] = {}  # connection -> backend peer
         self._tags: set[bytes] = set()  # posted, not yet reported
@@ -240,16 +243,19 @@ class Shell:
             self._sockets.send(conn, out)
 
     def _perform(self, action) -> None:
+        """One action.  If it fails (any exception) only what it belongs to fails, typed: its read or its
+        link; the actions queued after it still run."""
+        try:
+            self._act(action)
+        except Exception as exc:
+            self._action_failed(action, exc)
+        self._idle = 0.0
+
+    def _act(self, action) -> None:
         if isinstance(action, Send):
             channel = self._channels.get(action.conn)
             if channel is not None:
-                try:
-                    channel.send(action.data)
-                except KvlendError as exc:
-                    self._channels.pop(action.conn)
-                    self._sockets.close(action.conn)
-                    self._report_closed(action.conn, str(exc))
-                    return
+                channel.send(action.data)
                 self._push(action.conn, channel)
         elif isinstance(action, Close):
             channel = self._channels.pop(action.conn, None)
@@ -271,27 +277,34 @@ class Shell:
         elif isinstance(action, RemovePeer):
             agent = self._agents.pop(action.conn, None)
             if agent is not None:
-                try:
-                    self.backend.remove_peer(agent)
-                except KvlendError as exc:
-                    log.info("removing backend peer %s: %s", printable(agent), printable(exc))
+                self.backend.remove_peer(agent)
         elif isinstance(action, Post):
             self._tags.add(action.tag)
             agent = self._agents.get(action.conn)
-            try:
-                if agent is None:
-                    raise KvlendError(f"link {action.conn} has no backend peer")
-                self.backend.post_read(agent, action.batches, action.tag)
-            except Exception as exc:  # refused before anything moved: nothing is in flight
-                if not isinstance(exc, KvlendError):  # a backend bug must still end the fetch, not hang it
-                    exc = BackendError(f"posting read {action.tag!r}: {type(exc).__name__}: {exc}")
-                self._tags.discard(action.tag)
-                with self._lock:
-                    self._read_done(action.tag, exc, self.clock())
+            if agent is None:
+                raise KvlendError(f"link {action.conn} has no backend peer")
+            self.backend.post_read(agent, action.batches, action.tag)
         elif isinstance(action, Cancel):
             if action.tag in self._tags:
                 self.backend.cancel(action.tag)
-        self._idle = 0.0
+
+    def _action_failed(self, action, exc: Exception) -> None:
+        """``action`` raised: end the read or the link it belongs to (a bug must end them too, not hang them)."""
+        what = type(action).__name__.lower()
+        why = str(exc) if isinstance(exc, KvlendError) else f"{what} failed: {type(exc).__name__}: {exc}"
+        if isinstance(action, Post):  # refused before anything moved: nothing is in flight
+            if not isinstance(exc, KvlendError):
+                exc = BackendError(f"posting read {action.tag!r}: {type(exc).__name__}: {exc}")
+            self._tags.discard(action.tag)
+            with self._lock:
+                self._read_done(action.tag, exc, self.clock())
+        elif isinstance(action, (Send, Close, Connect, AddPeer)):
+            self._channels.pop(action.conn, None)
+            self._sockets.close(action.conn)
+            if not isinstance(action, Close):
+                self._report_closed(action.conn, why)
+        else:  # RemovePeer, Cancel: the session's own deadlines end what they were for
+            log.info("%s: %r failed: %s", self.name, action, printable(why))
 
     # ------------------------------------------------------------- registry
     def _record(self, role: str, host: str, port: int, layout, config, capacity: int | None,
