@@ -18,13 +18,14 @@ from __future__ import annotations
 import math
 import struct
 from dataclasses import dataclass, field, fields
+from functools import cached_property
 from typing import Any, ClassVar, Mapping
 
 import msgpack
 import numpy as np
 
-from ..errors import ProtocolError
-from ..core.layout import RowSelection, SelectionMode, _show  # _show: a short, non-recursive repr of a peer's value
+from ..errors import KvlendError, ProtocolError
+from ..core.layout import PageLayout, RowSelection, SelectionMode, _show  # _show: a short, non-recursive repr of a peer's value
 from ..core.lender import LEASE_ID_BYTES
 from ..core.pages import GroupPages
 
@@ -237,6 +238,21 @@ class Handshake(Message):
     layout: bytes
     backend: str
     metadata: bytes
+
+    def page_layout(self) -> PageLayout:
+        """The layout it carries, decoded once (``LayoutError`` if malformed, every time): the shell's
+        ``FrameReader`` decodes it off the node's lock, so the session's handshake only negotiates."""
+        decoded = self._decoded
+        if isinstance(decoded, KvlendError):
+            raise decoded
+        return decoded
+
+    @cached_property
+    def _decoded(self) -> PageLayout | KvlendError:
+        try:
+            return PageLayout.decode(self.layout)
+        except KvlendError as exc:
+            return exc
 
 
 @dataclass(frozen=True)
