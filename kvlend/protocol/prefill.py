@@ -151,7 +151,7 @@ class PrefillSession(Outbox):
         except _Goodbye as bye:
             self._drop(conn, f"said bye: {bye}", logging.INFO)
         except KvlendError as exc:
-            self._drop(conn, str(exc))
+            self._drop(conn, _error_text(exc))
 
     def closed(self, conn: int, now: float, why: str = "connection closed", refused: bool = False) -> None:
         """The shell saw the connection end (``refused``: its TLS authentication failed); its leases
