@@ -3,13 +3,13 @@
 One loop iteration: wait on every socket (without the lock), progress the
 backend, run TLS on what arrived (handshakes, decryption) and decode its
 frames (still without the lock: a hostile frame or a large layout costs the
-loop, never another thread), hand the messages to the session under the lock,
-then perform the
-session's actions and hand its events to the engine *outside* the lock, so
-a slow send, a synchronous copy inside a post or an engine callback never
-holds up another thread's call.  Only the loop's thread touches sockets and
-the backend; engine threads touch the session, under the lock, and wake the
-loop.  Without ``start()`` the engine's own calls drive the loop.
+loop, never another thread), hand the messages to the session under the
+lock, then perform the session's actions and hand its events to the engine
+*outside* the lock, so a slow send, a synchronous copy inside a post or an
+engine callback never holds up another thread's call.  Only the loop's
+thread touches sockets and the backend; engine threads touch the session,
+under the lock, and wake the loop.  Without ``start()`` the engine's own
+calls drive the loop.
 """
 
 from __future__ import annotations
