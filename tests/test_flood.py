@@ -183,9 +183,10 @@ def test_one_maximum_frame_of_nested_containers_is_refused_before_it_is_built(ca
                 raw.recv(6 * DEADLINE)
             took = time.monotonic() - start
         print(f"\none {len(payload) / 2**20:.1f} MiB frame of nested empty containers: dropped after {took:.2f} s; "
-              f"prefill RSS {(rss_bytes() - before) / 2**20:+.1f} MiB, peak RSS {(peak_rss_bytes() - peak) / 2**20:+.1f} "
-              "MiB over the process's peak before")
-        drops = [rec.getMessage() for rec in caplog.records if "dropped decode rank decode-nested" in rec.getMessage()]
+              f"prefill RSS {(rss_bytes() - before) / 2**20:+.1f} MiB, "
+              f"peak RSS {(peak_rss_bytes() - peak) / 2**20:+.1f} MiB over the process's peak before")
+        drops = [rec.getMessage() for rec in list(caplog.records)
+                 if "dropped decode rank decode-nested" in rec.getMessage()]
         assert len(drops) == 1 and "MAX_FRAME_CONTAINERS" in drops[0], drops
         serves_byte_exact(r, seed=95)
 
@@ -238,10 +239,10 @@ def test_a_heartbeat_flood_of_ids_never_granted_drops_each_peer_and_stalls_no_le
             stop.set()
             thread.join(2 * DEADLINE)
         assert not errors and not thread.is_alive(), errors
-        print(f"\nheartbeat flood of {FLOOD_IDS} ids: {dict(outcomes)}; engine lend() without it {milliseconds(quiet)}, "
-              f"during it {milliseconds(flooded)}; RSS grew {grown / 2**20:.1f} MiB")
+        print(f"\nheartbeat flood of {FLOOD_IDS} ids: {dict(outcomes)}; engine lend() without it "
+              f"{milliseconds(quiet)}, during it {milliseconds(flooded)}; RSS grew {grown / 2**20:.1f} MiB")
         assert outcomes["answered"] == 0 and outcomes["dropped"] >= 1, outcomes
-        lines = [rec.getMessage() for rec in caplog.records if "flood-" in rec.getMessage()]
+        lines = [rec.getMessage() for rec in list(caplog.records) if "flood-" in rec.getMessage()]
         assert len(lines) <= 3 * outcomes["connections"], lines[:5]  # authenticated, handshake, dropped
         assert sum("LeaseDenied" in line for line in lines) == outcomes["dropped"]
         serves_byte_exact(r, seed=93)
