@@ -25,7 +25,8 @@ import msgpack
 import numpy as np
 
 from ..errors import KvlendError, ProtocolError
-from ..core.layout import PageLayout, RowSelection, SelectionMode, _show  # _show: a short, non-recursive repr of a peer's value
+from ..core.layout import PageLayout
+from ..core.layout import RowSelection, SelectionMode, _show  # _show: a short, non-recursive repr of a peer's value
 from ..core.lender import LEASE_ID_BYTES
 from ..core.pages import GroupPages
 
