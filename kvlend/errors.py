@@ -49,7 +49,7 @@ class LeaseExpired(LeaseError):
 
 
 class LeaseDenied(LeaseError):
-    """The lease exists but was offered to another peer."""
+    """The lease is not this peer's: offered to another, a ticket's it has not claimed, or one it never got."""
 
 
 class PromptMismatch(LeaseDenied):

@@ -33,7 +33,7 @@ from test_node import (
 )
 
 from kvlend.errors import AuthError, KvlendError, PeerLost, TransferTimeout
-from kvlend.protocol.wire import Done, DoneAck, Heartbeat, Renewed
+from kvlend.protocol.wire import Done, DoneAck, Heartbeat
 from kvlend.runtime import DecodeNode, NodeConfig
 from kvlend.security.certs import Authority, save_rank
 
@@ -407,16 +407,18 @@ def test_a_foreign_certificate_a_replayed_session_and_another_decodes_lease_are_
             b.handshake(r.decode.layout)
             before = r.prefill.lender.get(lease.id, time.monotonic()).expires_at
             time.sleep(0.05)  # so a renewal would move the expiry
-            b.send(Heartbeat((lease.id,)), Done(lease.id, 50))
-            renewed = b.recv(DEADLINE)
-            assert isinstance(renewed, Renewed) and renewed.leases == ()  # answered, but nothing renewed
+            b.send(Done(lease.id, 50))
             ack = b.recv(DEADLINE)
             assert isinstance(ack, DoneAck) and ack.lease == lease.id
             assert not ack.ok and ack.error.startswith("LeaseDenied")
+            assert "decode-b" in r.prefill.ready_peers()  # a done refused, not dropped
+            b.send(Heartbeat((lease.id,)))  # a lease it was never given: dropped (issue 22, 3)
+            with pytest.raises(PeerLost):
+                b.recv(DEADLINE)
             with r.prefill._lock:
                 assert r.prefill.lender.get(lease.id, time.monotonic()).expires_at == before  # not renewed
             assert_locked(r.prefill, tables, True)
-            assert "decode-b" in r.prefill.ready_peers()  # refused, not dropped
+            assert "decode-b" not in r.prefill.ready_peers()
 
         # A's lease survived all three and reads fine.
         result = fetch_and_verify(r.decode, link_a, offer, r.dst, free_lists(r.decode.layout, DST_PAGES, 42))

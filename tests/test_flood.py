@@ -9,22 +9,36 @@ prefill reads at most one TLS record's worth per poll, and connections not
 yet authenticated are bounded per source (the ones beyond it are closed at
 once), so the prefill's memory barely moves while a real decode keeps reading
 leases byte-exact, its fetches acked about as fast as without the flood.
+
+Authenticated decodes (issue 22, 2 and 3): a heartbeat naming 16,384 lease ids
+never granted drops its peer in one log line however often peers reconnect and
+send it again, and one 15 MiB frame of nested empty containers is refused
+before it is built; the engine's ``lend()`` is timed throughout and an honest
+decode keeps reading byte-exact.
 """
 
 from __future__ import annotations
 
+import logging
+import resource
+import secrets
 import socket
 import statistics
 import struct
+import threading
 import time
+from collections import Counter
 
 import pytest
-from conftest import prefill_request
+from conftest import creds, prefill_request
+from raw_peer import RawDecode
 from test_node import DEADLINE, DST_PAGES, SRC_PAGES, fetch_and_verify, free_lists, rig
+from test_wire import nested_empty_maps
 
 import kvlend.protocol.prefill
 from kvlend.protocol.prefill import MAX_PENDING_PER_SOURCE
-from kvlend.protocol.wire import MAX_FRAME_BYTES
+from kvlend.errors import PeerLost
+from kvlend.protocol.wire import MAX_FRAME_BYTES, Heartbeat
 
 FLOOD = 256
 HONEST = 20  # fetches timed without the flood, then as many during it
@@ -125,3 +139,110 @@ def test_256_half_open_connections_claiming_16_mib_frames_cost_little_and_honest
             for s in flood:
                 s.close()
         assert r.prefill.ready_peers() == [r.peer]
+
+
+# ------------------------------------------------------------ authenticated decodes
+FLOOD_IDS = 16384  # a heartbeat's worth at the default max_heartbeat_ids: 295 KB
+LENDS = 200
+FLOODS = 30  # heartbeats sent while the engine lends
+
+
+def timed_lends(r, tables, count: int, first: int = 0) -> list[float]:
+    """The engine's ``lend()`` (then ``release()``) of one request ``count`` times; each lend's seconds."""
+    took = []
+    for i in range(first, first + count):
+        start = time.perf_counter()
+        ticket = r.prefill.lend(f"engine-{i}", 40, tables, r.layout.full_selection())
+        took.append(time.perf_counter() - start)
+        r.prefill.release(ticket.lease)
+    return took
+
+
+def peak_rss_bytes() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def serves_byte_exact(r, seed: int) -> None:
+    honest = prefill_request(r.layout, r.src, free_lists(r.layout, SRC_PAGES, seed), 40, seed=seed)
+    r.prefill.offer(r.peer, f"honest-{seed}", 40, honest, r.layout.full_selection(), meta={"seed": seed})
+    link, offer = r.decode.next_offer(DEADLINE)
+    assert fetch_and_verify(r.decode, link, offer, r.dst, free_lists(r.decode.layout, DST_PAGES, seed)).bound == 40
+
+
+def test_one_maximum_frame_of_nested_containers_is_refused_before_it_is_built(caplog):
+    """Before: 1.1 GiB of peak RSS and 19 s to decode, under the node's lock.  Now refused in its structure walk."""
+    caplog.set_level(logging.INFO, logger="kvlend.session")
+    payload = nested_empty_maps(65535)
+    with rig() as r:
+        peak, before = peak_rss_bytes(), rss_bytes()
+        with RawDecode(r.prefill.address, creds("decode-nested")) as raw:
+            raw.handshake(r.decode.layout)
+            start = time.monotonic()
+            raw.send_bytes(struct.pack(">I", len(payload)) + payload)
+            with pytest.raises(PeerLost):
+                raw.recv(6 * DEADLINE)
+            took = time.monotonic() - start
+        print(f"\none {len(payload) / 2**20:.1f} MiB frame of nested empty containers: dropped after {took:.2f} s; "
+              f"prefill RSS {(rss_bytes() - before) / 2**20:+.1f} MiB, "
+              f"peak RSS {(peak_rss_bytes() - peak) / 2**20:+.1f} MiB over the process's peak before")
+        drops = [rec.getMessage() for rec in list(caplog.records)
+                 if "dropped decode rank decode-nested" in rec.getMessage()]
+        assert len(drops) == 1 and "MAX_FRAME_CONTAINERS" in drops[0], drops
+        serves_byte_exact(r, seed=95)
+
+
+def test_a_heartbeat_flood_of_ids_never_granted_drops_each_peer_and_stalls_no_lend(caplog):
+    """Before: each 16,384-id heartbeat held the lock 631 ms and wrote 16,384 lines; the engine's lend() took a
+    median 2.2 s during the flood.  Now each drops its peer (``LeaseDenied``); peers reconnect and send it again
+    for as long as the engine lends, and nothing is answered."""
+    caplog.set_level(logging.INFO, logger="kvlend.session")
+    with rig() as r:
+        tables = prefill_request(r.layout, r.src, free_lists(r.layout, SRC_PAGES, 91), 40, seed=91)
+        ids = tuple(secrets.token_bytes(16) for _ in range(FLOOD_IDS))
+        stop, outcomes, errors = threading.Event(), Counter(), []
+
+        def flood() -> None:
+            """Heartbeat ``ids`` and read the answer, again and again, reconnecting when dropped."""
+            try:
+                while not stop.is_set():
+                    outcomes["connections"] += 1
+                    with RawDecode(r.prefill.address, creds(f"flood-{outcomes['connections']}")) as raw:
+                        raw.handshake(r.decode.layout)
+                        while not stop.is_set():
+                            raw.send(Heartbeat(ids))
+                            try:
+                                raw.recv(DEADLINE)
+                            except PeerLost:
+                                outcomes["dropped"] += 1
+                                break
+                            outcomes["answered"] += 1
+            except Exception as exc:  # reported below
+                errors.append(exc)
+
+        quiet = timed_lends(r, tables, LENDS)
+        before = rss_bytes()
+        thread = threading.Thread(target=flood, daemon=True)
+        thread.start()
+        try:
+            end = time.monotonic() + DEADLINE
+            while not outcomes["dropped"] + outcomes["answered"]:
+                assert time.monotonic() < end and not errors, errors
+                time.sleep(0.01)
+            flooded: list[float] = []
+            end = time.monotonic() + 6 * DEADLINE
+            while len(flooded) < LENDS or outcomes["dropped"] + outcomes["answered"] < FLOODS:
+                assert time.monotonic() < end and not errors, (outcomes, errors)
+                flooded += timed_lends(r, tables, 1, first=LENDS + len(flooded))
+                time.sleep(0.002)  # an engine lends between its steps
+            grown = rss_bytes() - before
+        finally:
+            stop.set()
+            thread.join(2 * DEADLINE)
+        assert not errors and not thread.is_alive(), errors
+        print(f"\nheartbeat flood of {FLOOD_IDS} ids: {dict(outcomes)}; engine lend() without it "
+              f"{milliseconds(quiet)}, during it {milliseconds(flooded)}; RSS grew {grown / 2**20:.1f} MiB")
+        assert outcomes["answered"] == 0 and outcomes["dropped"] >= 1, outcomes
+        lines = [rec.getMessage() for rec in list(caplog.records) if "flood-" in rec.getMessage()]
+        assert len(lines) <= 3 * outcomes["connections"], lines[:5]  # authenticated, handshake, dropped
+        assert sum("LeaseDenied" in line for line in lines) == outcomes["dropped"]
+        serves_byte_exact(r, seed=93)

@@ -453,7 +453,9 @@ def _serves_byte_exact(r, seed: int, num_tokens: int = 40) -> None:
 # --------------------------------------------------- TLS: frames inside the stream
 PROBE = b"\xfe" * 16  # a lease id no fuzz input names: a claim of it is answered with an Abort
 SILENCE = 0.6  # seconds without the probe's answer: the prefill waits inside an incomplete frame (slow hosts: generous)
-FROM_A_DECODE = [m for m in tw.SAMPLES if isinstance(m, (Heartbeat, Claim, Done, Abort))]  # what a ready decode may send
+# What a ready decode may send and be answered (a heartbeat naming a lease it never got drops it instead).
+FROM_A_DECODE = [m for m in tw.SAMPLES
+                 if isinstance(m, (Heartbeat, Claim, Done, Abort)) and not (isinstance(m, Heartbeat) and m.leases)]
 
 
 def frames_in_tls(rng: random.Random, i: int) -> bytes:

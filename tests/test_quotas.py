@@ -109,7 +109,7 @@ def test_a_lease_renewed_past_its_max_lifetime_is_refused_and_expires_by_then(ca
     assert (lease.id, "expired") in p.ended and locks(p) == 0
     refusals = [m for m in session_logs(caplog) if "max_lease_lifetime" in m and lease.hex in m]
     assert refusals, session_logs(caplog)
-    assert all("heartbeat for lease" in m for m in refusals)
+    assert all("heartbeat from decode: " in m for m in refusals)
     expired = [m for m in session_logs(caplog) if m.startswith(f"lease {lease.hex} of request") and "expired" in m]
     assert len(expired) == 1
     world.check_locks()
@@ -237,7 +237,7 @@ def test_a_heartbeat_naming_too_many_ids_renews_nothing(caplog):
     expiry = [p.lender.get(x.id, p.now).expires_at for x in leases]
     world.advance(2.0, step=0.5)  # heartbeats went out and were answered
     assert [p.lender.get(x.id, p.now).expires_at for x in leases] == expiry  # not renewed
-    refused = [m for m in session_logs(caplog) if "heartbeat from decode refused" in m]
+    refused = [m for m in session_logs(caplog) if "heartbeat from decode: refused" in m]
     assert refused and "max_heartbeat_ids: a heartbeat naming lease ids: 3 exceeds the cap of 2" in refused[0]
     assert p.session.peers == ["decode"] and d.session.ready(conn)  # the link stays up
     world.advance(CFG.ttl, step=0.5)

@@ -11,6 +11,7 @@ load, a lend refused, a prefill gone before the claim.
 from __future__ import annotations
 
 import json
+import logging
 import time
 from types import SimpleNamespace
 
@@ -21,6 +22,7 @@ from kvlend_vllm.layout import layout_from_kv_caches
 from kvlend_vllm.scheduler import TICKET_KEY, ConsumerScheduler, ProducerScheduler
 from kvlend_vllm.worker import ConsumerWorker, ProducerWorker, WorkerSettings
 
+import kvlend.protocol.prefill
 from kvlend.protocol.config import NodeConfig
 from kvlend.protocol.ticket import Ticket
 from kvlend.security.certs import Authority
@@ -239,3 +241,17 @@ def test_a_ticket_put_on_another_prompt_gets_no_kv_and_the_lease_stays_its_promp
     load(pair, "d1", params, 40, [11, 12, 13])
     steps(pair, lambda r, s: "d1" in r and "r1" in s, finished=frozenset({"r1"}))
     assert same_blocks(pair, [5, 2, 9], [11, 12, 13]) and not pair.consumer.load_errors()
+
+
+def test_a_prefills_abort_reason_is_logged_escaped(pair, monkeypatch, caplog):
+    """Issue 22, 9: the worker logged a prefill's Abort reason raw, so a prefill could forge log lines."""
+    evil = "gone\n2030-01-01 00:00:00 CRITICAL kvlend forged\x1b[2J"
+    monkeypatch.setattr(kvlend.protocol.prefill, "_error_text", lambda exc: f"{type(exc).__name__}: {evil}")
+    params = lend(pair, "r1", 40, [5, 2, 9])
+    pair.producer.start(pair.p.take_plan())
+    pair.producer.node.release(Ticket.from_text(params[TICKET_KEY]).lease)  # its claim is refused: the reason
+    caplog.set_level(logging.INFO, logger="kvlend.vllm")
+    load(pair, "d1", params, 40, [7, 1, 30])
+    steps(pair, lambda r, s: "d1" in r)
+    lines = [r.getMessage() for r in caplog.records if r.name == "kvlend.vllm" and "forged" in r.getMessage()]
+    assert lines and all(line.isprintable() and "\\n2030" in line for line in lines), lines

@@ -23,6 +23,7 @@ from kvlend.protocol.wire import (
     MAX_FRAME_BYTES, MESSAGES, PROTOCOL_VERSION, Abort, Bye, Claim, Renewed, Done, DoneAck, Extend, FrameDecoder,
     Handshake, Heartbeat, LeaseOffer, Offer, encode_frame, message_from_wire,
 )
+from kvlend.protocol.wire import MAX_FRAME_CONTAINERS, MAX_FRAME_DEPTH, MAX_FRAME_ELEMENTS
 
 HEAD = b"\x92" + msgpack.packb(PROTOCOL_VERSION)  # a payload's opening: [version, ...
 LID, LID2 = bytes(range(16)), bytes(range(16, 32))
@@ -517,6 +518,53 @@ def test_huge_claims_do_not_allocate_what_they_claim():
     finally:
         tracemalloc.stop()
     assert peak < 8 << 20
+
+
+
+# ------------------------------------------------------------ structural limits
+def nested_empty_maps(arrays: int, maps: int = 240) -> bytes:
+    """The hostile payload of issue 22: an array of ``arrays`` arrays of ``maps`` empty maps (tiny on the wire,
+    a dict each once built)."""
+    inner = b"\xdc" + struct.pack(">H", maps) + b"\x80" * maps
+    return b"\xdc" + struct.pack(">H", arrays) + inner * arrays
+
+
+@pytest.mark.parametrize("payload, limit", [
+    (nested_empty_maps(65535), "MAX_FRAME_CONTAINERS"),  # 15 MiB: 1.1 GiB and 19 s to build
+    (HEAD + b"\x91" * MAX_FRAME_DEPTH + b"\xc0", "MAX_FRAME_DEPTH"),
+    (HEAD + b"\x91" * 900 + b"\xdc\xff\xff", "MAX_FRAME_DEPTH"),  # declared, never sent: still refused
+    (HEAD + b"\xdc" + struct.pack(">H", MAX_FRAME_CONTAINERS) + b"\x90" * MAX_FRAME_CONTAINERS,
+     "MAX_FRAME_CONTAINERS"),
+    (HEAD + b"\x99" + (b"\xdc\xff\xff" + b"\xc0" * 0xFFFF) * 9, "MAX_FRAME_ELEMENTS"),  # 9 x 65,535 nils
+], ids=["issue-22-frame", "depth", "declared-depth", "containers", "elements"])
+def test_a_frame_over_a_structural_limit_is_refused_naming_it(payload, limit):
+    assert len(payload) <= MAX_FRAME_BYTES
+    with pytest.raises(ProtocolError, match=limit):
+        decode_all(framed(payload))
+
+
+def test_structure_is_checked_before_anything_is_built():
+    """A 0.5 MB frame of 480,000 empty maps built them all first (about 60 bytes each); refused, it builds none."""
+    payload = nested_empty_maps(2000)
+    tracemalloc.start()
+    try:
+        with pytest.raises(ProtocolError, match="MAX_FRAME_CONTAINERS"):
+            decode_all(framed(payload))
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < 4 * len(payload)
+
+
+def test_the_largest_messages_stay_within_the_structural_limits():
+    """65,536 heartbeat ids; an offer of 256 groups naming 65,536 rows with 64 meta lists of 4,096 ints."""
+    ids = tuple(i.to_bytes(16, "big") for i in range(1 << 16))
+    meta = {f"k{i}": list(range(i, i + 4096)) for i in range(64)}
+    pages = {f"g{i}": GroupPages(np.arange(64) * 2, np.arange(64)) for i in range(256)}
+    names = RowSelection.named(*(f"L{i}" for i in range(1 << 16)))
+    offer = Offer(LeaseOffer(LID, "r", 1 << 20, pages, names, 1.0, meta))
+    for message in (Heartbeat(ids), Renewed(ids), offer):
+        assert wire_bytes(decode_all(encode_frame(message))[0]) == wire_bytes(message)
 
 
 # ----------------------------------------------------------------- hypothesis

@@ -72,7 +72,9 @@ class NodeConfig:
 
     ttl: float = 30.0  # lease lifetime without a heartbeat
     heartbeat: float = 1.0  # decode renews leases this often while reading
-    handshake_timeout: float = 10.0  # connect, TLS handshake and layout exchange
+    # Connect, TLS handshake and layout exchange; a prefill drops a decode that authenticated but sent no
+    # layout by then (it would hold its identity's slot).
+    handshake_timeout: float = 10.0
     transfer_timeout: float = 30.0  # one fetch, start to the prefill's done ack
     cancel_grace: float = 5.0  # a cancelled read may take this long to go quiet before its link is torn down
     chunk_pages: int = 256  # remote token pages per posted chunk

@@ -4,12 +4,17 @@ The shell runs TLS 1.3 under it with both ranks' certificates and says who
 the peer is (``authenticate``) once the handshake verified its certificate.
 Until then the connection takes no bytes and sends nothing; the session
 gives it ``AUTH_TIMEOUT`` to get there.  It never touches a socket or a clock.
+
+Decoding a frame is the costly part of receiving (a walk of its structure, the
+objects, a handshake's layout), so it is a ``FrameReader`` of its own: the
+shell runs one per connection off the node's lock and hands the session the
+messages (``deliver``); in memory, ``Connection.read`` runs it in place.
 """
 
 from __future__ import annotations
 
-from ..errors import ProtocolError
-from .wire import FrameDecoder, Message, encode_frame
+from ..errors import KvlendError, ProtocolError
+from .wire import FrameDecoder, Handshake, Message, encode_frame
 
 AUTH_TIMEOUT = 5.0  # seconds a connection may take to complete the TLS handshake
 
@@ -22,7 +27,7 @@ class Connection:
         self.peer: str | None = None
         self.ready = False
         self._out = bytearray()
-        self._decoder = FrameDecoder()
+        self._reader = FrameReader()
 
     def authenticate(self, identity: str) -> None:
         """The channel proved the peer holds a certificate for ``identity``."""
@@ -44,11 +49,45 @@ class Connection:
         return out
 
     def receive(self, data: bytes) -> list[Message]:
-        """Feed received (decrypted) bytes; the messages they complete."""
+        """Feed received (decrypted) bytes; the messages they complete (``ProtocolError`` for a bad frame)."""
+        messages, error = self.read(data)
+        if error is not None:
+            raise error
+        return messages
+
+    def read(self, data: bytes) -> tuple[list[Message], KvlendError | None]:
+        """Feed received (decrypted) bytes: the messages they complete, then the error that ended the stream."""
         if not self.ready:
-            raise ProtocolError(f"{len(data)} bytes arrived before the peer was authenticated")
-        self._decoder.feed(data)
-        out = []
-        while (message := self._decoder.next_message()) is not None:
-            out.append(message)
-        return out
+            return [], ProtocolError(f"{len(data)} bytes arrived before the peer was authenticated")
+        return self._reader.read(data)
+
+
+class FrameReader:
+    """One connection's incoming frames, decoded wherever the caller likes (the shell: off the node's lock).
+
+    The first message's layout is decoded too if it is a ``Handshake`` (the one a session reads; a later one
+    is refused without decoding it).  After a bad frame it reads nothing more: the stream is out of step.
+    """
+
+    def __init__(self) -> None:
+        self._decoder = FrameDecoder()
+        self._first = True
+        self._error: KvlendError | None = None
+
+    def read(self, data: bytes) -> tuple[list[Message], KvlendError | None]:
+        """The messages ``data`` completes, then the error that ended the stream (None while it is well formed)."""
+        out: list[Message] = []
+        if self._error is None:
+            try:
+                self._decoder.feed(data)
+                while (message := self._decoder.next_message()) is not None:
+                    if self._first and isinstance(message, Handshake):
+                        try:
+                            message.page_layout()
+                        except KvlendError:
+                            pass  # kept with the message: the session refuses the handshake with it
+                    self._first = False
+                    out.append(message)
+            except KvlendError as exc:
+                self._error = exc
+        return out, self._error

@@ -223,15 +223,26 @@ class DecodeSession(Outbox):
         link.state = _LinkState.HANDSHAKE
 
     def receive(self, conn: int, data: bytes, now: float) -> None:
+        """Received (decrypted) bytes, decoded here; the shell decodes them off its lock and calls ``deliver``."""
+        link = self._links.get(conn)
+        if link is not None and link.conn is not None:
+            self.deliver(conn, *link.conn.read(data), now)
+
+    def deliver(self, conn: int, messages: list[Message], error: KvlendError | None, now: float) -> None:
+        """Messages decoded from link ``conn``'s bytes (a ``FrameReader``'s), then the error that ended its
+        stream, if any."""
         link = self._links.get(conn)
         if link is None or link.conn is None:
             return
         try:
-            messages = link.conn.receive(data)
+            if not link.conn.ready and (messages or error is not None):
+                raise ProtocolError("bytes arrived before the prefill was authenticated")
             for message in messages:
                 if conn not in self._links:
                     return
                 self._handle(conn, link, message, now)
+            if error is not None and conn in self._links:
+                raise error
         except KvlendError as exc:
             if link.state is not _LinkState.READY or isinstance(exc, PeerLost):
                 lost = exc  # a refused handshake says why (LayoutMismatch, AuthError, ...)

@@ -12,7 +12,10 @@ passed in.
 Each peer is held to ``config.quotas`` (see ``Quotas``): a lend or offer over
 one raises ``QuotaExceeded`` to the engine, a claim over one is answered with an
 ``Abort`` naming the limit, a heartbeat naming too many ids renews nothing, and
-a layout that would cost too much to negotiate is refused with a ``Bye``.
+a layout that would cost too much to negotiate is refused with a ``Bye``.  A peer
+must send its layout within ``handshake_timeout`` of authenticating; one naming
+in a heartbeat a lease it never claimed nor was offered is dropped; only the
+lease's holder renews or ends it (a ticket's lease, once it claimed it).
 Every string a peer chose (its identity, request ids, reasons) is escaped in log
 lines (``printable``).
 """
@@ -20,6 +23,7 @@ lines (``printable``).
 from __future__ import annotations
 
 import logging
+import math
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
@@ -27,7 +31,7 @@ from ..core.layout import PageLayout, RowSelection
 from ..core.lender import Lease, Lender
 from ..core.negotiate import negotiate
 from ..core.text import printable
-from ..errors import AuthError, KvlendError, LayoutMismatch, PeerLost, ProtocolError, QuotaExceeded
+from ..errors import AuthError, KvlendError, LayoutMismatch, LeaseDenied, PeerLost, ProtocolError, QuotaExceeded
 from .actions import Close, LeaseEnded, Outbox, PeerGone, PeerReady, Send
 from .config import NodeConfig
 from .connection import AUTH_TIMEOUT, Connection
@@ -40,6 +44,7 @@ log = logging.getLogger("kvlend.session")
 _REASON = 4000  # characters of a reason sent to a peer
 MAX_PENDING = 256  # connections not yet authenticated, in all
 MAX_PENDING_PER_SOURCE = 32  # ... from one address
+LOG_EVERY = 10.0  # seconds between a peer's summary lines about its heartbeats
 
 
 @dataclass(eq=False)
@@ -47,6 +52,11 @@ class _Peer:
     conn: Connection
     source: str | None = None  # the address it connected from
     layout: PageLayout | None = None  # set once the layouts were exchanged
+    layout_by: float = math.inf  # once authenticated: when its layout must have come
+    named: dict[bytes, None] = field(default_factory=dict)  # ids it claimed or was offered, newest last (capped)
+    waiting: set[bytes] = field(default_factory=set)  # its claims waiting for their lend (claim_wait)
+    log_after: float = -math.inf  # its next heartbeat summary line, no earlier
+    unlogged: int = 0  # heartbeats with something to say since its last line
 
     @property
     def name(self) -> str | None:
@@ -76,7 +86,8 @@ class PrefillSession(Outbox):
         self._peers: dict[int, _Peer] = {}
         self._by_name: dict[str, int] = {}  # ready peers
         self._loans: dict[bytes, _Loaned] = {}
-        # claims of leases not yet lent: (conn, deadline, the claim's prompt digest)
+        # Claims of leases not yet lent: (conn, deadline, the claim's prompt digest), in deadline order
+        # (each is now + claim_wait).
         self._waiting: dict[bytes, tuple[int, float, bytes]] = {}
         super().__init__()
 
@@ -114,22 +125,34 @@ class PrefillSession(Outbox):
             self._drop(conn, _error_text(exc))  # the bye names the error type: the decode raises the same
             return
         self._by_name[identity] = conn
+        peer.layout_by = now + self.config.handshake_timeout  # or it holds its identity's slot for nothing
         log.info("control: connection %d authenticated as %s", conn, printable(identity))
 
     def receive(self, conn: int, data: bytes, now: float) -> None:
+        """Received (decrypted) bytes, decoded here; the shell decodes them off its lock and calls ``deliver``."""
+        peer = self._peers.get(conn)
+        if peer is not None:
+            self.deliver(conn, *peer.conn.read(data), now)
+
+    def deliver(self, conn: int, messages: list[Message], error: KvlendError | None, now: float) -> None:
+        """Messages decoded from connection ``conn``'s bytes (a ``FrameReader``'s), then the error that ended
+        its stream, if any."""
         peer = self._peers.get(conn)
         if peer is None:
             return  # closed meanwhile; the shell may still hold bytes read before
         try:
-            messages = peer.conn.receive(data)
+            if not peer.conn.ready and (messages or error is not None):
+                raise ProtocolError("bytes arrived before the peer was authenticated")
             for message in messages:
                 if conn not in self._peers:
-                    break
+                    return
                 self._handle(conn, peer, message, now)
+            if error is not None and conn in self._peers:
+                raise error
         except _Goodbye as bye:
             self._drop(conn, f"said bye: {bye}", logging.INFO)
         except KvlendError as exc:
-            self._drop(conn, str(exc))
+            self._drop(conn, _error_text(exc))
 
     def closed(self, conn: int, now: float, why: str = "connection closed", refused: bool = False) -> None:
         """The shell saw the connection end (``refused``: its TLS authentication failed); its leases
@@ -161,6 +184,7 @@ class PrefillSession(Outbox):
         self._loans[lease.id] = _Loaned(meta)
         conn, _, digest = self._waiting.pop(lease.id, (None, 0.0, b""))
         if conn is not None:
+            self._peers[conn].waiting.discard(lease.id)
             self._claim(self._peers[conn], lease.id, digest, now)
         return lease
 
@@ -179,6 +203,7 @@ class PrefillSession(Outbox):
             self._end(lease.id, "aborted")
             raise
         self._loans[lease.id].offered_on = conn
+        _remember(self._peers[conn], lease.id, self.config.quotas.max_heartbeat_ids)
         return lease
 
     def extend(self, lease_id: bytes, ready: int, pages: Mapping[str, Any], now: float, *,
@@ -232,15 +257,22 @@ class PrefillSession(Outbox):
 
     # ------------------------------------------------------------------ time
     def tick(self, now: float) -> None:
-        """Expire leases and drop connections that did not authenticate in time."""
+        """Expire leases and waiting claims, and drop connections that did not authenticate or send their
+        layout in time."""
         for conn, peer in list(self._peers.items()):
             if not peer.conn.ready and now > peer.conn.deadline:
                 self._drop(conn, f"no TLS handshake within {AUTH_TIMEOUT:.3g} s", notify=False)
-        for lease_id, (conn, deadline, _) in list(self._waiting.items()):
-            if now > deadline:
-                del self._waiting[lease_id]
-                self._peers[conn].conn.send(Abort(lease_id, f"LeaseUnknown: lease {lease_id.hex()} was not lent "
-                                                            f"within claim_wait {self.config.claim_wait:.3g} s"))
+            elif peer.layout is None and now > peer.layout_by:
+                self._drop(conn, f"ProtocolError: no handshake within handshake_timeout "
+                                 f"{self.config.handshake_timeout:.3g} s of authenticating")
+        while self._waiting:
+            lease_id, (conn, deadline, _) = next(iter(self._waiting.items()))
+            if now <= deadline:
+                break
+            del self._waiting[lease_id]
+            self._peers[conn].waiting.discard(lease_id)
+            self._peers[conn].conn.send(Abort(lease_id, f"LeaseUnknown: lease {lease_id.hex()} was not lent "
+                                                        f"within claim_wait {self.config.claim_wait:.3g} s"))
         for lease in self.lender.expire(now):
             log.warning("lease %s of request %s expired (peer %s, lent %.3g s ago, not renewed for %.3g s)",
                         lease.hex, printable(lease.request), printable(lease.peer), now - lease.lent_at,
@@ -250,8 +282,10 @@ class PrefillSession(Outbox):
 
     def next_deadline(self) -> float | None:
         """When ``tick`` next has work (None: nothing pending)."""
-        times = [p.conn.deadline for p in self._peers.values() if not p.conn.ready]
-        times.extend(deadline for _, deadline, _ in self._waiting.values())
+        times = [p.conn.deadline if not p.conn.ready else p.layout_by for p in self._peers.values()
+                 if p.layout is None]
+        if self._waiting:
+            times.append(next(iter(self._waiting.values()))[1])
         expiry = self.lender.next_expiry()
         if expiry is not None:
             times.append(expiry)
@@ -267,12 +301,12 @@ class PrefillSession(Outbox):
         if peer.layout is None:
             self._handshake(conn, peer, message)
         elif isinstance(message, Heartbeat):
-            peer.conn.send(Renewed(self._heartbeat(name, message.leases, now)))
+            peer.conn.send(Renewed(self._heartbeat(peer, message.leases, now)))
         elif isinstance(message, Claim):
             self._claim(peer, message.lease, message.digest, now, conn)
         elif isinstance(message, Done):
             try:
-                self.lender.check_read(message.lease, name, now)
+                self._held(message.lease, name, now)
             except KvlendError as exc:
                 peer.conn.send(DoneAck(message.lease, False, _error_text(exc)))
                 return
@@ -280,7 +314,7 @@ class PrefillSession(Outbox):
             peer.conn.send(DoneAck(message.lease, True, ""))
         elif isinstance(message, Abort):
             try:
-                self.lender.check_read(message.lease, name, now)
+                self._held(message.lease, name, now)
             except KvlendError:
                 return
             log.info("lease %s aborted by %s: %s", message.lease.hex(), printable(name), printable(message.reason))
@@ -290,22 +324,61 @@ class PrefillSession(Outbox):
         else:
             raise ProtocolError(f"unexpected {message.TYPE} from decode rank {name}")
 
-    def _heartbeat(self, name: str, leases: tuple[bytes, ...], now: float) -> tuple[bytes, ...]:
-        """Renew what ``name`` may renew of ``leases``; nothing if it names more than ``max_heartbeat_ids``."""
+    def _heartbeat(self, peer: _Peer, leases: tuple[bytes, ...], now: float) -> tuple[bytes, ...]:
+        """Renew what ``peer`` holds of ``leases``; nothing if it names more than ``max_heartbeat_ids``.
+
+        ``LeaseDenied`` (the peer is dropped) if it names a lease it never claimed nor was offered that the
+        lender does not remember as ended: no decode does, so it is guessing or replaying others' ids.
+        What was not renewed is one summary line, at most every ``LOG_EVERY`` s per peer.
+        """
+        name = peer.name
         cap = self.config.quotas.max_heartbeat_ids
         if len(leases) > cap:
             exc = QuotaExceeded("max_heartbeat_ids", len(leases), cap, "a heartbeat naming lease ids:")
-            log.warning("heartbeat from %s refused, nothing renewed: %s", printable(name), exc)
+            self._summary(peer, now, logging.WARNING, f"refused, nothing renewed: {exc}")
             return ()
-        renewed = []
+        for lease_id in leases:
+            if lease_id not in peer.named and not self._holds(lease_id, name, now):
+                raise LeaseDenied(f"a heartbeat named lease {lease_id.hex()}, which {name!r} never claimed nor "
+                                  "was offered")
+        renewed, refused = [], []
         for lease_id in leases:
             try:
-                self.lender.check_read(lease_id, name, now)
+                self._held(lease_id, name, now)
                 self.lender.renew(lease_id, now)  # LeaseLifetimeExceeded past max_lease_lifetime
                 renewed.append(lease_id)
             except KvlendError as exc:
-                log.info("heartbeat for lease %s from %s: %s", lease_id.hex(), printable(name), printable(exc))
+                refused.append(exc)
+        if refused:
+            self._summary(peer, now, logging.INFO,
+                          f"{len(refused)} of {len(leases)} leases not renewed, the first: {refused[0]}")
         return tuple(renewed)
+
+    def _holds(self, lease_id: bytes, name: str, now: float) -> bool:
+        """Whether the lender's lease ``lease_id`` is ``name``'s, or ended (whoever held it)."""
+        try:
+            return self.lender.check_read(lease_id, name, now).peer == name
+        except LeaseDenied:
+            return False
+        except KvlendError:
+            return self.lender.known(lease_id)
+
+    def _held(self, lease_id: bytes, name: str, now: float):
+        """The live lease if ``name`` holds it; ``LeaseDenied`` for a ticket's lease nobody claimed yet,
+        which no decode may renew or end before its holder claims it."""
+        lease = self.lender.check_read(lease_id, name, now)
+        if lease.peer is None:
+            raise LeaseDenied(f"lease {lease.hex} is a ticket's that no decode claimed yet: claim it first")
+        return lease
+
+    def _summary(self, peer: _Peer, now: float, level: int, text: str) -> None:
+        """One line about ``peer``'s heartbeats, unless it had one less than ``LOG_EVERY`` s ago."""
+        if now < peer.log_after:
+            peer.unlogged += 1
+            return
+        more = f" ({peer.unlogged} more heartbeats with something to say since the last line)" if peer.unlogged else ""
+        log.log(level, "heartbeat from %s: %s%s", printable(peer.name), printable(text, 1000), more)
+        peer.log_after, peer.unlogged = now + LOG_EVERY, 0
 
     def _handshake(self, conn: int, peer: _Peer, message: Message) -> None:
         layout = peer_layout(message, self._kind)
@@ -330,10 +403,11 @@ class PrefillSession(Outbox):
         A lease never lent (yet) waits up to ``claim_wait`` for the lend when ``conn`` is given,
         one waiting claim per lease id and at most ``max_leases_per_peer`` per connection.
         """
+        _remember(peer, lease_id, self.config.quotas.max_heartbeat_ids)
         if conn is not None and self.config.claim_wait > 0 and not self.lender.known(lease_id):
-            mine = sum(c == conn for c, _, _ in self._waiting.values())
-            if lease_id not in self._waiting and mine < self.config.quotas.max_leases_per_peer:
+            if lease_id not in self._waiting and len(peer.waiting) < self.config.quotas.max_leases_per_peer:
                 self._waiting[lease_id] = (conn, now + self.config.claim_wait, digest)
+                peer.waiting.add(lease_id)
                 return
         try:
             # LeaseExpired, LeaseUnknown, LeaseDenied (PromptMismatch), or QuotaExceeded (the peer's, or the lifetime)
@@ -361,7 +435,7 @@ class PrefillSession(Outbox):
     def _drop(self, conn: int, why: str, level: int = logging.WARNING, notify: bool = True) -> None:
         """Forget a connection; its leases stay until they expire (its reads may still land)."""
         peer = self._peers.pop(conn)
-        for lease_id in [i for i, (c, _, _) in self._waiting.items() if c == conn]:
+        for lease_id in peer.waiting:
             del self._waiting[lease_id]
         name = peer.name
         if name is not None and self._by_name.get(name) == conn:
@@ -377,6 +451,15 @@ class PrefillSession(Outbox):
         self._events.append(PeerGone(conn, name, why))
 
 
+def _remember(peer: _Peer, lease_id: bytes, cap: int) -> None:
+    """``peer`` may name ``lease_id`` in its heartbeats (the oldest of more than ``cap`` is forgotten: a lease
+    it still holds stays nameable through the lender)."""
+    peer.named.pop(lease_id, None)
+    peer.named[lease_id] = None
+    if len(peer.named) > cap:
+        del peer.named[next(iter(peer.named))]
+
+
 class _Goodbye(KvlendError):
     """A peer closed the channel in order."""
 
@@ -387,7 +470,7 @@ def peer_layout(message: Message, backend_kind: str) -> PageLayout:
         raise ProtocolError(f"expected handshake, got {message.TYPE}")
     if message.backend != backend_kind:
         raise ProtocolError(f"peer uses transfer backend {message.backend!r}, we use {backend_kind!r}")
-    return PageLayout.decode(message.layout)
+    return message.page_layout()
 
 
 def _error_text(exc: KvlendError) -> str:

@@ -404,8 +404,8 @@ class DecodeNode(Shell):
             self.session.connected(conn, now)
         for conn, identity in authenticated:
             self.session.authenticated(conn, identity, now)
-        for conn, chunk in data:
-            self.session.receive(conn, chunk, now)
+        for conn, messages, error in data:
+            self.session.deliver(conn, messages, error, now)
         for conn, why, refused in gone:
             self.session.closed(conn, now, why, refused)
 

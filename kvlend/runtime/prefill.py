@@ -257,8 +257,8 @@ class PrefillNode(Shell):
             self.session.accept(self._next_conn, now, source)
         for conn, identity in authenticated:
             self.session.authenticated(conn, identity, now)
-        for conn, chunk in data:
-            self.session.receive(conn, chunk, now)
+        for conn, messages, error in data:
+            self.session.deliver(conn, messages, error, now)
         for conn, why, refused in gone:
             self.session.closed(conn, now, why, refused)
 

@@ -1,13 +1,15 @@
 """The event loop both nodes share: TLS sockets and backend progress in, session actions out.
 
 One loop iteration: wait on every socket (without the lock), progress the
-backend, run TLS on what arrived (handshakes, decryption: still without the
-lock), feed the plaintext to the session under the lock, then perform the
-session's actions and hand its events to the engine *outside* the lock, so
-a slow send, a synchronous copy inside a post or an engine callback never
-holds up another thread's call.  Only the loop's thread touches sockets and
-the backend; engine threads touch the session, under the lock, and wake the
-loop.  Without ``start()`` the engine's own calls drive the loop.
+backend, run TLS on what arrived (handshakes, decryption) and decode its
+frames (still without the lock: a hostile frame or a large layout costs the
+loop, never another thread), hand the messages to the session under the
+lock, then perform the session's actions and hand its events to the engine
+*outside* the lock, so a slow send, a synchronous copy inside a post or an
+engine callback never holds up another thread's call.  Only the loop's
+thread touches sockets and the backend; engine threads touch the session,
+under the lock, and wake the loop.  Without ``start()`` the engine's own
+calls drive the loop.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+import weakref
 from collections import deque
 from typing import TYPE_CHECKING, Any, Callable, Mapping
 
@@ -24,6 +27,7 @@ from ..core.text import printable
 from ..errors import AuthError, BackendError, ConfigError, KvlendError, TransferTimeout
 from ..protocol.actions import AddPeer, Cancel, Close, Connect, Post, RemovePeer, Send
 from ..protocol.config import NodeConfig
+from ..protocol.connection import FrameReader
 from ..security.credentials import Credentials
 from ..transport import TransferBackend
 from .certificates import CertWatch
@@ -59,6 +63,7 @@ class Shell:
         self._sockets = Sockets(pause_output=config.output_pause_bytes, max_output=config.max_output_bytes,
                                 output_timeout=config.output_stall_timeout)
         self._channels: dict[int, TlsChannel] = {}  # connection -> its TLS; touched only by the loop's turn
+        self._readers: weakref.WeakKeyDictionary[TlsChannel, FrameReader] = weakref.WeakKeyDictionary()  # its frames
         self._agents: dict[int, str] = {}  # connection -> backend peer
         self._tags: set[bytes] = set()  # posted, not yet reported
         self._thread: threading.Thread | None = None
@@ -162,11 +167,12 @@ class Shell:
 
     # ------------------------------------------------------------------ TLS
     def _secure(self, up: list, data: list, gone: list) -> tuple[list, list, list]:
-        """TLS for what the sockets reported, outside the session's lock: clients start their
-        handshakes, ciphertext becomes plaintext, a peer that fails TLS is closed.
+        """TLS and framing for what the sockets reported, outside the session's lock: clients start their
+        handshakes, ciphertext becomes plaintext and plaintext messages, a peer that fails TLS is closed.
 
-        Returns (connection, verified identity) pairs newly authenticated, plaintext received and
-        (connection, why, refused) for every connection gone.
+        Returns (connection, verified identity) pairs newly authenticated, (connection, messages, error
+        that ended its stream or None) for what was received, and (connection, why, refused) for every
+        connection gone.
         """
         gone = [(conn, why, False) for conn, why in gone]
         for conn, _, _ in gone:
@@ -195,7 +201,7 @@ class Shell:
                 self._sockets.authenticated(conn)
                 authenticated.append((conn, channel.identity))
             if text:
-                plain.append((conn, text))
+                plain.append((conn, *self._readers.setdefault(channel, FrameReader()).read(text)))
             if channel.peer_closed:  # after its last plaintext (a bye) is fed
                 self._channels.pop(conn)
                 self._sockets.close(conn)

@@ -17,6 +17,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
+from kvlend.core.text import printable
 from kvlend.errors import KvlendError
 from kvlend.protocol.config import NodeConfig
 from kvlend.runtime import DecodeNode, FetchState, PrefillNode
@@ -98,7 +99,7 @@ class ProducerWorker:
                 self.node.lend(lend.request, lend.num_tokens, {"full": list(lend.blocks)},
                                self.node.layout.full_selection(), lease_id=lend.lease, prompt_digest=lend.digest)
             except KvlendError as exc:  # nothing lent: free the blocks now; a claim is refused after claim_wait
-                log.warning("request %s: not lent (%s); its blocks are freed", lend.request, exc)
+                log.warning("request %s: not lent (%s); its blocks are freed", lend.request, printable(exc))
                 with self._lock:
                     self._ended.add(lend.request)
 
@@ -160,12 +161,12 @@ class ConsumerWorker:
             try:
                 self.node.claim(text, prompt_digest=digest)
             except KvlendError as exc:  # the fetch will claim again, or fail and be recomputed
-                log.warning("early claim of a ticket failed: %s", exc)
+                log.warning("early claim of a ticket failed: %s", printable(exc))
         for text in plan.unclaims:
             try:
                 self.node.unclaim(text)
             except KvlendError as exc:
-                log.info("giving back an unread lease: %s", exc)
+                log.info("giving back an unread lease: %s", printable(exc))
         for request in plan.cancels:
             loading = self._loading.get(request)
             if loading is not None and loading.reported_at is None:
@@ -177,7 +178,7 @@ class ConsumerWorker:
                 handle = self.node.start_fetch(load.ticket, {"full": list(load.blocks)},
                                                resume_from=load.resume_from, prompt_digest=load.digest)
             except KvlendError as exc:  # nothing was read: every block is recomputed
-                log.warning("request %s: fetch not started (%s); recomputing", load.request, exc)
+                log.warning("request %s: fetch not started (%s); recomputing", load.request, printable(exc))
                 recompute = load.blocks[load.resume_from // self.block_size:]
                 self._invalid.update(recompute)
                 self.stats.record_failure(len(recompute))
@@ -195,13 +196,13 @@ class ConsumerWorker:
                 self.stats.record(seconds=result.seconds, read_seconds=result.read_seconds or 0.0,
                                   nbytes=result.bytes)
             elif loading.reported_at is not None:  # its KV was complete and verified before this (a lost ack, say)
-                log.info("request %s: fetch ended after its KV was complete: %s", request, handle.error)
+                log.info("request %s: fetch ended after its KV was complete: %s", request, printable(handle.error))
             elif not loading.cancelled:  # an aborted request's blocks are freed, not recomputed
                 good = handle.bound // self.block_size  # pages below the verified bound landed whole
                 self._invalid.update(loading.blocks[good:])
                 self.stats.record_failure(len(loading.blocks) - good)
                 log.warning("request %s: KV fetch failed at token %d (%s); %d blocks recomputed", request,
-                            handle.bound, handle.error, len(loading.blocks) - good)
+                            handle.bound, printable(handle.error), len(loading.blocks) - good)
             self._record(request, handle, loading, time.perf_counter() - loading.started)
             if loading.reported_at is None:
                 self._done.add(request)
