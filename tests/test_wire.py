@@ -20,10 +20,9 @@ from kvlend.errors import ProtocolError
 from kvlend.core.layout import RowSelection
 from kvlend.core.pages import GroupPages
 from kvlend.protocol.wire import (
-    MAX_FRAME_BYTES, MESSAGES, PROTOCOL_VERSION, Abort, Bye, Claim, Renewed, Done, DoneAck, Extend, FrameDecoder,
-    Handshake, Heartbeat, LeaseOffer, Offer, encode_frame, message_from_wire,
+    MAX_FRAME_BYTES, MAX_FRAME_CONTAINERS, MAX_FRAME_DEPTH, MESSAGES, PROTOCOL_VERSION, Abort, Bye, Claim, Renewed,
+    Done, DoneAck, Extend, FrameDecoder, Handshake, Heartbeat, LeaseOffer, Offer, encode_frame, message_from_wire,
 )
-from kvlend.protocol.wire import MAX_FRAME_CONTAINERS, MAX_FRAME_DEPTH, MAX_FRAME_ELEMENTS
 
 HEAD = b"\x92" + msgpack.packb(PROTOCOL_VERSION)  # a payload's opening: [version, ...
 LID, LID2 = bytes(range(16)), bytes(range(16, 32))
