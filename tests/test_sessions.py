@@ -1338,6 +1338,87 @@ def test_release_by_the_prefill_engine_tells_the_reader():
     assert r.fetch.error.bound == 0
 
 
+@pytest.mark.parametrize("landed", ["before_the_abort", "after_the_abort"])
+def test_a_release_under_a_read_keeps_its_pages_until_the_reader_is_quiet(landed):
+    """The engine releases a lease whose reads are in flight and reuses its pages as soon as it hears
+    ``LeaseEnded`` (the world scribbles them then).  Reads landing before the reader hears of it count
+    for the bound, so the pages must still hold the lent bytes until the reader is quiet: its done, or
+    its abort once its reads are terminal.  Before, they were reused at once and the bound covered
+    scribbled pages (the world's bound check fails on every step)."""
+    world, p, d, conn = rig(LONG)
+    t = p.ticket(40, seed=1)
+    r = d.fetch_ticket(t, seed=1)
+    assert r.fetch.state is FetchState.READING
+    wire = world.wire(d, conn)
+    wire.hold_to_decode = True  # the prefill's Abort is on its way
+    p.session.release(t.lease)
+    world.pump()
+    assert not p.ended and locked(p) > 0  # the engine may not reuse them yet
+    first, *rest = d.backend.in_flight()
+    if landed == "before_the_abort":
+        finish_all(world, d)  # the bound covers the lease, and the bytes under it are the lent ones
+        assert r.fetch.state is FetchState.ACKING and r.fetch.bound == 40
+        assert p.ended == [(t.lease, "released")] and locked(p) == 0  # its done said it is quiet
+        wire.hold_to_decode = False
+        world.pump()
+    else:
+        d.backend.finish(first.tag)
+        world.pump()
+        assert 0 < r.fetch.bound < 40
+        wire.hold_to_decode = False
+        world.pump()
+        assert r.fetch.state is FetchState.CANCELLING and r.fetch.bound == 0
+        assert not p.ended and locked(p) > 0  # reads still in flight
+        for read in rest:
+            d.backend.late(read.tag)  # land after the abort: they count for nothing
+        world.pump()
+        assert p.ended == [(t.lease, "released")] and locked(p) == 0  # its abort, once quiet
+    assert r.fetch.state is FetchState.FAILED and isinstance(r.fetch.error, LeaseUnknown)
+    assert r.fetch.bound == r.fetch.error.bound == 0
+    world.check_locks()
+
+
+@pytest.mark.parametrize("gone", ["dropped", "said_bye"])
+def test_a_release_under_a_reader_whose_link_went_waits_unless_it_said_goodbye(gone):
+    """A reader whose link dropped may still count reads it has in flight: the pages wait for the lease's
+    expiry.  One that said goodbye failed its fetches first: they go at once."""
+    world, p, d, conn = rig(LONG)
+    t = p.ticket(40, seed=1)
+    r = d.fetch_ticket(t, seed=1)
+    wire = world.wire(d, conn)
+    if gone == "dropped":  # the prefill sees the connection reset; the decode does not know yet
+        wire.hold_to_decode = True
+        wire.prefill_open = False
+        p.session.closed(wire.pconn, p.now, "connection reset")
+    else:
+        d.session.disconnect(conn, d.now)
+    world.pump()
+    p.session.release(t.lease)
+    world.pump()
+    if gone == "said_bye":
+        assert p.ended == [(t.lease, "released")] and locked(p) == 0
+        finish_all(world, d)
+        assert r.fetch.state is FetchState.FAILED and isinstance(r.fetch.error, PeerLost)
+        return
+    assert not p.ended and locked(p) > 0
+    finish_all(world, d)  # lands before the decode hears anything: the bound counts it, so the bytes are there
+    assert r.fetch.state is FetchState.ACKING and r.fetch.bound == 40
+    world.advance(LONG.ttl - LONG.heartbeat)
+    assert not p.ended and locked(p) > 0
+    world.advance(2 * LONG.heartbeat)  # past the lease's expiry on the prefill's clock
+    assert p.ended == [(t.lease, "released")] and locked(p) == 0
+    world.check_locks()
+
+
+def test_a_release_of_an_offer_nobody_reads_is_acknowledged_at_once():
+    world, p, d, conn = rig(LONG)
+    lease = p.offer("decode", 20, seed=1)
+    p.session.release(lease.id)
+    world.pump()
+    assert p.ended == [(lease.id, "released")] and locked(p) == 0
+    assert d.session.next_deadline() is None  # nothing left to heartbeat
+
+
 # --------------------------------------------------------- the transport itself
 def test_transport_catches_a_write_after_finish():
     world, p, d, conn = rig()

@@ -636,20 +636,28 @@ class DecodeSession(Outbox):
                 fetch.sure_until = max(fetch.sure_until, sent + fetch.offer.ttl - self.config.heartbeat)
 
     def _withdrawn(self, conn: int, link: _Link, message: Abort, now: float) -> None:
-        """The prefill refused a claim or ended the lease: nothing read under it may be used."""
-        if message.lease in link.early or message.lease in link.offers:
+        """The prefill refused a claim or ended the lease: nothing read under it may be used.
+
+        A lease it ended after its offer came keeps its pages locked until we say we are quiet:
+        an ``Abort`` back, at once for an offer nobody reads, once its reads are terminal for a
+        fetch (a fetch that sent its done has said so already).
+        """
+        offered = message.lease in link.offers
+        if message.lease in link.early or offered:
             link.early.pop(message.lease, None)
             link.refused[message.lease] = message.reason  # what a later fetch of its ticket fails with
             while len(link.refused) > _REFUSED_KEPT:
                 link.refused.popitem(last=False)
         link.offers.pop(message.lease, None)
         link.sure.pop(message.lease, None)
+        if offered:
+            link.conn.send(Abort(message.lease, "withdrawn before it was read"))
         for fetch in self._fetches.values():
             if fetch.link == conn and fetch.lease == message.lease and not fetch.done:
                 fetch.bound = fetch.resume_from  # its pages may be reused under our reads
                 kind = _REFUSALS.get(message.reason.partition(":")[0], LeaseUnknown)
-                self._fail(fetch, kind(f"prefill {link.peer} refused lease {message.lease.hex()}: "
-                                       f"{message.reason}"), now, tell_prefill=False)
+                error = kind(f"prefill {link.peer} refused lease {message.lease.hex()}: {message.reason}")
+                self._fail(fetch, error, now, tell_prefill=fetch.state is not FetchState.CLAIMING)  # acks if it read
         link.abandoned.discard(message.lease)  # this was the answer: nothing more comes for it
         log.info("prefill %s withdrew lease %s: %s", printable(link.peer), message.lease.hex(), printable(message.reason))
 

@@ -9,6 +9,13 @@ renews leases on heartbeats, answers claims and dones, and expires leases
 whose reader went quiet.  Every timing decision is made here with the time
 passed in.
 
+A lease the engine releases after its offer went out may be under a reader's
+one-sided reads: its pages stay locked (``Lender.release(hold=True)``) until
+that reader is quiet (its ``Abort`` or ``Done`` for the lease, or its ``Bye``:
+a decode fails every fetch of a link before saying goodbye) or the lease
+expires, and only then does ``LeaseEnded`` tell the engine, so no read a
+reader still counts sees a reused page.
+
 Each peer is held to ``config.quotas`` (see ``Quotas``): a lend or offer over
 one raises ``QuotaExceeded`` to the engine, a claim over one is answered with an
 ``Abort`` naming the limit, a heartbeat naming too many ids renews nothing, and
@@ -77,6 +84,7 @@ class PrefillSession(Outbox):
         self._by_name: dict[str, int] = {}  # ready peers
         self._loans: dict[bytes, _Loaned] = {}
         self._waiting: dict[bytes, tuple[int, float]] = {}  # claims of leases not yet lent: (conn, deadline)
+        self._held: dict[bytes, int] = {}  # released under a reader: lease id -> its reader's connection
         super().__init__()
 
     # ----------------------------------------------------------- connections
@@ -126,7 +134,7 @@ class PrefillSession(Outbox):
                     break
                 self._handle(conn, peer, message, now)
         except _Goodbye as bye:
-            self._drop(conn, f"said bye: {bye}", logging.INFO)
+            self._drop(conn, f"said bye: {bye}", logging.INFO, quiet=True)
         except KvlendError as exc:
             self._drop(conn, str(exc))
 
@@ -207,11 +215,18 @@ class PrefillSession(Outbox):
         """End a lease from the engine's side (its request was cancelled); None if already ended.
 
         Its reader, if connected, is told at once: nothing it read under the lease may be used.
+        ``LeaseEnded`` says when its pages may be reused: at once if its offer never went out (or
+        its reader said goodbye since), else once its reader is quiet or it expires (module doc).
         """
-        lease = self.lender.release(lease_id)
+        loaned = self._loans.get(lease_id)
+        reader = None if loaned is None else loaned.offered_on
+        lease = self.lender.release(lease_id, hold=reader is not None)
         if lease is not None:
             self._loans.pop(lease_id, None)
-            self._events.append(LeaseEnded(lease, "released"))
+            if reader is None:
+                self._events.append(LeaseEnded(lease, "released"))
+            else:
+                self._held[lease_id] = reader
             conn = self._by_name.get(lease.peer) if lease.peer is not None else None
             if conn is not None:
                 self._peers[conn].conn.send(Abort(lease_id, "LeaseUnknown: released by the prefill"))
@@ -239,6 +254,11 @@ class PrefillSession(Outbox):
                 self._peers[conn].conn.send(Abort(lease_id, f"LeaseUnknown: lease {lease_id.hex()} was not lent "
                                                             f"within claim_wait {self.config.claim_wait:.3g} s"))
         for lease in self.lender.expire(now):
+            if self._held.pop(lease.id, None) is not None:
+                log.info("lease %s of request %s released: its pages go at its expiry, its reader %s never "
+                         "said it was quiet", lease.hex, printable(lease.request), printable(lease.peer))
+                self._events.append(LeaseEnded(lease, "released"))
+                continue
             log.warning("lease %s of request %s expired (peer %s, lent %.3g s ago, not renewed for %.3g s)",
                         lease.hex, printable(lease.request), printable(lease.peer), now - lease.lent_at,
                         now - (lease.expires_at - lease.ttl))
@@ -268,6 +288,7 @@ class PrefillSession(Outbox):
         elif isinstance(message, Claim):
             self._claim(peer, message.lease, now, conn)
         elif isinstance(message, Done):
+            self._settle(message.lease, conn)  # a held lease's reader is done reading it
             try:
                 self.lender.check_read(message.lease, name, now)
             except KvlendError as exc:
@@ -276,6 +297,8 @@ class PrefillSession(Outbox):
             self._end(message.lease, "done")
             peer.conn.send(DoneAck(message.lease, True, ""))
         elif isinstance(message, Abort):
+            if self._settle(message.lease, conn):
+                return
             try:
                 self.lender.check_read(message.lease, name, now)
             except KvlendError:
@@ -349,15 +372,34 @@ class PrefillSession(Outbox):
         return LeaseOffer(lease.id, lease.request, lease.num_tokens, lease.pages, lease.selection, lease.ttl,
                           loaned.meta if loaned is not None else {}, lease.ready)
 
+    def _settle(self, lease_id: bytes, conn: int) -> bool:
+        """Whether ``lease_id`` was held for its reader on ``conn``, now quiet: its pages go."""
+        if self._held.get(lease_id) != conn:
+            return False
+        del self._held[lease_id]
+        self._events.append(LeaseEnded(self.lender.settle(lease_id), "released"))
+        return True
+
     def _end(self, lease_id: bytes, reason: str) -> None:
         lease = self.lender.release(lease_id)
         if lease is not None:
             self._loans.pop(lease_id, None)
             self._events.append(LeaseEnded(lease, reason))
 
-    def _drop(self, conn: int, why: str, level: int = logging.WARNING, notify: bool = True) -> None:
-        """Forget a connection; its leases stay until they expire (its reads may still land)."""
+    def _drop(self, conn: int, why: str, level: int = logging.WARNING, notify: bool = True,
+              quiet: bool = False) -> None:
+        """Forget a connection; its leases stay until they expire (its reads may still land).
+
+        ``quiet``: the peer said goodbye, so it counts no read made over this connection any more:
+        leases held for it go now, and a later release of one offered on it need not wait.
+        """
         peer = self._peers.pop(conn)
+        if quiet:
+            for lease_id in [i for i, c in self._held.items() if c == conn]:
+                self._settle(lease_id, conn)
+            for loaned in self._loans.values():
+                if loaned.offered_on == conn:
+                    loaned.offered_on = None
         for lease_id in [i for i, (c, _) in self._waiting.items() if c == conn]:
             del self._waiting[lease_id]
         name = peer.name
