@@ -10,20 +10,22 @@ really there).  Each test drives one scenario with the clock in its hands.
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 from conftest import group_layers, slots
-from memory_transport import SCRIBBLE, ContractError, World, finish_all
+from memory_transport import KIND, SCRIBBLE, ContractError, World, finish_all
 
 import kvlend.protocol.decode as decode_mod
 from kvlend.core.layout import RowSelection
 from kvlend.errors import (
-    AuthError, BackendError, ConfigError, IncompleteFetch, KvlendError, LeaseDenied, LeaseExpired, LeaseUnknown,
-    PageRangeError, PeerLost, ProtocolError, TransferCancelled, TransferTimeout,
+    AuthError, BackendError, ConfigError, IncompleteFetch, KvlendError, LayoutMismatch, LeaseDenied, LeaseExpired,
+    LeaseUnknown, PageRangeError, PeerLost, ProtocolError, TransferCancelled, TransferTimeout,
 )
 from kvlend.protocol.actions import Close, Offered, RemovePeer
 from kvlend.protocol.config import NodeConfig
-from kvlend.protocol.decode import FetchState
+from kvlend.protocol.decode import DecodeSession, FetchState
 from kvlend.protocol.ticket import Ticket
 from kvlend.protocol.wire import Renewed
 
@@ -328,6 +330,29 @@ def test_claiming_ahead_twice_or_after_the_fetch_started_changes_nothing():
     d.claim(t)
     finish_all(world, d)
     assert r.fetch.state is FetchState.DONE and [why for _, why in p.ended] == ["done"]
+
+
+def test_a_ticket_of_a_layout_this_rank_cannot_read_is_given_back_at_once():
+    """Negotiation refuses the pair (issue 22, finding 9): the decode gives the lease back over the refused
+    link, so its prefill frees the pages now rather than at their TTL; a later ticket of that layout fails
+    before any handshake, and its lease is given back too."""
+    world = World(0)
+    p = world.add_prefill(config=LONG)
+    d = world.add_decode(config=LONG)
+    d.layout = dataclasses.replace(d.layout, dtype="bfloat16")
+    d.session = DecodeSession(d.layout, KIND, d.metadata, name=d.name, config=LONG)
+    first, second = p.ticket(20, seed=1), p.ticket(12, seed=2)
+    r = d.fetch_ticket(first, seed=1)
+    assert r.fetch.state is FetchState.FAILED and isinstance(r.fetch.error, LayoutMismatch)
+    assert [f for f, *_ in r.fetch.error.fields] == ["dtype"]
+    assert p.ended == [(first.lease, "aborted")]  # no time passed: not its TTL
+    assert p.session.peers == [] and d.session.links == [] and not world.wires
+    fetch = d.session.fetch_ticket(second, d.alloc(12), d.now)
+    assert fetch.state is FetchState.FAILED and isinstance(fetch.error, LayoutMismatch)  # before any handshake
+    assert str(fetch.error) == str(r.fetch.error)
+    world.pump()  # a link opened to say so: refused, our Abort, our Bye
+    assert p.ended == [(first.lease, "aborted"), (second.lease, "aborted")] and locked(p) == 0
+    assert p.session.peers == [] and d.session.links == [] and not world.wires
 
 
 def test_no_prefill_at_the_ticket_endpoint():

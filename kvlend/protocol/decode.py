@@ -16,6 +16,12 @@ one terminal: only then is the fetch ``failed``, its destination quiet and
 The safe-resume bound counts a read only if it landed while the lease was
 surely valid (before the conservative cutoff: TTL minus one heartbeat after
 the lease was surely renewed), unless the prefill's done ack confirms it.
+
+A prefill whose layout this rank cannot read (negotiation refused the pair)
+is remembered by its layout id: a ticket naming that layout fails at once
+with the same ``LayoutMismatch``, and every lease this rank came for there is
+declined (``Abort``, over the refused link before its ``Bye``, or over a link
+opened to say it) so its prefill frees the pages rather than at their TTL.
 """
 
 from __future__ import annotations
@@ -38,8 +44,8 @@ from ..core.text import printable
 from ..core.reads import ReadBatch
 from ..core.tracker import DeliveryTracker
 from ..errors import (
-    AuthError, ConfigError, IncompleteFetch, QuotaExceeded, KvlendError, LeaseDenied, LeaseExpired, LeaseUnknown, PageRangeError, PeerLost,
-    ProtocolError, TransferCancelled, TransferTimeout,
+    AuthError, ConfigError, IncompleteFetch, QuotaExceeded, KvlendError, LayoutMismatch, LeaseDenied, LeaseExpired,
+    LeaseUnknown, PageRangeError, PeerLost, ProtocolError, TransferCancelled, TransferTimeout,
 )
 from .actions import (
     AddPeer, Cancel, Close, Connect, FetchFinished, Offered, Outbox, PeerGone, PeerReady, Post, RemovePeer, Send,
@@ -154,6 +160,7 @@ class _Link:
     abandoned: set = field(default_factory=set)  # leases whose claim we gave up on: their offer is stale
     early: dict = field(default_factory=dict)  # claimed ahead of a fetch, not yet answered: lease id -> sent at
     refused: OrderedDict = field(default_factory=OrderedDict)  # early claims the prefill refused: id -> reason
+    declines: dict = field(default_factory=dict)  # leases to give back once the link can say so: id -> reason
 
 
 class DecodeSession(Outbox):
@@ -172,6 +179,8 @@ class DecodeSession(Outbox):
         self._fetches: dict[int, Fetch] = {}
         self._tags: dict[bytes, tuple[int, int]] = {}  # tag -> (fetch id, chunk)
         self._plans: dict[tuple, TransferPlan] = {}
+        self._unreadable: OrderedDict[str, LayoutMismatch] = OrderedDict()  # remote layout id -> why refused
+        self._declined: OrderedDict[bytes, None] = OrderedDict()  # leases given back lately
         self._next_conn = self._next_fetch = self._seq = 0
         self._gone: OrderedDict[int, KvlendError] = OrderedDict()  # why recent links closed
         super().__init__()
@@ -315,6 +324,14 @@ class DecodeSession(Outbox):
         if known is not None and self._links[known].plan is not None:
             check_destination(self._links[known].plan, dst, ticket.num_tokens)
         self._check_issuer(ticket)
+        refusal = self._unreadable.get(ticket.layout_id)
+        if refusal is not None:  # no plan can read it: fail now, and let its prefill free the pages
+            self._decline(ticket, refusal, now)
+            conn = self._by_endpoint.get(ticket.endpoint, 0)  # 0: none (declined before): the fetch needs none
+            fetch = self._new_fetch(conn, ticket.lease, ticket.num_tokens, dst, resume_from, now, timeout,
+                                    FetchState.CLAIMING)
+            self._fail(fetch, clone_error(refusal), now, tell_prefill=False)
+            return fetch
         conn = self.link_to(ticket.host, ticket.port, now)
         link = self._links[conn]
         link.expect = ticket.prefill
@@ -354,6 +371,10 @@ class DecodeSession(Outbox):
         if any(f.lease == ticket.lease and not f.done for f in self._fetches.values()):
             return
         self._check_issuer(ticket)
+        refusal = self._unreadable.get(ticket.layout_id)
+        if refusal is not None:
+            self._decline(ticket, refusal, now)
+            return
         link = self._links[self.link_to(ticket.host, ticket.port, now)]
         link.expect = ticket.prefill
         if ticket.lease in link.early or ticket.lease in link.offers or ticket.lease in link.refused:
@@ -366,6 +387,22 @@ class DecodeSession(Outbox):
             link.conn.send(Claim(ticket.lease))
         else:
             link.early[ticket.lease] = None
+
+    def _decline(self, ticket: Ticket, refusal: LayoutMismatch, now: float) -> None:
+        """Give back a lease of a layout no plan of ours reads, over the link to its prefill (opened
+        for it if need be: its handshake is refused, and our ``Abort`` goes before our ``Bye``)."""
+        if ticket.lease in self._declined:
+            return
+        self._declined[ticket.lease] = None
+        while len(self._declined) > _REFUSED_KEPT:
+            self._declined.popitem(last=False)
+        link = self._links[self.link_to(ticket.host, ticket.port, now)]
+        link.expect = ticket.prefill
+        reason = _error_text(refusal)
+        if link.state is _LinkState.READY:
+            link.conn.send(Abort(ticket.lease, reason))
+        elif len(link.declines) < self.config.quotas.max_leases_per_peer:  # past that, the lease waits its TTL
+            link.declines[ticket.lease] = reason
 
     def _check_issuer(self, ticket: Ticket) -> None:
         """``AuthError`` if the link to the ticket's endpoint serves (or awaits) another prefill than it names."""
@@ -523,8 +560,13 @@ class DecodeSession(Outbox):
             if len(self._plans) >= _PLAN_CACHE:
                 self._plans.clear()
             quotas = self.config.quotas
-            plan = self._plans[key] = negotiate(self.layout, remote, max_page_ratio=quotas.max_page_ratio,
-                                                max_pieces=quotas.max_pieces)
+            try:
+                plan = negotiate(self.layout, remote, max_page_ratio=quotas.max_page_ratio,
+                                 max_pieces=quotas.max_pieces)
+            except LayoutMismatch as exc:
+                self._unreadable_layout(conn, link, remote, exc, now)
+                return
+            self._plans[key] = plan
         if not message.metadata:
             raise ProtocolError(f"prefill {link.peer} sent no backend metadata")
         link.plan = plan
@@ -543,6 +585,23 @@ class DecodeSession(Outbox):
         for lease in [i for i, sent in link.early.items() if sent is None]:
             link.early[lease] = now
             link.conn.send(Claim(lease))
+        for lease, reason in link.declines.items():
+            link.conn.send(Abort(lease, reason))
+        link.declines.clear()
+
+    def _unreadable_layout(self, conn: int, link: _Link, remote: PageLayout, refusal: LayoutMismatch,
+                           now: float) -> None:
+        """No plan reads ``remote``: remember it, decline every lease we came for, and close the link."""
+        self._unreadable[remote.layout_id] = refusal
+        while len(self._unreadable) > _PLAN_CACHE:
+            self._unreadable.popitem(last=False)
+        reason = _error_text(refusal)
+        came_for = [self._fetches[f].lease for f in link.waiting if f in self._fetches] + list(link.early)
+        for lease in came_for:
+            link.declines.setdefault(lease, reason)
+        for lease, why in link.declines.items():
+            link.conn.send(Abort(lease, why))
+        self._fail_link(conn, refusal, now, send_bye=True)  # the aborts go out before the bye
 
     def _offer(self, conn: int, link: _Link, offer: LeaseOffer, now: float) -> None:
         if offer.id in link.abandoned:  # the answer to a claim we gave up on (and aborted)

@@ -20,6 +20,9 @@ Each peer is held to ``config.quotas`` (see ``Quotas``): a lend or offer over
 one raises ``QuotaExceeded`` to the engine, a claim over one is answered with an
 ``Abort`` naming the limit, a heartbeat naming too many ids renews nothing, and
 a layout that would cost too much to negotiate is refused with a ``Bye``.
+A decode whose layout we cannot serve gets ours (without backend metadata, so
+it names every difference itself) and ``AUTH_TIMEOUT`` to decline the leases
+it came for (``Abort``) and say ``Bye``: their pages go at once, not at their TTL.
 Every string a peer chose (its identity, request ids, reasons) is escaped in log
 lines (``printable``).
 """
@@ -54,6 +57,7 @@ class _Peer:
     conn: Connection
     source: str | None = None  # the address it connected from
     layout: PageLayout | None = None  # set once the layouts were exchanged
+    refused_until: float | None = None  # its layout was refused: it may decline leases until then
 
     @property
     def name(self) -> str | None:
@@ -95,7 +99,7 @@ class PrefillSession(Outbox):
         connections costs a bounded few KiB each and cannot crowd out a peer's retry for long."""
         if conn in self._peers:
             raise ProtocolError(f"connection {conn} is already open")
-        pending = [p for p in self._peers.values() if not p.conn.ready]
+        pending = [p for p in self._peers.values() if not p.conn.ready or p.refused_until is not None]
         from_source = sum(p.source == source for p in pending)
         if len(pending) >= MAX_PENDING or (source is not None and from_source >= MAX_PENDING_PER_SOURCE):
             log.warning("refused a connection from %s: %d connections not yet authenticated (%d from it)",
@@ -248,6 +252,8 @@ class PrefillSession(Outbox):
         for conn, peer in list(self._peers.items()):
             if not peer.conn.ready and now > peer.conn.deadline:
                 self._drop(conn, f"no TLS handshake within {AUTH_TIMEOUT:.3g} s", notify=False)
+            elif peer.refused_until is not None and now > peer.refused_until:
+                self._drop(conn, f"its layout was refused and it did not leave within {AUTH_TIMEOUT:.3g} s")
         for lease_id, (conn, deadline) in list(self._waiting.items()):
             if now > deadline:
                 del self._waiting[lease_id]
@@ -268,6 +274,7 @@ class PrefillSession(Outbox):
     def next_deadline(self) -> float | None:
         """When ``tick`` next has work (None: nothing pending)."""
         times = [p.conn.deadline for p in self._peers.values() if not p.conn.ready]
+        times.extend(p.refused_until for p in self._peers.values() if p.refused_until is not None)
         times.extend(deadline for _, deadline in self._waiting.values())
         expiry = self.lender.next_expiry()
         if expiry is not None:
@@ -281,8 +288,10 @@ class PrefillSession(Outbox):
     # -------------------------------------------------------------- handling
     def _handle(self, conn: int, peer: _Peer, message: Message, now: float) -> None:
         name = peer.name
-        if peer.layout is None:
-            self._handshake(conn, peer, message)
+        if peer.refused_until is not None and not isinstance(message, (Abort, Bye)):
+            raise ProtocolError(f"unexpected {message.TYPE} from decode rank {name}, whose layout was refused")
+        if peer.layout is None and peer.refused_until is None:
+            self._handshake(conn, peer, message, now)
         elif isinstance(message, Heartbeat):
             peer.conn.send(Renewed(self._heartbeat(name, message.leases, now)))
         elif isinstance(message, Claim):
@@ -327,7 +336,7 @@ class PrefillSession(Outbox):
                 log.info("heartbeat for lease %s from %s: %s", lease_id.hex(), printable(name), printable(exc))
         return tuple(renewed)
 
-    def _handshake(self, conn: int, peer: _Peer, message: Message) -> None:
+    def _handshake(self, conn: int, peer: _Peer, message: Message, now: float) -> None:
         layout = peer_layout(message, self._kind)
         quotas = self.config.quotas
         try:
@@ -335,10 +344,14 @@ class PrefillSession(Outbox):
             plan = negotiate(layout, self.layout, max_page_ratio=quotas.max_page_ratio, max_pieces=quotas.max_pieces)
         except QuotaExceeded:
             raise  # only the Bye: the decode's own caps may differ, so our layout would not tell it why
-        except LayoutMismatch:
-            # Our layout without backend metadata: the decode negotiates too and names every field.
+        except LayoutMismatch as exc:
+            # Our layout without backend metadata: the decode negotiates too, names every field and
+            # declines the leases it came for; its identity is free for another connection meanwhile.
             peer.conn.send(Handshake(self.layout.encode(), self._kind, b""))
-            raise
+            peer.refused_until = now + AUTH_TIMEOUT
+            del self._by_name[peer.name]
+            log.warning("refused decode rank %s: %s", printable(peer.name), printable(exc, _REASON))
+            return
         peer.conn.send(Handshake(self.layout.encode(), self._kind, self._metadata))
         peer.layout = layout
         log.info("handshake with %s: %s", printable(peer.name), plan.summary().splitlines()[0])
