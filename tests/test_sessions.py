@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 from conftest import group_layers, slots
 from memory_transport import KIND, SCRIBBLE, ContractError, World, finish_all
+from test_wire import decode_all
 
 import kvlend.protocol.decode as decode_mod
 from kvlend.core.layout import RowSelection
@@ -23,11 +24,12 @@ from kvlend.errors import (
     AuthError, BackendError, ConfigError, IncompleteFetch, KvlendError, LayoutMismatch, LeaseDenied, LeaseExpired,
     LeaseUnknown, PageRangeError, PeerLost, ProtocolError, TransferCancelled, TransferTimeout,
 )
-from kvlend.protocol.actions import Close, Offered, RemovePeer
+from kvlend.protocol.actions import Close, LeaseEnded, Offered, RemovePeer, Send
+from kvlend.protocol.connection import AUTH_TIMEOUT
 from kvlend.protocol.config import NodeConfig
 from kvlend.protocol.decode import DecodeSession, FetchState
 from kvlend.protocol.ticket import Ticket
-from kvlend.protocol.wire import Renewed
+from kvlend.protocol.wire import Abort, Bye, Claim, Handshake, Renewed, encode_frame
 
 CFG = NodeConfig(ttl=5.0, heartbeat=1.0, handshake_timeout=3.0, transfer_timeout=20.0, cancel_grace=2.0,
                  chunk_pages=4)
@@ -353,6 +355,33 @@ def test_a_ticket_of_a_layout_this_rank_cannot_read_is_given_back_at_once():
     world.pump()  # a link opened to say so: refused, our Abort, our Bye
     assert p.ended == [(first.lease, "aborted"), (second.lease, "aborted")] and locked(p) == 0
     assert p.session.peers == [] and d.session.links == [] and not world.wires
+
+
+def test_a_refused_decode_may_only_decline_its_leases_and_leave_within_the_auth_timeout():
+    """What a decode whose layout was refused may still do: give back leases it may read, say bye; its
+    identity is free for another connection meanwhile, and it cannot linger."""
+    world = World(0)
+    p = world.add_prefill(config=NodeConfig(ttl=30.0))
+    s, now = p.session, p.now
+    theirs, others = p.ticket(20, seed=1), p.lend(8, seed=2, peer="someone-else")
+    hello = encode_frame(Handshake(dataclasses.replace(p.layout, dtype="bfloat16").encode(), KIND, b"meta"))
+    for conn in (1, 2, 3):
+        s.accept(conn, now)
+        s.authenticated(conn, "odd", now)  # one identity each time: a refused connection does not hold it
+        s.receive(conn, hello, now)
+    sent = [a for a in s.take_actions() if isinstance(a, Send)]
+    assert [a.conn for a in sent] == [1, 2, 3] and s.peers == []
+    (reply,) = decode_all(sent[0].data)
+    assert isinstance(reply, Handshake) and reply.metadata == b""  # ours, to name every difference by
+    s.receive(1, b"".join(encode_frame(m) for m in (Abort(others.id, "x"), Abort(theirs.lease, "cannot read it"),
+                                                    Bye("refused"))), now)
+    ended = [(e.lease.id, e.reason) for e in s.take_events() if isinstance(e, LeaseEnded)]
+    assert ended == [(theirs.lease, "aborted")]  # not another peer's
+    s.receive(2, encode_frame(Claim(theirs.lease)), now)
+    s.tick(now + AUTH_TIMEOUT + 1)
+    closed = {a.conn: a.reason for a in s.take_actions() if isinstance(a, Close)}
+    assert "said bye" in closed[1] and "unexpected claim" in closed[2] and "did not leave" in closed[3]
+    assert not live(p, theirs) and live(p, others)
 
 
 def test_no_prefill_at_the_ticket_endpoint():
