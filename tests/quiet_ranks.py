@@ -295,6 +295,7 @@ def _released_under_read(node, view, table, expected, prefill: Prefill) -> dict:
         time.sleep(0.001)
     in_flight = node.backend.in_flight
     prefill.release()
+    in_flight_after = node.backend.in_flight  # still reading once the engine released it
     while handle.state.value == "reading" and time.monotonic() < end + 30.0:
         time.sleep(0.002)
     state, bound = handle.state.value, handle.bound
@@ -308,6 +309,7 @@ def _released_under_read(node, view, table, expected, prefill: Prefill) -> dict:
         time.sleep(0.01)
     return {
         "reads_in_flight": in_flight,
+        "reads_in_flight_after_release": in_flight_after,
         "tokens": offer.num_tokens,
         "state_when_landed": state,
         "bound_when_landed": bound,
