@@ -368,6 +368,16 @@ def test_a_held_release_keeps_the_locks_until_settled_or_expired():
     assert lender.active_leases == 0 and lender.locks.locked_pages() == 0
 
 
+def test_a_held_lease_id_is_never_forgotten_nor_lent_again():
+    lender = Lender(hybrid(host=False), remember=0)  # ended ids are forgotten at once; held ones are not
+    lease = lender.lend("r", 161, tables(), ALL, now=0, ttl=10, peer="d0", lease_id=b"\x07" * 16)
+    lender.release(lease.id, hold=True)
+    assert lender.known(lease.id) and lender.release(lease.id) is None
+    with pytest.raises(LeaseError, match="repeated lease id"):
+        lender.lend("r", 161, tables(), ALL, now=1, ttl=10, peer="d0", lease_id=lease.id)
+    assert lender.settle(lease.id) == lease and not lender.known(lease.id)
+
+
 def test_never_granted_or_malformed_ids_are_unknown():
     lender = Lender(hybrid(host=False))
     with pytest.raises(LeaseUnknown, match="never granted"):

@@ -413,8 +413,8 @@ class Lender:
         raise LeaseUnknown(f"lease {lease_id.hex()} was never granted (or is long gone)")
 
     def known(self, lease_id: bytes) -> bool:
-        """Whether ``lease_id`` is live or remembered as ended (not merely never granted)."""
-        return lease_id in self._live or lease_id in self._ended
+        """Whether ``lease_id`` is live, held or remembered as ended (not merely never granted)."""
+        return lease_id in self._live or lease_id in self._held or lease_id in self._ended
 
     def check_read(self, lease_id: bytes, peer: str | None, now: float) -> Lease:
         """The lease, if ``peer`` may read it now: live and offered to this peer (or to any)."""
@@ -505,7 +505,7 @@ class Lender:
         _check_id(lease_id)
         if lease_id in self._live:
             return self._end(lease_id, _RELEASED, hold)
-        if lease_id in self._ended:
+        if lease_id in self._ended or lease_id in self._held:
             return None
         raise LeaseUnknown(f"lease {lease_id.hex()} was never granted (or is long gone)")
 
