@@ -358,8 +358,8 @@ def test_a_ticket_of_a_layout_this_rank_cannot_read_is_given_back_at_once():
 
 
 def test_a_refused_decode_may_only_decline_its_leases_and_leave_within_the_auth_timeout():
-    """What a decode whose layout was refused may still do: give back leases it may read, say bye; its
-    identity is free for another connection meanwhile, and it cannot linger."""
+    """What a decode whose layout was refused may still do: give back (claim) leases it may claim, say bye;
+    its identity is free for another connection meanwhile, and it cannot linger."""
     world = World(0)
     p = world.add_prefill(config=NodeConfig(ttl=30.0))
     s, now = p.session, p.now
@@ -373,14 +373,13 @@ def test_a_refused_decode_may_only_decline_its_leases_and_leave_within_the_auth_
     assert [a.conn for a in sent] == [1, 2, 3] and s.peers == []
     (reply,) = decode_all(sent[0].data)
     assert isinstance(reply, Handshake) and reply.metadata == b""  # ours, to name every difference by
-    s.receive(1, b"".join(encode_frame(m) for m in (Abort(others.id, "x"), Abort(theirs.lease, "cannot read it"),
-                                                    Bye("refused"))), now)
+    s.receive(1, b"".join(encode_frame(m) for m in (Claim(others.id), Claim(theirs.lease), Bye("refused"))), now)
     ended = [(e.lease.id, e.reason) for e in s.take_events() if isinstance(e, LeaseEnded)]
-    assert ended == [(theirs.lease, "aborted")]  # not another peer's
-    s.receive(2, encode_frame(Claim(theirs.lease)), now)
+    assert ended == [(theirs.lease, "aborted")]  # a claim gives it back; another peer's lease stays
+    s.receive(2, encode_frame(Abort(others.id, "x")), now)
     s.tick(now + AUTH_TIMEOUT + 1)
     closed = {a.conn: a.reason for a in s.take_actions() if isinstance(a, Close)}
-    assert "said bye" in closed[1] and "unexpected claim" in closed[2] and "did not leave" in closed[3]
+    assert "said bye" in closed[1] and "unexpected abort" in closed[2] and "did not leave" in closed[3]
     assert not live(p, theirs) and live(p, others)
 
 

@@ -20,7 +20,7 @@ the lease was surely renewed), unless the prefill's done ack confirms it.
 A prefill whose layout this rank cannot read (negotiation refused the pair)
 is remembered by its layout id: a ticket naming that layout fails at once
 with the same ``LayoutMismatch``, and every lease this rank came for there is
-declined (``Abort``, over the refused link before its ``Bye``, or over a link
+declined (a ``Claim`` over the refused link before its ``Bye``, over a link
 opened to say it) so its prefill frees the pages rather than at their TTL.
 """
 
@@ -160,7 +160,7 @@ class _Link:
     abandoned: set = field(default_factory=set)  # leases whose claim we gave up on: their offer is stale
     early: dict = field(default_factory=dict)  # claimed ahead of a fetch, not yet answered: lease id -> sent at
     refused: OrderedDict = field(default_factory=OrderedDict)  # early claims the prefill refused: id -> reason
-    declines: dict = field(default_factory=dict)  # leases to give back once the link can say so: id -> reason
+    declines: set = field(default_factory=set)  # leases to give back if the prefill refuses our layout
 
 
 class DecodeSession(Outbox):
@@ -326,7 +326,7 @@ class DecodeSession(Outbox):
         self._check_issuer(ticket)
         refusal = self._unreadable.get(ticket.layout_id)
         if refusal is not None:  # no plan can read it: fail now, and let its prefill free the pages
-            self._decline(ticket, refusal, now)
+            self._decline(ticket, now)
             conn = self._by_endpoint.get(ticket.endpoint, 0)  # 0: none (declined before): the fetch needs none
             fetch = self._new_fetch(conn, ticket.lease, ticket.num_tokens, dst, resume_from, now, timeout,
                                     FetchState.CLAIMING)
@@ -371,9 +371,8 @@ class DecodeSession(Outbox):
         if any(f.lease == ticket.lease and not f.done for f in self._fetches.values()):
             return
         self._check_issuer(ticket)
-        refusal = self._unreadable.get(ticket.layout_id)
-        if refusal is not None:
-            self._decline(ticket, refusal, now)
+        if ticket.layout_id in self._unreadable:
+            self._decline(ticket, now)
             return
         link = self._links[self.link_to(ticket.host, ticket.port, now)]
         link.expect = ticket.prefill
@@ -388,21 +387,20 @@ class DecodeSession(Outbox):
         else:
             link.early[ticket.lease] = None
 
-    def _decline(self, ticket: Ticket, refusal: LayoutMismatch, now: float) -> None:
-        """Give back a lease of a layout no plan of ours reads, over the link to its prefill (opened
-        for it if need be: its handshake is refused, and our ``Abort`` goes before our ``Bye``)."""
+    def _decline(self, ticket: Ticket, now: float) -> None:
+        """Give back a lease of a layout no plan of ours reads, over a link to its prefill opened for it: the
+        prefill refuses our layout, and our ``Claim`` of the lease, before our ``Bye``, makes it end it."""
         if ticket.lease in self._declined:
             return
         self._declined[ticket.lease] = None
         while len(self._declined) > _REFUSED_KEPT:
             self._declined.popitem(last=False)
         link = self._links[self.link_to(ticket.host, ticket.port, now)]
-        link.expect = ticket.prefill
-        reason = _error_text(refusal)
         if link.state is _LinkState.READY:
-            link.conn.send(Abort(ticket.lease, reason))
-        elif len(link.declines) < self.config.quotas.max_leases_per_peer:  # past that, the lease waits its TTL
-            link.declines[ticket.lease] = reason
+            return  # its prefill's layout is one we read, not the ticket's: the lease, if any, waits its TTL
+        link.expect = ticket.prefill
+        if len(link.declines) < self.config.quotas.max_leases_per_peer:  # past that, the lease waits its TTL
+            link.declines.add(ticket.lease)
 
     def _check_issuer(self, ticket: Ticket) -> None:
         """``AuthError`` if the link to the ticket's endpoint serves (or awaits) another prefill than it names."""
@@ -585,9 +583,7 @@ class DecodeSession(Outbox):
         for lease in [i for i, sent in link.early.items() if sent is None]:
             link.early[lease] = now
             link.conn.send(Claim(lease))
-        for lease, reason in link.declines.items():
-            link.conn.send(Abort(lease, reason))
-        link.declines.clear()
+        link.declines.clear()  # a layout we read after all: nothing to give back
 
     def _unreadable_layout(self, conn: int, link: _Link, remote: PageLayout, refusal: LayoutMismatch,
                            now: float) -> None:
@@ -595,13 +591,10 @@ class DecodeSession(Outbox):
         self._unreadable[remote.layout_id] = refusal
         while len(self._unreadable) > _PLAN_CACHE:
             self._unreadable.popitem(last=False)
-        reason = _error_text(refusal)
         came_for = [self._fetches[f].lease for f in link.waiting if f in self._fetches] + list(link.early)
-        for lease in came_for:
-            link.declines.setdefault(lease, reason)
-        for lease, why in link.declines.items():
-            link.conn.send(Abort(lease, why))
-        self._fail_link(conn, refusal, now, send_bye=True)  # the aborts go out before the bye
+        for lease in dict.fromkeys([*came_for, *link.declines]):
+            link.conn.send(Claim(lease))  # refused as we are, a claim gives the lease back
+        self._fail_link(conn, refusal, now, send_bye=True)  # the claims go out before the bye
 
     def _offer(self, conn: int, link: _Link, offer: LeaseOffer, now: float) -> None:
         if offer.id in link.abandoned:  # the answer to a claim we gave up on (and aborted)

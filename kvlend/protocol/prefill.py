@@ -22,7 +22,8 @@ one raises ``QuotaExceeded`` to the engine, a claim over one is answered with an
 a layout that would cost too much to negotiate is refused with a ``Bye``.
 A decode whose layout we cannot serve gets ours (without backend metadata, so
 it names every difference itself) and ``AUTH_TIMEOUT`` to decline the leases
-it came for (``Abort``) and say ``Bye``: their pages go at once, not at their TTL.
+it came for and say ``Bye``: its ``Claim`` of a lease it may claim ends that
+lease at once (``aborted``), rather than at its TTL.
 Every string a peer chose (its identity, request ids, reasons) is escaped in log
 lines (``printable``).
 """
@@ -88,7 +89,7 @@ class PrefillSession(Outbox):
         self._by_name: dict[str, int] = {}  # ready peers
         self._loans: dict[bytes, _Loaned] = {}
         self._waiting: dict[bytes, tuple[int, float]] = {}  # claims of leases not yet lent: (conn, deadline)
-        self._held: dict[bytes, int] = {}  # released under a reader: lease id -> its reader's connection
+        self._revoked: dict[bytes, int] = {}  # released under a reader: lease id -> its reader's connection
         super().__init__()
 
     # ----------------------------------------------------------- connections
@@ -230,7 +231,7 @@ class PrefillSession(Outbox):
             if reader is None:
                 self._events.append(LeaseEnded(lease, "released"))
             else:
-                self._held[lease_id] = reader
+                self._revoked[lease_id] = reader
             conn = self._by_name.get(lease.peer) if lease.peer is not None else None
             if conn is not None:
                 self._peers[conn].conn.send(Abort(lease_id, "LeaseUnknown: released by the prefill"))
@@ -260,7 +261,7 @@ class PrefillSession(Outbox):
                 self._peers[conn].conn.send(Abort(lease_id, f"LeaseUnknown: lease {lease_id.hex()} was not lent "
                                                             f"within claim_wait {self.config.claim_wait:.3g} s"))
         for lease in self.lender.expire(now):
-            if self._held.pop(lease.id, None) is not None:
+            if self._revoked.pop(lease.id, None) is not None:
                 log.info("lease %s of request %s released: its pages go at its expiry, its reader %s never "
                          "said it was quiet", lease.hex, printable(lease.request), printable(lease.peer))
                 self._events.append(LeaseEnded(lease, "released"))
@@ -288,9 +289,9 @@ class PrefillSession(Outbox):
     # -------------------------------------------------------------- handling
     def _handle(self, conn: int, peer: _Peer, message: Message, now: float) -> None:
         name = peer.name
-        if peer.refused_until is not None and not isinstance(message, (Abort, Bye)):
-            raise ProtocolError(f"unexpected {message.TYPE} from decode rank {name}, whose layout was refused")
-        if peer.layout is None and peer.refused_until is None:
+        if peer.refused_until is not None:
+            self._declined(peer, message, now)
+        elif peer.layout is None:
             self._handshake(conn, peer, message, now)
         elif isinstance(message, Heartbeat):
             peer.conn.send(Renewed(self._heartbeat(name, message.leases, now)))
@@ -357,6 +358,23 @@ class PrefillSession(Outbox):
         log.info("handshake with %s: %s", printable(peer.name), plan.summary().splitlines()[0])
         self._events.append(PeerReady(conn, peer.name))
 
+    def _declined(self, peer: _Peer, message: Message, now: float) -> None:
+        """A decode whose layout we refused claims the leases it came for, to give them back, then leaves.
+
+        Checked as any claim (a lease offered to another peer stays); granted, it ends the lease at once.
+        """
+        if isinstance(message, Bye):
+            raise _Goodbye(message.reason)
+        if not isinstance(message, Claim):
+            raise ProtocolError(f"unexpected {message.TYPE} from decode rank {peer.name}, whose layout was refused")
+        try:
+            self.lender.check_read(message.lease, peer.name, now)
+        except KvlendError as exc:
+            log.info("decline of lease %s by %s refused: %s", message.lease.hex(), printable(peer.name), printable(exc))
+            return
+        log.info("lease %s declined by %s: it cannot read our layout", message.lease.hex(), printable(peer.name))
+        self._end(message.lease, "aborted")
+
     def _claim(self, peer: _Peer, lease_id: bytes, now: float, conn: int | None = None) -> None:
         """Bind a ticket's lease to this peer and send its offer, renewed from now.
 
@@ -387,9 +405,9 @@ class PrefillSession(Outbox):
 
     def _settle(self, lease_id: bytes, conn: int) -> bool:
         """Whether ``lease_id`` was held for its reader on ``conn``, now quiet: its pages go."""
-        if self._held.get(lease_id) != conn:
+        if self._revoked.get(lease_id) != conn:
             return False
-        del self._held[lease_id]
+        del self._revoked[lease_id]
         self._events.append(LeaseEnded(self.lender.settle(lease_id), "released"))
         return True
 
@@ -408,7 +426,7 @@ class PrefillSession(Outbox):
         """
         peer = self._peers.pop(conn)
         if quiet:
-            for lease_id in [i for i, c in self._held.items() if c == conn]:
+            for lease_id in [i for i, c in self._revoked.items() if c == conn]:
                 self._settle(lease_id, conn)
             for loaned in self._loans.values():
                 if loaned.offered_on == conn:
