@@ -260,17 +260,21 @@ class _HeldBack:
     """Holds back what the prefill sends the decode (its Abort, say) until ``deliver``, as a slow network
     would: the decode's reads land meanwhile and count, as they would before the Abort arrived."""
 
+    ENTRIES = ("receive", "deliver")  # how a node hands its session what arrived: bytes, or decoded frames
+
     def __init__(self, node) -> None:
         self.node = node
-        self.stash: list = []
-        self.receive = node.session.receive
-        node.session.receive = lambda conn, data, now: self.stash.append((conn, data))
+        self.stash: list = []  # (entry, its arguments but ``now``)
+        self.real = {name: getattr(node.session, name) for name in self.ENTRIES if hasattr(node.session, name)}
+        for name in self.real:
+            setattr(node.session, name, lambda *args, _name=name: self.stash.append((_name, args[:-1])))
 
     def deliver(self) -> None:
         with self.node._lock:
-            self.node.session.receive = self.receive
-            for conn, data in self.stash:
-                self.receive(conn, data, self.node.clock())
+            for name, real in self.real.items():
+                setattr(self.node.session, name, real)
+            for name, args in self.stash:
+                self.real[name](*args, self.node.clock())
         self.node._wake()
 
 
