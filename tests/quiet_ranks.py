@@ -20,6 +20,7 @@ PAGES = 1024  # token pages of 4 tokens: 128 MiB, a few hundred ms over tcp on a
 HEADS, HEAD_DIM, TPP = 16, 256, 4
 TOKENS = PAGES * TPP
 SENTINEL = 0xA5
+REUSED = np.uint64(0xDEAD)  # what a prefill engine writes into pages it got back
 WATCH = 0.3  # seconds the destination must stay unchanged after a fetch reports quiet
 
 
@@ -47,6 +48,9 @@ def as_words(pool: np.ndarray) -> np.ndarray:
 def prefill_main(conn, credentials: dict, gen: int) -> None:
     """Serve one pool until ``stop``: ``lend`` answers a ticket's text, ``offer`` pushes a lease to the decode.
 
+    ``release`` releases the last lease as an engine cancelling its request would, and reuses its
+    pages (overwrites them with ``REUSED``) the moment ``on_release`` says it may; ``ended`` answers
+    with the (request, reason, seconds after the release) of every lease that ended since.
     ``credentials`` is the environment naming this rank's files (``save_rank``).
     """
     from kvlend.runtime import PrefillNode
@@ -58,11 +62,20 @@ def prefill_main(conn, credentials: dict, gen: int) -> None:
     slot_of = np.random.default_rng(gen).permutation(PAGES)  # token page t lives in slot slot_of[t]
     view = as_words(p[0])
     view[slot_of] = page_words(np.arange(PAGES), view.shape[1])
+    ended: list[tuple[str, str, float | None]] = []
+    released: dict[bytes, float] = {}  # lease id -> when the engine released it
+
+    def on_release(lease, reason: str) -> None:  # the node's loop thread
+        if lease.id in released:
+            view[slot_of] = REUSED
+        at = released.get(lease.id)
+        ended.append((lease.request, reason, None if at is None else time.monotonic() - at))
+
     node = PrefillNode(lay, load_backend("nixl", name=f"quiet-prefill-{gen}-{os.getpid()}", timeout=60.0),
-                       Credentials.from_env(credentials))
+                       Credentials.from_env(credentials), on_release=on_release)
     node.start()
     conn.send(node.address)
-    served = 0
+    served, last = 0, None
     try:
         while True:
             if not conn.poll(60.0):
@@ -70,13 +83,24 @@ def prefill_main(conn, credentials: dict, gen: int) -> None:
             command = conn.recv()
             if command == "stop":
                 return
+            if command == "release":
+                released[last] = time.monotonic()
+                node.release(last)
+                conn.send("released")
+                continue
+            if command == "ended":
+                conn.send(list(ended))
+                continue
             served += 1
             request = f"req-{gen}-{served}"
             if command == "offer":
-                node.offer(node.wait_for_peer(30.0), request, TOKENS, {"full": slot_of}, lay.full_selection())
+                last = node.offer(node.wait_for_peer(30.0), request, TOKENS, {"full": slot_of},
+                                  lay.full_selection()).id
                 conn.send("offered")
             else:
-                conn.send(node.lend(request, TOKENS, {"full": slot_of}, lay.full_selection()).to_text())
+                ticket = node.lend(request, TOKENS, {"full": slot_of}, lay.full_selection())
+                last = ticket.lease
+                conn.send(ticket.to_text())
     finally:
         node.close()
         node.backend.close()
@@ -104,6 +128,12 @@ class Prefill:
 
     def offer(self) -> None:
         self._ask("offer")
+
+    def release(self) -> None:
+        self._ask("release")
+
+    def ended(self) -> list:
+        return self._ask("ended")
 
     def _ask(self, command: str):
         self.conn.send(command)
@@ -166,6 +196,7 @@ def _scenarios() -> dict:
         # The first prefill, elsewhere in its pool, stands in for the dead one: same bytes, other slots.
         reports["peer_lost"] = _fail_then_resume(node, view, table, expected, second, first,
                                                  lambda handle: _kill_when_reading(node, handle, second), timeout=30.0)
+        reports["released"] = _released_under_read(node, view, table, expected, first)  # last: it reuses the pages
     finally:
         node.close()
         node.backend.close()
@@ -222,4 +253,72 @@ def _fail_then_resume(node, view, table, expected, source, replacement, act, tim
         "resume_error": repr(resumed.error) if resumed.error else None,
         "resumed_from": resumed.result().resumed_from if resumed.ok else None,
         "exact": bool(np.array_equal(view[table], expected)),
+    }
+
+
+class _HeldBack:
+    """Holds back what the prefill sends the decode (its Abort, say) until ``deliver``, as a slow network
+    would: the decode's reads land meanwhile and count, as they would before the Abort arrived."""
+
+    ENTRIES = ("receive", "deliver")  # how a node hands its session what arrived: bytes, or decoded frames
+
+    def __init__(self, node) -> None:
+        self.node = node
+        self.stash: list = []  # (entry, its arguments but ``now``)
+        self.real = {name: getattr(node.session, name) for name in self.ENTRIES if hasattr(node.session, name)}
+        for name in self.real:
+            setattr(node.session, name, lambda *args, _name=name: self.stash.append((_name, args[:-1])))
+
+    def deliver(self) -> None:
+        with self.node._lock:
+            for name, real in self.real.items():
+                setattr(self.node.session, name, real)
+            for name, args in self.stash:
+                self.real[name](*args, self.node.clock())
+        self.node._wake()
+
+
+def _released_under_read(node, view, table, expected, prefill: Prefill) -> dict:
+    """The prefill engine releases a pushed lease while its 128 MiB of reads are in flight, and reuses the
+    pages once ``on_release`` allows.  Its Abort is held back until every read landed, so every read
+    counts for the bound: the bytes under the bound must still be the lent ones."""
+    view[:] = np.uint64(int.from_bytes(bytes([SENTINEL]) * 8, "little"))
+    prefill.offer()
+    link, offer = node.next_offer(30.0)
+    end = time.monotonic() + 30.0
+    while True:  # a renewal confirmed the offer: its reads count for the bound without the done ack
+        with node._lock:
+            if offer.id in node.session._links[link.id].sure:
+                break
+        if time.monotonic() > end:
+            raise TimeoutError("the offer was never renewed")
+        time.sleep(0.005)
+    held = _HeldBack(node)
+    handle = node.start_fetch(offer, {"full": table}, link=link)
+    while not node.backend.in_flight and time.monotonic() < end:
+        time.sleep(0.001)
+    in_flight = node.backend.in_flight
+    prefill.release()
+    in_flight_after = node.backend.in_flight  # still reading once the engine released it
+    while handle.state.value == "reading" and time.monotonic() < end + 30.0:
+        time.sleep(0.002)
+    state, bound = handle.state.value, handle.bound
+    pages = bound // TPP
+    reused = int((view[table[:pages]] != expected[:pages]).sum()) * 8
+    held.deliver()
+    node.wait([handle], 60.0)
+    ended = []
+    while not ended and time.monotonic() < end + 60.0:
+        ended = [e for e in prefill.ended() if e[0] == offer.request]
+        time.sleep(0.01)
+    return {
+        "reads_in_flight": in_flight,
+        "reads_in_flight_after_release": in_flight_after,
+        "tokens": offer.num_tokens,
+        "state_when_landed": state,
+        "bound_when_landed": bound,
+        "reused_under_bound": reused,  # bytes under the bound that are not the lent ones
+        "error": type(handle.error).__name__ if handle.error else None,
+        "bound": handle.bound,
+        "ended": ended,
     }

@@ -346,6 +346,39 @@ def test_release_past_expiry_before_the_sweep_drops_locks_once():
     assert lender.locks.locked_pages() == 0
 
 
+def test_a_held_release_keeps_the_locks_until_settled_or_expired():
+    """A lease released under a reader is over for everything but its page locks (issue 22, finding 5)."""
+    lender = Lender(hybrid(host=False))
+    a = lender.lend("a", 161, tables(), ALL, now=0, ttl=10, peer="d0")
+    b = lender.lend("b", 64, tables(64, offset=40), ALL, now=0, ttl=10, peer="d0")
+    lender.renew(b.id, 5)  # b now expires at 15
+    locked = held(lender)
+    assert lender.release(a.id, hold=True) == a and lender.release(b.id, hold=True).id == b.id
+    assert lender.release(a.id, hold=True) is None  # ended, and harmlessly so
+    assert all(np.array_equal(held(lender)[r], locked[r]) for r in locked)  # nothing can be evicted yet
+    assert lender.active_leases == 2 and lender.usage("d0") == (0, 0) and lender.leases_of("d0") == []
+    with pytest.raises(LeaseUnknown, match="was released"):
+        lender.check_read(a.id, "d0", 1)
+    with pytest.raises(LeaseUnknown):
+        lender.renew(b.id, 1)
+    again = lender.lend("a", 161, tables(), ALL, now=1, ttl=20, peer="d0")  # lent again: its locks stack
+    assert lender.settle(a.id) == a and lender.settle(a.id) is None
+    assert lender.expire(14) == [] and lender.active_leases == 2  # b's hold ends at its own expiry, 15
+    assert [x.id for x in lender.expire(16)] == [b.id] and lender.settle(b.id) is None
+    lender.release(again.id)
+    assert lender.active_leases == 0 and lender.locks.locked_pages() == 0
+
+
+def test_a_held_lease_id_is_never_forgotten_nor_lent_again():
+    lender = Lender(hybrid(host=False), remember=0)  # ended ids are forgotten at once; held ones are not
+    lease = lender.lend("r", 161, tables(), ALL, now=0, ttl=10, peer="d0", lease_id=b"\x07" * 16)
+    lender.release(lease.id, hold=True)
+    assert lender.known(lease.id) and lender.release(lease.id) is None
+    with pytest.raises(LeaseError, match="repeated lease id"):
+        lender.lend("r", 161, tables(), ALL, now=1, ttl=10, peer="d0", lease_id=lease.id)
+    assert lender.settle(lease.id) == lease and not lender.known(lease.id)
+
+
 def test_never_granted_or_malformed_ids_are_unknown():
     lender = Lender(hybrid(host=False))
     with pytest.raises(LeaseUnknown, match="never granted"):

@@ -3,13 +3,17 @@
 Supported differences run in the two-process pair and must give the
 single-process reference's tokens.  Unsupported ones (dtype, head dim, NHD
 head order across TP degrees) are refused at the handshake, naming the
-field, before the prefill accepts the decode rank or lends anything.
+field, before the prefill accepts the decode rank or lends anything.  A
+decode refused so gives back the tickets' leases it came for, so the prefill
+frees them well before their TTL.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import queue
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -119,6 +123,43 @@ def test_handshake_refuses_unsupported_difference(case):
         with pytest.raises(PeerLost):
             prefill.offer("decode", "never", 8, slot_table, remote.full_selection())
         assert prefill.lender.active_leases == 0
+    finally:
+        decode.close()
+        decode.backend.close()
+        prefill.close()
+        prefill.backend.close()
+
+
+def test_a_refused_decode_gives_its_tickets_leases_back_well_before_their_ttl():
+    """Issue 22, finding 9: the decode's pools hold another dtype and twice the tokens per page.  Each
+    ticket's lease used to stay pinned for its TTL (30 s): the decode connected, was refused, and left."""
+    decode_config = dataclasses.replace(TINY, dtype="bfloat16", tokens_per_page=2 * TINY.tokens_per_page)
+    prefill_cache, decode_cache = te.PagedKVCache(TINY, 8), te.PagedKVCache(decode_config, 8)
+    released: queue.SimpleQueue = queue.SimpleQueue()
+    config = NodeConfig(ttl=30.0, handshake_timeout=5.0)
+    prefill = PrefillNode(prefill_cache.layout(), nixl("prefill"), creds("prefill"), config=config,
+                          on_release=lambda lease, reason: released.put((lease.request, reason)))
+    prefill.start()
+    decode = DecodeNode(decode_cache.layout(), nixl("decode"), creds("decode"), config=config)
+    decode.start()
+    layout = prefill.layout
+    try:
+        for request in ("first", "second"):
+            ticket = prefill.lend(request, 40, {g: np.arange(3) for g in prefill_cache.layout_groups},
+                                  layout.full_selection())
+            started = time.monotonic()
+            handle = decode.start_fetch(ticket, {g: np.arange(3) for g in decode_cache.layout_groups})
+            if request == "second":  # the layout id is known now: refused before any handshake
+                assert handle.done
+            decode.wait([handle], 10.0)
+            assert isinstance(handle.error, LayoutMismatch) and handle.bound == 0
+            text = str(handle.error)
+            assert "dtype: local='bfloat16' remote='float32' (element types differ)" in text
+            assert "head dimension" not in text and "model" not in text and "tokens_per_page" not in text
+            assert released.get(timeout=10.0) == (request, "aborted")  # 10 s: a third of the TTL
+            print(f"\n{request} ticket: lease freed {time.monotonic() - started:.3f} s after the fetch started")
+            assert prefill.lender.active_leases == 0 and prefill.lender.locks.locked_pages() == 0
+        assert prefill.ready_peers() == [] and decode.links == []
     finally:
         decode.close()
         decode.backend.close()

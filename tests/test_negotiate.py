@@ -243,6 +243,25 @@ def test_every_difference_is_listed_at_once():
     assert "bfloat16" in str(err.value) and "float16" in str(err.value)
 
 
+def test_a_refusal_names_only_what_differs():
+    """Only the dtype and the block size differ (issue 22, finding 9): nothing blames the model, the weights,
+    the quantization or the head dimension."""
+    scope = "vllm/cpu/avx512/{}/bs{}/blocks/model-0123abcd"
+    local = attention(dtype="bfloat16", scope=scope.format("bfloat16", 16), bph=8)
+    remote = attention(dtype="float32", scope=scope.format("float32", 32), tpp=32, bph=16)
+    with pytest.raises(LayoutMismatch) as err:
+        negotiate(local, remote)
+    why = {f: reason for f, _, _, reason in err.value.fields}
+    assert why["dtype"] == "element types differ"
+    assert why["scope"] == "the engines differ in 'bfloat16' vs 'float32', 'bs16' vs 'bs32': the bytes would mean " \
+                           "something else"
+    assert {reason for f, reason in why.items() if f.endswith("bytes_per_head")} == {"element types differ"}
+    for blamed in ("model", "weights", "quantization", "head dimension"):
+        assert blamed not in str(err.value).replace("model-0123abcd", "")
+    with pytest.raises(LayoutMismatch, match=r"scope: .* \(the engines' scopes differ: "):
+        negotiate(attention(scope="llama-8b"), attention(scope="llama-70b"))
+
+
 def test_missing_buffers_are_refused_both_ways_when_pp_matches():
     with pytest.raises(LayoutMismatch) as err:
         negotiate(attention(layers=(0, 1)), attention(layers=(0, 2)))

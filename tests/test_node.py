@@ -31,6 +31,7 @@ from conftest import (
 from kvlend.errors import AuthError, ConfigError, LayoutMismatch, LeaseExpired, PeerLost, ProtocolError, TransferTimeout
 from kvlend.core.layout import PageLayout
 from kvlend.runtime import DecodeNode, FetchResult, Link, NodeConfig, PrefillNode
+from kvlend.runtime.clock import lease_clock
 from kvlend.protocol.wire import Done, LeaseOffer
 from kvlend.security.certs import Authority, save_rank
 
@@ -60,7 +61,7 @@ class Rig:
 
 
 @contextlib.contextmanager
-def rig(prefill_config: NodeConfig = NodeConfig(), clock=time.monotonic, on_release=None):
+def rig(prefill_config: NodeConfig = NodeConfig(), clock=lease_clock, on_release=None):
     src, dst = make_pools(SRC_PAGES), make_pools(DST_PAGES)
     released: list[tuple[str, str]] = []
 
@@ -257,6 +258,19 @@ def intercept(decode: DecodeNode, link, before_send=lambda message: None, before
 
     conn.send = hooked_send
     decode._sockets.poll = hooked_poll
+
+
+def test_lease_time_runs_through_a_suspend_on_both_nodes():
+    """``time.monotonic`` stops while a Linux host is suspended, so a lease outlived by a suspend would
+    stay alive on a resumed prefill, and a resumed decode would count reads past its lease (issue 22,
+    finding 5): both nodes read lease time from ``CLOCK_BOOTTIME`` unless told otherwise."""
+    with rig() as r:
+        assert r.prefill.clock is lease_clock and r.decode.clock is lease_clock
+    if hasattr(time, "CLOCK_BOOTTIME"):
+        assert lease_clock.func is time.clock_gettime and lease_clock.args == (time.CLOCK_BOOTTIME,)
+        before = time.clock_gettime(time.CLOCK_BOOTTIME)
+        now = lease_clock()
+        assert before <= now <= time.clock_gettime(time.CLOCK_BOOTTIME)
 
 
 @pytest.mark.parametrize("when", ["before_fetch", "after_reads"])

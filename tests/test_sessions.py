@@ -15,20 +15,23 @@ import dataclasses
 import numpy as np
 import pytest
 from conftest import group_layers, slots
-from memory_transport import SCRIBBLE, ContractError, World, finish_all
+from memory_transport import KIND, SCRIBBLE, ContractError, World, finish_all
+from test_wire import decode_all
 
 import kvlend.protocol.decode as decode_mod
 from kvlend.core.layout import RowSelection
 from kvlend.errors import (
-    AuthError, BackendError, ConfigError, IncompleteFetch, KvlendError, LeaseDenied, LeaseError, LeaseExpired,
-    LeaseUnknown, PageRangeError, PeerLost, PromptMismatch, ProtocolError, TransferCancelled, TransferTimeout,
+    AuthError, BackendError, ConfigError, IncompleteFetch, KvlendError, LayoutMismatch, LeaseDenied, LeaseError,
+    LeaseExpired, LeaseUnknown, PageRangeError, PeerLost, PromptMismatch, ProtocolError, TransferCancelled,
+    TransferTimeout,
 )
 from kvlend.core.prompt import prompt_digest
-from kvlend.protocol.actions import Close, Offered, RemovePeer
+from kvlend.protocol.actions import Close, LeaseEnded, Offered, RemovePeer, Send
+from kvlend.protocol.connection import AUTH_TIMEOUT
 from kvlend.protocol.config import NodeConfig
-from kvlend.protocol.decode import FetchState
+from kvlend.protocol.decode import DecodeSession, FetchState
 from kvlend.protocol.ticket import Ticket
-from kvlend.protocol.wire import Renewed
+from kvlend.protocol.wire import Abort, Bye, Claim, Handshake, Renewed, encode_frame
 
 CFG = NodeConfig(ttl=5.0, heartbeat=1.0, handshake_timeout=3.0, transfer_timeout=20.0, cancel_grace=2.0,
                  chunk_pages=4)
@@ -413,6 +416,55 @@ def test_a_malformed_digest_is_refused_before_anything_changes(bad):
     with pytest.raises(LeaseError, match="prompt_digest"):
         d.claim(t, prompt_digest=bad)
     assert d.session.in_flight == 0 and not d.backend.reads
+
+
+def test_a_ticket_of_a_layout_this_rank_cannot_read_is_given_back_at_once():
+    """Negotiation refuses the pair (issue 22, finding 9): the decode gives the lease back over the refused
+    link, so its prefill frees the pages now rather than at their TTL; a later ticket of that layout fails
+    before any handshake, and its lease is given back too."""
+    world = World(0)
+    p = world.add_prefill(config=LONG)
+    d = world.add_decode(config=LONG)
+    d.layout = dataclasses.replace(d.layout, dtype="bfloat16")
+    d.session = DecodeSession(d.layout, KIND, d.metadata, name=d.name, config=LONG)
+    first, second = p.ticket(20, seed=1), p.ticket(12, seed=2)
+    r = d.fetch_ticket(first, seed=1)
+    assert r.fetch.state is FetchState.FAILED and isinstance(r.fetch.error, LayoutMismatch)
+    assert [f for f, *_ in r.fetch.error.fields] == ["dtype"]
+    assert p.ended == [(first.lease, "aborted")]  # no time passed: not its TTL
+    assert p.session.peers == [] and d.session.links == [] and not world.wires
+    fetch = d.session.fetch_ticket(second, d.alloc(12), d.now)
+    assert fetch.state is FetchState.FAILED and isinstance(fetch.error, LayoutMismatch)  # before any handshake
+    assert str(fetch.error) == str(r.fetch.error)
+    world.pump()  # a link opened to say so: refused, our Abort, our Bye
+    assert p.ended == [(first.lease, "aborted"), (second.lease, "aborted")] and locked(p) == 0
+    assert p.session.peers == [] and d.session.links == [] and not world.wires
+
+
+def test_a_refused_decode_may_only_decline_its_leases_and_leave_within_the_auth_timeout():
+    """What a decode whose layout was refused may still do: give back (claim) leases it may claim, say bye;
+    its identity is free for another connection meanwhile, and it cannot linger."""
+    world = World(0)
+    p = world.add_prefill(config=NodeConfig(ttl=30.0))
+    s, now = p.session, p.now
+    theirs, others = p.ticket(20, seed=1), p.lend(8, seed=2, peer="someone-else")
+    hello = encode_frame(Handshake(dataclasses.replace(p.layout, dtype="bfloat16").encode(), KIND, b"meta"))
+    for conn in (1, 2, 3):
+        s.accept(conn, now)
+        s.authenticated(conn, "odd", now)  # one identity each time: a refused connection does not hold it
+        s.receive(conn, hello, now)
+    sent = [a for a in s.take_actions() if isinstance(a, Send)]
+    assert [a.conn for a in sent] == [1, 2, 3] and s.peers == []
+    (reply,) = decode_all(sent[0].data)
+    assert isinstance(reply, Handshake) and reply.metadata == b""  # ours, to name every difference by
+    s.receive(1, b"".join(encode_frame(m) for m in (Claim(others.id), Claim(theirs.lease), Bye("refused"))), now)
+    ended = [(e.lease.id, e.reason) for e in s.take_events() if isinstance(e, LeaseEnded)]
+    assert ended == [(theirs.lease, "aborted")]  # a claim gives it back; another peer's lease stays
+    s.receive(2, encode_frame(Abort(others.id, "x")), now)
+    s.tick(now + AUTH_TIMEOUT + 1)
+    closed = {a.conn: a.reason for a in s.take_actions() if isinstance(a, Close)}
+    assert "said bye" in closed[1] and "unexpected abort" in closed[2] and "did not leave" in closed[3]
+    assert not live(p, theirs) and live(p, others)
 
 
 def test_no_prefill_at_the_ticket_endpoint():
@@ -1421,6 +1473,87 @@ def test_release_by_the_prefill_engine_tells_the_reader():
     world.pump()
     assert r.fetch.state is FetchState.FAILED and isinstance(r.fetch.error, LeaseUnknown)
     assert r.fetch.error.bound == 0
+
+
+@pytest.mark.parametrize("landed", ["before_the_abort", "after_the_abort"])
+def test_a_release_under_a_read_keeps_its_pages_until_the_reader_is_quiet(landed):
+    """The engine releases a lease whose reads are in flight and reuses its pages as soon as it hears
+    ``LeaseEnded`` (the world scribbles them then).  Reads landing before the reader hears of it count
+    for the bound, so the pages must still hold the lent bytes until the reader is quiet: its done, or
+    its abort once its reads are terminal.  Before, they were reused at once and the bound covered
+    scribbled pages (the world's bound check fails on every step)."""
+    world, p, d, conn = rig(LONG)
+    t = p.ticket(40, seed=1)
+    r = d.fetch_ticket(t, seed=1)
+    assert r.fetch.state is FetchState.READING
+    wire = world.wire(d, conn)
+    wire.hold_to_decode = True  # the prefill's Abort is on its way
+    p.session.release(t.lease)
+    world.pump()
+    assert not p.ended and locked(p) > 0  # the engine may not reuse them yet
+    first, *rest = d.backend.in_flight()
+    if landed == "before_the_abort":
+        finish_all(world, d)  # the bound covers the lease, and the bytes under it are the lent ones
+        assert r.fetch.state is FetchState.ACKING and r.fetch.bound == 40
+        assert p.ended == [(t.lease, "released")] and locked(p) == 0  # its done said it is quiet
+        wire.hold_to_decode = False
+        world.pump()
+    else:
+        d.backend.finish(first.tag)
+        world.pump()
+        assert 0 < r.fetch.bound < 40
+        wire.hold_to_decode = False
+        world.pump()
+        assert r.fetch.state is FetchState.CANCELLING and r.fetch.bound == 0
+        assert not p.ended and locked(p) > 0  # reads still in flight
+        for read in rest:
+            d.backend.late(read.tag)  # land after the abort: they count for nothing
+        world.pump()
+        assert p.ended == [(t.lease, "released")] and locked(p) == 0  # its abort, once quiet
+    assert r.fetch.state is FetchState.FAILED and isinstance(r.fetch.error, LeaseUnknown)
+    assert r.fetch.bound == r.fetch.error.bound == 0
+    world.check_locks()
+
+
+@pytest.mark.parametrize("gone", ["dropped", "said_bye"])
+def test_a_release_under_a_reader_whose_link_went_waits_unless_it_said_goodbye(gone):
+    """A reader whose link dropped may still count reads it has in flight: the pages wait for the lease's
+    expiry.  One that said goodbye failed its fetches first: they go at once."""
+    world, p, d, conn = rig(LONG)
+    t = p.ticket(40, seed=1)
+    r = d.fetch_ticket(t, seed=1)
+    wire = world.wire(d, conn)
+    if gone == "dropped":  # the prefill sees the connection reset; the decode does not know yet
+        wire.hold_to_decode = True
+        wire.prefill_open = False
+        p.session.closed(wire.pconn, p.now, "connection reset")
+    else:
+        d.session.disconnect(conn, d.now)
+    world.pump()
+    p.session.release(t.lease)
+    world.pump()
+    if gone == "said_bye":
+        assert p.ended == [(t.lease, "released")] and locked(p) == 0
+        finish_all(world, d)
+        assert r.fetch.state is FetchState.FAILED and isinstance(r.fetch.error, PeerLost)
+        return
+    assert not p.ended and locked(p) > 0
+    finish_all(world, d)  # lands before the decode hears anything: the bound counts it, so the bytes are there
+    assert r.fetch.state is FetchState.ACKING and r.fetch.bound == 40
+    world.advance(LONG.ttl - LONG.heartbeat)
+    assert not p.ended and locked(p) > 0
+    world.advance(2 * LONG.heartbeat)  # past the lease's expiry on the prefill's clock
+    assert p.ended == [(t.lease, "released")] and locked(p) == 0
+    world.check_locks()
+
+
+def test_a_release_of_an_offer_nobody_reads_is_acknowledged_at_once():
+    world, p, d, conn = rig(LONG)
+    lease = p.offer("decode", 20, seed=1)
+    p.session.release(lease.id)
+    world.pump()
+    assert p.ended == [(lease.id, "released")] and locked(p) == 0
+    assert d.session.next_deadline() is None  # nothing left to heartbeat
 
 
 # --------------------------------------------------------- the transport itself

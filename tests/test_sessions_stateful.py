@@ -156,6 +156,29 @@ class Sessions(RuleBasedStateMachine):
             return
         p.offer(self.decode.name, n, self._next_seed())
 
+    @rule(i=st.integers(0, 1), k=st.integers(0, 63), land=st.booleans(), really=st.integers(0, 2))
+    def engine_releases(self, i, k, land, really):
+        """The prefill engine cancels a request it lent; its Abort waits on the wire while reads land (which
+        count for the bound: the pages under them must not be reused yet)."""
+        p = self._prefill(i)
+        if p is None or not p.lent or really:
+            return
+        lease_id = list(p.lent)[k % len(p.lent)]  # in lending order: ids are random
+        saved = [(w, w.hold_to_decode) for w in self.world.wires if w.prefill is p]
+        for w, _ in saved:
+            w.hold_to_decode = True
+        p.session.release(lease_id)
+        self.world.pump()
+        if land:
+            for d in (self.decode, self.other):
+                for read in d.backend.in_flight():
+                    if not read.terminal:
+                        d.backend.finish(read.tag)
+            self.world.pump()
+        for w, held in saved:
+            w.hold_to_decode = held
+        self.world.pump()
+
     @rule(i=st.integers(0, 1))
     def connect(self, i):
         p = self._prefill(i)
@@ -179,7 +202,10 @@ class Sessions(RuleBasedStateMachine):
             d.offers.append((conn, offer))
             return
         resume_from = (offer.num_tokens // TPP // 2) * TPP if resume else 0
-        d.fetch_offer(conn, offer, resume_from=resume_from)
+        try:
+            d.fetch_offer(conn, offer, resume_from=resume_from)
+        except ProtocolError as exc:  # its prefill's engine released it meanwhile
+            assert "no longer offered" in str(exc)
 
     @rule(k=st.integers(0, 7), call=st.integers(1, 3), bad=st.sampled_from(["planner", "dst", "resume"]))
     def broken_fetch_offer(self, k, call, bad):

@@ -12,6 +12,11 @@ Decisions:
   until the first is released or past its expiry, so a retry cannot leak locks.
 - ``release`` is idempotent: an id already released or expired returns None;
   an id never granted (or no longer remembered) raises ``LeaseUnknown``.
+- ``release(..., hold=True)`` ends a lease that a reader may still be reading
+  (the engine revoked it under a fetch): it is over for every purpose but its
+  page locks, which stay until ``settle`` (the reader is quiet) or until its
+  expiry passes (``expire`` returns it then), so no read a reader still counts
+  can see a reused page.
 - The lender remembers the last ``remember`` ended ids so that a late call
   gets the right error: ``LeaseExpired`` for an expired lease, ``LeaseUnknown``
   for a released one.
@@ -151,6 +156,7 @@ class Lender:
         self._new_id = new_id
         self._remember = remember
         self._live: dict[bytes, _Loan] = {}
+        self._held: dict[bytes, _Loan] = {}  # released under a reader: locked until settled or expired
         self._by_key: dict[tuple[str, str | None], bytes] = {}
         self._of_peer: dict[str | None, dict[bytes, int]] = {}  # live lease ids -> pages, per peer (None: tickets)
         self._peer_pages: dict[str | None, int] = {}
@@ -417,8 +423,8 @@ class Lender:
         raise LeaseUnknown(f"lease {lease_id.hex()} was never granted (or is long gone)")
 
     def known(self, lease_id: bytes) -> bool:
-        """Whether ``lease_id`` is live or remembered as ended (not merely never granted)."""
-        return lease_id in self._live or lease_id in self._ended
+        """Whether ``lease_id`` is live, held or remembered as ended (not merely never granted)."""
+        return lease_id in self._live or lease_id in self._held or lease_id in self._ended
 
     def check_read(self, lease_id: bytes, peer: str | None, now: float) -> Lease:
         """The lease, if ``peer`` may read it now: live and offered to this peer (or to any)."""
@@ -479,8 +485,8 @@ class Lender:
         return bound
 
     def next_expiry(self) -> float | None:
-        """The earliest expiry among live leases, or None (may be early: renewals are pushed lazily)."""
-        while self._deadlines and self._deadlines[0][2] not in self._live:
+        """The earliest expiry among live and held leases, or None (may be early: renewals are pushed lazily)."""
+        while self._deadlines and not (self._deadlines[0][2] in self._live or self._deadlines[0][2] in self._held):
             heapq.heappop(self._deadlines)
         return self._deadlines[0][0] if self._deadlines else None
 
@@ -510,24 +516,39 @@ class Lender:
         self._push(renewed)
         return renewed
 
-    def release(self, lease_id: bytes) -> Lease | None:
-        """End a lease and drop its locks; None if it had already ended (harmless)."""
+    def release(self, lease_id: bytes, hold: bool = False) -> Lease | None:
+        """End a lease and drop its locks; None if it had already ended (harmless).
+
+        ``hold``: its reader may still be reading it, so its locks stay until ``settle`` or its
+        expiry (see the module doc); it is ended for everything else at once.
+        """
         _check_id(lease_id)
         if lease_id in self._live:
-            return self._end(lease_id, _RELEASED)
-        if lease_id in self._ended:
+            return self._end(lease_id, _RELEASED, hold)
+        if lease_id in self._ended or lease_id in self._held:
             return None
         raise LeaseUnknown(f"lease {lease_id.hex()} was never granted (or is long gone)")
 
+    def settle(self, lease_id: bytes) -> Lease | None:
+        """The reader of a lease released with ``hold`` is quiet: drop its locks; None if none are held."""
+        loan = self._held.pop(lease_id, None)
+        if loan is None:
+            return None
+        for slots in loan.locked:
+            self.locks.unlock_slots(slots)
+        return loan.lease
+
     def expire(self, now: float) -> list[Lease]:
-        """End every lease whose expiry is strictly before ``now``, oldest first."""
+        """End every lease whose expiry is strictly before ``now``, oldest first; a held lease past
+        its expiry is settled and listed too (its caller knows it released it)."""
         now = _time("now", now)
         out = []
         while self._deadlines and self._deadlines[0][0] < now:
             expires_at, _, lease_id = heapq.heappop(self._deadlines)
-            loan = self._live.get(lease_id)
-            if loan is not None and loan.lease.expires_at == expires_at:
-                out.append(self._end(lease_id, _EXPIRED))
+            loan = self._live.get(lease_id) or self._held.get(lease_id)
+            if loan is None or loan.lease.expires_at != expires_at:
+                continue
+            out.append(self._end(lease_id, _EXPIRED) if lease_id in self._live else self.settle(lease_id))
         return out
 
     def leases_of(self, peer: str | None) -> list[Lease]:
@@ -541,18 +562,22 @@ class Lender:
 
     @property
     def active_leases(self) -> int:
-        """Leases holding locks (including any past expiry that ``expire`` has not yet ended)."""
-        return len(self._live)
+        """Leases holding locks (including any past expiry that ``expire`` has not yet ended, and
+        released ones held for their reader)."""
+        return len(self._live) + len(self._held)
 
     # ------------------------------------------------------------- helpers
     def _push(self, lease: Lease) -> None:
         self._seq += 1
         heapq.heappush(self._deadlines, (lease.expires_at, self._seq, lease.id))
 
-    def _end(self, lease_id: bytes, why: str) -> Lease:
+    def _end(self, lease_id: bytes, why: str, hold: bool = False) -> Lease:
         loan = self._live.pop(lease_id)
-        for slots in loan.locked:
-            self.locks.unlock_slots(slots)
+        if hold:
+            self._held[lease_id] = loan
+        else:
+            for slots in loan.locked:
+                self.locks.unlock_slots(slots)
         key = (loan.lease.request, loan.lease.peer)
         if self._by_key.get(key) == lease_id:
             del self._by_key[key]

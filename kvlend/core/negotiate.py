@@ -172,7 +172,7 @@ class _Negotiation:
                 self.refuse("dtype", self.local.dtype, self.remote.dtype, "element types differ")
             if self.local.scope != self.remote.scope:
                 self.refuse("scope", self.local.scope, self.remote.scope,
-                            "model, weights or quantization differ: the bytes would mean something else")
+                            _scopes_differ(self.local.scope, self.remote.scope))
         matched, uncovered, elsewhere = self._match(ratio, sources)
         group_map = self._group_map(matched)
         self._check_reads()
@@ -323,7 +323,7 @@ class _Negotiation:
             return _Job((lb, rb, HeadOrder.NHD, parts, (1, 1), per_l[0], (0, 0, 1), (tr, tl), (m, s)))
         if gl.bytes_per_head != gr.bytes_per_head:
             self.refuse(f"{where}.geometry.bytes_per_head", gl.bytes_per_head, gr.bytes_per_head,
-                        "head dimension differs")
+                        "element types differ" if self.local.dtype != self.remote.dtype else "head dimension differs")
         if gl.sharding is not gr.sharding:
             self.refuse(f"{where}.geometry.sharding", gl.sharding.value, gr.sharding.value,
                         "heads are split differently")
@@ -381,6 +381,17 @@ def _pairs(local: PageLayout, matched, ratio: tuple[int, int], identity: bool) -
                    whole_slot=identity and len(groups_of[key[1]]) == 1)
         for key, pieces in tables.items()
     )
+
+
+def _scopes_differ(local: str, remote: str) -> str:
+    """Why two scopes are refused, naming only what differs: a scope is the engine's own string, but
+    one of '/'-separated parts (the vLLM connector's: platform, kernel, dtype, block size, cache
+    layout, model) shows which parts."""
+    a, b = local.split("/"), remote.split("/")
+    if len(a) == len(b) > 1:
+        parts = ", ".join(f"{x!r} vs {y!r}" for x, y in zip(a, b) if x != y)
+        return f"the engines differ in {parts}: the bytes would mean something else"
+    return "the engines' scopes differ: the bytes would mean something else"
 
 
 def _where(b: BufferDesc) -> str:

@@ -16,6 +16,12 @@ one terminal: only then is the fetch ``failed``, its destination quiet and
 The safe-resume bound counts a read only if it landed while the lease was
 surely valid (before the conservative cutoff: TTL minus one heartbeat after
 the lease was surely renewed), unless the prefill's done ack confirms it.
+
+A prefill whose layout this rank cannot read (negotiation refused the pair)
+is remembered by its layout id: a ticket naming that layout fails at once
+with the same ``LayoutMismatch``, and every lease this rank came for there is
+declined (a ``Claim`` over the refused link before its ``Bye``, over a link
+opened to say it) so its prefill frees the pages rather than at their TTL.
 """
 
 from __future__ import annotations
@@ -39,8 +45,8 @@ from ..core.text import printable
 from ..core.reads import ReadBatch
 from ..core.tracker import DeliveryTracker
 from ..errors import (
-    AuthError, ConfigError, IncompleteFetch, QuotaExceeded, KvlendError, LeaseDenied, LeaseExpired, LeaseUnknown, PageRangeError, PeerLost,
-    PromptMismatch, ProtocolError, TransferCancelled, TransferTimeout,
+    AuthError, ConfigError, IncompleteFetch, QuotaExceeded, KvlendError, LayoutMismatch, LeaseDenied, LeaseExpired,
+    LeaseUnknown, PageRangeError, PeerLost, PromptMismatch, ProtocolError, TransferCancelled, TransferTimeout,
 )
 from .actions import (
     AddPeer, Cancel, Close, Connect, FetchFinished, Offered, Outbox, PeerGone, PeerReady, Post, RemovePeer, Send,
@@ -157,6 +163,7 @@ class _Link:
     early: dict = field(default_factory=dict)  # claimed ahead of a fetch, not yet answered: lease id -> sent at
     claimed: dict = field(default_factory=dict)  # claimed ahead, until fetched or given back: lease id -> its digest
     refused: OrderedDict = field(default_factory=OrderedDict)  # early claims the prefill refused: id -> reason
+    declines: dict = field(default_factory=dict)  # to give back if the prefill refuses our layout: id -> digest
 
 
 class DecodeSession(Outbox):
@@ -175,6 +182,8 @@ class DecodeSession(Outbox):
         self._fetches: dict[int, Fetch] = {}
         self._tags: dict[bytes, tuple[int, int]] = {}  # tag -> (fetch id, chunk)
         self._plans: dict[tuple, TransferPlan] = {}
+        self._unreadable: OrderedDict[str, LayoutMismatch] = OrderedDict()  # remote layout id -> why refused
+        self._declined: OrderedDict[bytes, None] = OrderedDict()  # leases given back lately
         self._next_conn = self._next_fetch = self._seq = 0
         self._gone: OrderedDict[int, KvlendError] = OrderedDict()  # why recent links closed
         super().__init__()
@@ -335,6 +344,14 @@ class DecodeSession(Outbox):
             check_destination(self._links[known].plan, dst, ticket.num_tokens)
         self._check_issuer(ticket)
         self._check_claimed(ticket, digest)
+        refusal = self._unreadable.get(ticket.layout_id)
+        if refusal is not None:  # no plan can read it: fail now, and let its prefill free the pages
+            self._decline(ticket, digest, now)
+            conn = self._by_endpoint.get(ticket.endpoint, 0)  # 0: none (declined before): the fetch needs none
+            fetch = self._new_fetch(conn, ticket.lease, ticket.num_tokens, dst, resume_from, now, timeout,
+                                    FetchState.CLAIMING)
+            self._fail(fetch, clone_error(refusal), now, tell_prefill=False)
+            return fetch
         conn = self.link_to(ticket.host, ticket.port, now)
         link = self._links[conn]
         link.expect = ticket.prefill
@@ -379,6 +396,9 @@ class DecodeSession(Outbox):
         if any(f.lease == ticket.lease and not f.done for f in self._fetches.values()):
             return
         self._check_issuer(ticket)
+        if ticket.layout_id in self._unreadable:
+            self._decline(ticket, digest, now)
+            return
         link = self._links[self.link_to(ticket.host, ticket.port, now)]
         link.expect = ticket.prefill
         if ticket.lease in link.early or ticket.lease in link.offers or ticket.lease in link.refused:
@@ -399,6 +419,22 @@ class DecodeSession(Outbox):
         claimed = self._links[conn].claimed.get(ticket.lease) if conn is not None else None
         if claimed is not None and claimed != digest:
             raise PromptMismatch(f"lease {ticket.lease.hex()} was claimed for another prompt than this fetch's")
+
+    def _decline(self, ticket: Ticket, digest: bytes, now: float) -> None:
+        """Give back a lease of a layout no plan of ours reads, over a link to its prefill opened for it: the
+        prefill refuses our layout, and our ``Claim`` of the lease (with ``digest``, as any claim), before our
+        ``Bye``, makes it end it."""
+        if ticket.lease in self._declined:
+            return
+        self._declined[ticket.lease] = None
+        while len(self._declined) > _REFUSED_KEPT:
+            self._declined.popitem(last=False)
+        link = self._links[self.link_to(ticket.host, ticket.port, now)]
+        if link.state is _LinkState.READY:
+            return  # its prefill's layout is one we read, not the ticket's: the lease, if any, waits its TTL
+        link.expect = ticket.prefill
+        if len(link.declines) < self.config.quotas.max_leases_per_peer:  # past that, the lease waits its TTL
+            link.declines[ticket.lease] = digest
 
     def _check_issuer(self, ticket: Ticket) -> None:
         """``AuthError`` if the link to the ticket's endpoint serves (or awaits) another prefill than it names."""
@@ -557,8 +593,13 @@ class DecodeSession(Outbox):
             if len(self._plans) >= _PLAN_CACHE:
                 self._plans.clear()
             quotas = self.config.quotas
-            plan = self._plans[key] = negotiate(self.layout, remote, max_page_ratio=quotas.max_page_ratio,
-                                                max_pieces=quotas.max_pieces)
+            try:
+                plan = negotiate(self.layout, remote, max_page_ratio=quotas.max_page_ratio,
+                                 max_pieces=quotas.max_pieces)
+            except LayoutMismatch as exc:
+                self._unreadable_layout(conn, link, remote, exc, now)
+                return
+            self._plans[key] = plan
         if not message.metadata:
             raise ProtocolError(f"prefill {link.peer} sent no backend metadata")
         link.plan = plan
@@ -577,6 +618,19 @@ class DecodeSession(Outbox):
         for lease in [i for i, sent in link.early.items() if sent is None]:
             link.early[lease] = now
             link.conn.send(Claim(lease, link.claimed.get(lease, b"")))
+        link.declines.clear()  # a layout we read after all: nothing to give back
+
+    def _unreadable_layout(self, conn: int, link: _Link, remote: PageLayout, refusal: LayoutMismatch,
+                           now: float) -> None:
+        """No plan reads ``remote``: remember it, decline every lease we came for, and close the link."""
+        self._unreadable[remote.layout_id] = refusal
+        while len(self._unreadable) > _PLAN_CACHE:
+            self._unreadable.popitem(last=False)
+        came_for = [(self._fetches[f].lease, self._fetches[f].prompt_digest) for f in link.waiting
+                    if f in self._fetches] + [(lease, link.claimed.get(lease, b"")) for lease in link.early]
+        for lease, digest in dict([*came_for, *link.declines.items()]).items():
+            link.conn.send(Claim(lease, digest))  # refused as we are, a claim gives the lease back
+        self._fail_link(conn, refusal, now, send_bye=True)  # the claims go out before the bye
 
     def _offer(self, conn: int, link: _Link, offer: LeaseOffer, now: float) -> None:
         if offer.id in link.abandoned:  # the answer to a claim we gave up on (and aborted)
@@ -670,8 +724,14 @@ class DecodeSession(Outbox):
                 fetch.sure_until = max(fetch.sure_until, sent + fetch.offer.ttl - self.config.heartbeat)
 
     def _withdrawn(self, conn: int, link: _Link, message: Abort, now: float) -> None:
-        """The prefill refused a claim or ended the lease: nothing read under it may be used."""
-        if message.lease in link.early or message.lease in link.offers:
+        """The prefill refused a claim or ended the lease: nothing read under it may be used.
+
+        A lease it ended after its offer came keeps its pages locked until we say we are quiet:
+        an ``Abort`` back, at once for an offer nobody reads, once its reads are terminal for a
+        fetch (a fetch that sent its done has said so already).
+        """
+        offered = message.lease in link.offers
+        if message.lease in link.early or offered:
             link.early.pop(message.lease, None)
             link.claimed.pop(message.lease, None)
             link.refused[message.lease] = message.reason  # what a later fetch of its ticket fails with
@@ -679,12 +739,14 @@ class DecodeSession(Outbox):
                 link.refused.popitem(last=False)
         link.offers.pop(message.lease, None)
         link.sure.pop(message.lease, None)
+        if offered:
+            link.conn.send(Abort(message.lease, "withdrawn before it was read"))
         for fetch in self._fetches.values():
             if fetch.link == conn and fetch.lease == message.lease and not fetch.done:
                 fetch.bound = fetch.resume_from  # its pages may be reused under our reads
                 kind = _REFUSALS.get(message.reason.partition(":")[0], LeaseUnknown)
-                self._fail(fetch, kind(f"prefill {link.peer} refused lease {message.lease.hex()}: "
-                                       f"{message.reason}"), now, tell_prefill=False)
+                error = kind(f"prefill {link.peer} refused lease {message.lease.hex()}: {message.reason}")
+                self._fail(fetch, error, now, tell_prefill=fetch.state is not FetchState.CLAIMING)  # acks if it read
         link.abandoned.discard(message.lease)  # this was the answer: nothing more comes for it
         log.info("prefill %s withdrew lease %s: %s", printable(link.peer), message.lease.hex(), printable(message.reason))
 

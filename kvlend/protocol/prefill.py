@@ -9,6 +9,13 @@ renews leases on heartbeats, answers claims and dones, and expires leases
 whose reader went quiet.  Every timing decision is made here with the time
 passed in.
 
+A lease the engine releases after its offer went out may be under a reader's
+one-sided reads: its pages stay locked (``Lender.release(hold=True)``) until
+that reader is quiet (its ``Abort`` or ``Done`` for the lease, or its ``Bye``:
+a decode fails every fetch of a link before saying goodbye) or the lease
+expires, and only then does ``LeaseEnded`` tell the engine, so no read a
+reader still counts sees a reused page.
+
 Each peer is held to ``config.quotas`` (see ``Quotas``): a lend or offer over
 one raises ``QuotaExceeded`` to the engine, a claim over one is answered with an
 ``Abort`` naming the limit, a heartbeat naming too many ids renews nothing, and
@@ -16,6 +23,10 @@ a layout that would cost too much to negotiate is refused with a ``Bye``.  A pee
 must send its layout within ``handshake_timeout`` of authenticating; one naming
 in a heartbeat a lease it never claimed nor was offered is dropped; only the
 lease's holder renews or ends it (a ticket's lease, once it claimed it).
+A decode whose layout we cannot serve gets ours (without backend metadata, so
+it names every difference itself) and ``AUTH_TIMEOUT`` to decline the leases
+it came for and say ``Bye``: its ``Claim`` of a lease it may claim ends that
+lease at once (``aborted``), rather than at its TTL.
 Every string a peer chose (its identity, request ids, reasons) is escaped in log
 lines (``printable``).
 """
@@ -57,6 +68,7 @@ class _Peer:
     waiting: set[bytes] = field(default_factory=set)  # its claims waiting for their lend (claim_wait)
     log_after: float = -math.inf  # its next heartbeat summary line, no earlier
     unlogged: int = 0  # heartbeats with something to say since its last line
+    refused_until: float | None = None  # its layout was refused: it may decline leases until then
 
     @property
     def name(self) -> str | None:
@@ -89,6 +101,7 @@ class PrefillSession(Outbox):
         # Claims of leases not yet lent: (conn, deadline, the claim's prompt digest), in deadline order
         # (each is now + claim_wait).
         self._waiting: dict[bytes, tuple[int, float, bytes]] = {}
+        self._revoked: dict[bytes, int] = {}  # released under a reader: lease id -> its reader's connection
         super().__init__()
 
     # ----------------------------------------------------------- connections
@@ -99,7 +112,7 @@ class PrefillSession(Outbox):
         connections costs a bounded few KiB each and cannot crowd out a peer's retry for long."""
         if conn in self._peers:
             raise ProtocolError(f"connection {conn} is already open")
-        pending = [p for p in self._peers.values() if not p.conn.ready]
+        pending = [p for p in self._peers.values() if not p.conn.ready or p.refused_until is not None]
         from_source = sum(p.source == source for p in pending)
         if len(pending) >= MAX_PENDING or (source is not None and from_source >= MAX_PENDING_PER_SOURCE):
             log.warning("refused a connection from %s: %d connections not yet authenticated (%d from it)",
@@ -150,7 +163,7 @@ class PrefillSession(Outbox):
             if error is not None and conn in self._peers:
                 raise error
         except _Goodbye as bye:
-            self._drop(conn, f"said bye: {bye}", logging.INFO)
+            self._drop(conn, f"said bye: {bye}", logging.INFO, quiet=True)
         except KvlendError as exc:
             self._drop(conn, _error_text(exc))
 
@@ -235,11 +248,18 @@ class PrefillSession(Outbox):
         """End a lease from the engine's side (its request was cancelled); None if already ended.
 
         Its reader, if connected, is told at once: nothing it read under the lease may be used.
+        ``LeaseEnded`` says when its pages may be reused: at once if its offer never went out (or
+        its reader said goodbye since), else once its reader is quiet or it expires (module doc).
         """
-        lease = self.lender.release(lease_id)
+        loaned = self._loans.get(lease_id)
+        reader = None if loaned is None else loaned.offered_on
+        lease = self.lender.release(lease_id, hold=reader is not None)
         if lease is not None:
             self._loans.pop(lease_id, None)
-            self._events.append(LeaseEnded(lease, "released"))
+            if reader is None:
+                self._events.append(LeaseEnded(lease, "released"))
+            else:
+                self._revoked[lease_id] = reader
             conn = self._by_name.get(lease.peer) if lease.peer is not None else None
             if conn is not None:
                 self._peers[conn].conn.send(Abort(lease_id, "LeaseUnknown: released by the prefill"))
@@ -262,7 +282,9 @@ class PrefillSession(Outbox):
         for conn, peer in list(self._peers.items()):
             if not peer.conn.ready and now > peer.conn.deadline:
                 self._drop(conn, f"no TLS handshake within {AUTH_TIMEOUT:.3g} s", notify=False)
-            elif peer.layout is None and now > peer.layout_by:
+            elif peer.refused_until is not None and now > peer.refused_until:
+                self._drop(conn, f"its layout was refused and it did not leave within {AUTH_TIMEOUT:.3g} s")
+            elif peer.layout is None and peer.refused_until is None and now > peer.layout_by:
                 self._drop(conn, f"ProtocolError: no handshake within handshake_timeout "
                                  f"{self.config.handshake_timeout:.3g} s of authenticating")
         while self._waiting:
@@ -274,6 +296,11 @@ class PrefillSession(Outbox):
             self._peers[conn].conn.send(Abort(lease_id, f"LeaseUnknown: lease {lease_id.hex()} was not lent "
                                                         f"within claim_wait {self.config.claim_wait:.3g} s"))
         for lease in self.lender.expire(now):
+            if self._revoked.pop(lease.id, None) is not None:
+                log.info("lease %s of request %s released: its pages go at its expiry, its reader %s never "
+                         "said it was quiet", lease.hex, printable(lease.request), printable(lease.peer))
+                self._events.append(LeaseEnded(lease, "released"))
+                continue
             log.warning("lease %s of request %s expired (peer %s, lent %.3g s ago, not renewed for %.3g s)",
                         lease.hex, printable(lease.request), printable(lease.peer), now - lease.lent_at,
                         now - (lease.expires_at - lease.ttl))
@@ -286,6 +313,7 @@ class PrefillSession(Outbox):
                  if p.layout is None]
         if self._waiting:
             times.append(next(iter(self._waiting.values()))[1])
+        times.extend(p.refused_until for p in self._peers.values() if p.refused_until is not None)
         expiry = self.lender.next_expiry()
         if expiry is not None:
             times.append(expiry)
@@ -298,13 +326,16 @@ class PrefillSession(Outbox):
     # -------------------------------------------------------------- handling
     def _handle(self, conn: int, peer: _Peer, message: Message, now: float) -> None:
         name = peer.name
-        if peer.layout is None:
-            self._handshake(conn, peer, message)
+        if peer.refused_until is not None:
+            self._declined(peer, message, now)
+        elif peer.layout is None:
+            self._handshake(conn, peer, message, now)
         elif isinstance(message, Heartbeat):
             peer.conn.send(Renewed(self._heartbeat(peer, message.leases, now)))
         elif isinstance(message, Claim):
             self._claim(peer, message.lease, message.digest, now, conn)
         elif isinstance(message, Done):
+            self._settle(message.lease, conn)  # a held lease's reader is done reading it
             try:
                 self._held(message.lease, name, now)
             except KvlendError as exc:
@@ -313,6 +344,8 @@ class PrefillSession(Outbox):
             self._end(message.lease, "done")
             peer.conn.send(DoneAck(message.lease, True, ""))
         elif isinstance(message, Abort):
+            if self._settle(message.lease, conn):
+                return
             try:
                 self._held(message.lease, name, now)
             except KvlendError:
@@ -380,7 +413,7 @@ class PrefillSession(Outbox):
         log.log(level, "heartbeat from %s: %s%s", printable(peer.name), printable(text, 1000), more)
         peer.log_after, peer.unlogged = now + LOG_EVERY, 0
 
-    def _handshake(self, conn: int, peer: _Peer, message: Message) -> None:
+    def _handshake(self, conn: int, peer: _Peer, message: Message, now: float) -> None:
         layout = peer_layout(message, self._kind)
         quotas = self.config.quotas
         try:
@@ -388,14 +421,35 @@ class PrefillSession(Outbox):
             plan = negotiate(layout, self.layout, max_page_ratio=quotas.max_page_ratio, max_pieces=quotas.max_pieces)
         except QuotaExceeded:
             raise  # only the Bye: the decode's own caps may differ, so our layout would not tell it why
-        except LayoutMismatch:
-            # Our layout without backend metadata: the decode negotiates too and names every field.
+        except LayoutMismatch as exc:
+            # Our layout without backend metadata: the decode negotiates too, names every field and
+            # declines the leases it came for; its identity is free for another connection meanwhile.
             peer.conn.send(Handshake(self.layout.encode(), self._kind, b""))
-            raise
+            peer.refused_until = now + AUTH_TIMEOUT
+            del self._by_name[peer.name]
+            log.warning("refused decode rank %s: %s", printable(peer.name), printable(exc, _REASON))
+            return
         peer.conn.send(Handshake(self.layout.encode(), self._kind, self._metadata))
         peer.layout = layout
         log.info("handshake with %s: %s", printable(peer.name), plan.summary().splitlines()[0])
         self._events.append(PeerReady(conn, peer.name))
+
+    def _declined(self, peer: _Peer, message: Message, now: float) -> None:
+        """A decode whose layout we refused claims the leases it came for, to give them back, then leaves.
+
+        Checked as any claim (a lease offered to another peer stays); granted, it ends the lease at once.
+        """
+        if isinstance(message, Bye):
+            raise _Goodbye(message.reason)
+        if not isinstance(message, Claim):
+            raise ProtocolError(f"unexpected {message.TYPE} from decode rank {peer.name}, whose layout was refused")
+        try:
+            self.lender.claim(message.lease, peer.name, now, self._limits, prompt_digest=message.digest or None)
+        except KvlendError as exc:
+            log.info("decline of lease %s by %s refused: %s", message.lease.hex(), printable(peer.name), printable(exc))
+            return
+        log.info("lease %s declined by %s: it cannot read our layout", message.lease.hex(), printable(peer.name))
+        self._end(message.lease, "aborted")
 
     def _claim(self, peer: _Peer, lease_id: bytes, digest: bytes, now: float, conn: int | None = None) -> None:
         """Bind a ticket's lease to this peer and send its offer, renewed from now, if ``digest`` is its prompt's.
@@ -426,15 +480,34 @@ class PrefillSession(Outbox):
         return LeaseOffer(lease.id, lease.request, lease.num_tokens, lease.pages, lease.selection, lease.ttl,
                           loaned.meta if loaned is not None else {}, lease.ready)
 
+    def _settle(self, lease_id: bytes, conn: int) -> bool:
+        """Whether ``lease_id`` was held for its reader on ``conn``, now quiet: its pages go."""
+        if self._revoked.get(lease_id) != conn:
+            return False
+        del self._revoked[lease_id]
+        self._events.append(LeaseEnded(self.lender.settle(lease_id), "released"))
+        return True
+
     def _end(self, lease_id: bytes, reason: str) -> None:
         lease = self.lender.release(lease_id)
         if lease is not None:
             self._loans.pop(lease_id, None)
             self._events.append(LeaseEnded(lease, reason))
 
-    def _drop(self, conn: int, why: str, level: int = logging.WARNING, notify: bool = True) -> None:
-        """Forget a connection; its leases stay until they expire (its reads may still land)."""
+    def _drop(self, conn: int, why: str, level: int = logging.WARNING, notify: bool = True,
+              quiet: bool = False) -> None:
+        """Forget a connection; its leases stay until they expire (its reads may still land).
+
+        ``quiet``: the peer said goodbye, so it counts no read made over this connection any more:
+        leases held for it go now, and a later release of one offered on it need not wait.
+        """
         peer = self._peers.pop(conn)
+        if quiet:
+            for lease_id in [i for i, c in self._revoked.items() if c == conn]:
+                self._settle(lease_id, conn)
+            for loaned in self._loans.values():
+                if loaned.offered_on == conn:
+                    loaned.offered_on = None
         for lease_id in peer.waiting:
             del self._waiting[lease_id]
         name = peer.name

@@ -43,6 +43,7 @@ from ..protocol.ticket import Ticket
 from ..security.credentials import Credentials
 from ..protocol.wire import LeaseOffer
 from ..transport import TransferBackend
+from .clock import lease_clock
 from .shell import Shell, log
 
 if TYPE_CHECKING:
@@ -159,7 +160,7 @@ class DecodeNode(Shell):
     """
 
     def __init__(self, layout, backend: TransferBackend, credentials: Credentials, *,
-                 config: NodeConfig = NodeConfig(), clock: Callable[[], float] = time.monotonic,
+                 config: NodeConfig = NodeConfig(), clock: Callable[[], float] = lease_clock,
                  registry: Registry | None = None, capacity: int | None = None,
                  meta: Mapping[str, str] | None = None) -> None:
         super().__init__(None, backend, credentials, clock, config)

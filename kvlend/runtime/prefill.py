@@ -16,7 +16,6 @@ withdraws its record; close the registry after the node).
 
 from __future__ import annotations
 
-import time
 from typing import TYPE_CHECKING, Any, Callable, Mapping
 
 from ..cluster.records import RankRecord
@@ -33,6 +32,7 @@ from ..protocol.prefill import PrefillSession
 from ..protocol.ticket import Ticket, host_problem
 from ..security.credentials import Credentials
 from ..transport import TransferBackend
+from .clock import lease_clock
 from .shell import Shell, log
 
 if TYPE_CHECKING:
@@ -67,7 +67,8 @@ class PrefillNode(Shell):
     engine's API address, say).
 
     A decode rank whose record leaves the registry has its leases released at once (reason
-    ``"released"``) if it has no live link to this node; if it is still connected (its link
+    ``"released"``, their pages at their expiry unless it said goodbye: it may still be reading
+    them) if it has no live link to this node; if it is still connected (its link
     renews its leases, so it is alive: its record may have run out because it lost etcd, and it
     keeps serving known peers), they are released when that link drops instead.
     """
@@ -76,7 +77,7 @@ class PrefillNode(Shell):
                  host: str = DEFAULT_HOST, port: int = 0, advertise: str | None = None,
                  config: NodeConfig = NodeConfig(),
                  on_release: Callable[[Lease, str], None] | None = None,
-                 clock: Callable[[], float] = time.monotonic,
+                 clock: Callable[[], float] = lease_clock,
                  registry: Registry | None = None, capacity: int | None = None,
                  meta: Mapping[str, str] | None = None) -> None:
         self.layout = layout
@@ -161,7 +162,11 @@ class PrefillNode(Shell):
         return lease
 
     def release(self, lease_id: bytes) -> Lease | None:
-        """End a lease the engine no longer wants read (its request was cancelled)."""
+        """End a lease the engine no longer wants read (its request was cancelled).
+
+        ``on_release(lease, "released")`` says when its pages may be reused: at once if no decode
+        got its offer, else once that decode is quiet or the lease's expiry passes.
+        """
         with self._lock:
             lease = self.session.release(lease_id)
         self._wake()
