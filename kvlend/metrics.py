@@ -62,6 +62,8 @@ SPECS = {
         _Spec("kvlend_failed_transfers_total", "Leases whose reads failed (decode), by error type", "counter",
               ("error",)),
         _Spec("kvlend_resumes_total", "Requests resumed from a safe-resume bound (decode)", "counter"),
+        _Spec("kvlend_orphaned_agents_total", "Transfer agents that outlived their reset (decode): unhealthy",
+              "counter"),
     )
 }
 

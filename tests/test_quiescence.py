@@ -45,6 +45,7 @@ EXPECTED = {
     "remove_peer": "PeerLost",
     "sigkill": "PeerLost",
     "hung_lender": "TransferTimeout",
+    "pinned_agent": "TransferTimeout",  # a hung lender, and something still holds the reader's agent
 }
 
 
@@ -65,6 +66,8 @@ def test_failed_read_does_not_write_after_its_completion(initiator, scenario):
         f"{report['error']} Completion was reported: {report}"
     )
     assert report["fresh_read_exact"], report
+    if scenario == "pinned_agent":  # its reset could not destroy the agent: it says so, and goes on
+        assert report["healthy"] is False and report["resets"] == 1 + report["resets_before"], report
 
 
 class InitiatorProcess:
@@ -151,19 +154,21 @@ class _Initiator:
             backend.remove_peer(self.peer)
         elif scenario == "sigkill":
             os.kill(self.lender.pid, signal.SIGKILL)
-        elif scenario == "hung_lender":
+        elif scenario in ("hung_lender", "pinned_agent"):
             os.kill(self.lender.pid, signal.SIGSTOP)
+        pinned = backend._agent.agent if scenario == "pinned_agent" else None  # a stray reference
+        resets_before = getattr(backend, "resets", None)
         done = self._until(lambda: self._poll() or self.reported.pop(tag, None))
         reported = time.monotonic()
         landed = self._landed()
         snapshot = self.dst.copy()
-        if scenario == "hung_lender":
+        if scenario in ("hung_lender", "pinned_agent"):
             os.kill(self.lender.pid, signal.SIGCONT)  # a GET left behind would write again now
         self._keep_polling(WATCH)
         changed = int(np.count_nonzero(self.dst != snapshot))
 
         lender_survived = self.lender.is_alive()
-        if scenario in ("sigkill", "hung_lender"):  # UCX may abort a lender resumed after a reset (README)
+        if scenario in ("sigkill", "hung_lender", "pinned_agent"):  # UCX may abort a lender resumed after a reset
             self.lender.kill()
             self.lender.join(DEADLINE)
             self._start_lender()  # a new incarnation under the same name
@@ -172,6 +177,7 @@ class _Initiator:
         self.dst[:] = SENTINEL
         started = time.monotonic()
         fresh = self._read(f"fresh-{scenario}".encode(), SIZE)
+        del pinned
         return {
             "error": type(done.error).__name__,
             "message": str(done.error),
@@ -184,6 +190,8 @@ class _Initiator:
             "fresh_read_error": repr(fresh.error),
             "fresh_read_exact": fresh.error is None and np.array_equal(self.dst, self.expected),
             "resets": getattr(backend, "resets", None),
+            "resets_before": resets_before,
+            "healthy": getattr(backend, "healthy", None),
         }
 
     def _in_nixl_flight(self, tag: bytes) -> bool:

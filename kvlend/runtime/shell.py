@@ -87,6 +87,12 @@ class Shell:
         return self._thread is not None
 
     @property
+    def healthy(self) -> bool:
+        """False once the backend could not reset its agent safely (logged, ``kvlend_orphaned_agents_total``):
+        fetches still end, each with its error, but drain this rank and restart it."""
+        return getattr(self.backend, "healthy", True)
+
+    @property
     def loop_thread(self) -> threading.Thread | None:
         """The thread ``start()`` runs the loop on (an engine may set its CPU affinity or priority)."""
         return self._thread
@@ -253,7 +259,7 @@ class Shell:
                     exc = BackendError(f"posting read {action.tag!r}: {type(exc).__name__}: {exc}")
                 self._tags.discard(action.tag)
                 with self._lock:
-                    self._read_done(action.tag, exc, self.clock())
+                    self._read_done(action.tag, _detached(exc), self.clock())
         elif isinstance(action, Cancel):
             if action.tag in self._tags:
                 self.backend.cancel(action.tag)
@@ -349,3 +355,13 @@ class Shell:
         self._closed = True
         self._channels.clear()
         self._sockets.close_all()
+
+
+def _detached(error: KvlendError) -> KvlendError:
+    """``error`` without the frames it was raised through, to be kept as a fetch's error.
+
+    A traceback keeps every frame's locals alive, the backend's transfer agent among them,
+    for as long as the engine holds the failed fetch; an agent kept alive cannot be reset.
+    """
+    error.__context__ = error.__cause__ = None
+    return error.with_traceback(None)

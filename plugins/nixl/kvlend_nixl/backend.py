@@ -42,6 +42,7 @@ Also shaped by NIXL's measured behaviour:
 
 from __future__ import annotations
 
+import gc
 import logging
 import math
 import os
@@ -56,6 +57,7 @@ from typing import Mapping, Sequence
 import numpy as np
 
 from kvlend.transport import Completion, ReadBatch
+from kvlend.metrics import METRICS
 from kvlend.errors import BackendError, KvlendError, PeerLost, TransferCancelled, TransferTimeout
 from kvlend.core.layout import MemoryKind, MemoryRegion
 
@@ -208,6 +210,7 @@ class NixlBackend:
         self._reads: dict[bytes, _Read] = {}
         self._completed: list[Completion] = []
         self._resets = 0
+        self._orphans = 0  # agents that outlived their reset
 
     def _start_agent(self) -> nixl.nixl_agent:
         try:
@@ -514,7 +517,7 @@ class NixlBackend:
             _release(read.handles)  # no handle object may keep the agent alive
             read.handles, read.live = [], []
         self._leaving.clear()
-        self._destroy_agent()
+        self._destroy_agent(list(self._reads))
         self._resets += 1
         self._settle()
         if (exc := self._quietly(self._rebuild)) is not None:
@@ -534,14 +537,30 @@ class NixlBackend:
                 log.warning("NIXL backend %r: peer %r not reloaded after the reset: %s", self.name, peer, exc)
                 del self._peers[peer]
 
-    def _destroy_agent(self) -> None:
-        """Drop the agent and check it is gone: only then has UCX closed its connections."""
+    def _destroy_agent(self, tags: list[bytes]) -> None:
+        """Drop the agent and check it is gone: only then has UCX closed its connections.
+
+        One that something still holds (a stored exception's traceback, say) is set aside and
+        never progressed again.  Over tcp a GET lands only while its agent is progressed, and
+        over cma only inside ``transfer()``, so its reads (``tags``) can no longer write there;
+        an RDMA NIC could still write, so the backend turns unhealthy, logs the tags and goes on
+        with a new agent rather than failing every later call.
+        """
         core = weakref.ref(self._agent.agent)  # the C++ agent; each handle object holds it too
         self._agent = None
         self._registrations = []
         if core() is not None:
-            self._closed = True
-            raise BackendError(f"NIXL backend {self.name!r}: its agent outlived the reset; reads may still write")
+            gc.collect()  # a reference cycle is the harmless case
+        if core() is not None:
+            self._orphans += 1
+            METRICS.inc("kvlend_orphaned_agents_total")
+            log.error("NIXL backend %r: its old agent outlived the reset (still referenced); it is never progressed "
+                      "again, but over RDMA reads %s may still write into their destinations", self.name, tags)
+
+    @property
+    def healthy(self) -> bool:
+        """False once an agent outlived its reset (see ``_destroy_agent``): restart the process when idle."""
+        return self._orphans == 0
 
     @staticmethod
     def _quietly(fn, *args) -> Exception | None:
