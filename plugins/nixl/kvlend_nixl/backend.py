@@ -16,10 +16,13 @@ alive but stopped, the GET stays PROC (past 25 s), survives release and
 removal, and resumes writing when the peer does.  So a failed read keeps its
 handles, and they are polled until they are terminal.  A peer leaves NIXL
 only once its reads have settled.  If handles are still not terminal
-``abort_grace`` seconds after the abort, the agent is destroyed, which stops
-every write (50 ms over tcp), and rebuilt under the same name with the same
-regions and peers.  Every other read in flight then ends with
-``BackendError``.  A peer's death needs no escalation: NIXL reports the
+``abort_grace`` seconds after the abort, the agent is taken out of service
+and rebuilt under the same name with the same regions and peers.  Every
+other read in flight then ends with ``BackendError``.  Where its reads land
+only while it is progressed (tcp, CPU copies, no progress thread) the old
+agent is retired: kept open, never progressed again, so a stopped peer that
+resumes does not meet a closed socket (which UCX answers with an abort).
+Otherwise it is destroyed, which stops every write (50 ms over tcp).  A peer's death needs no escalation: NIXL reports the
 disconnect (ERR 14-18 ms after a SIGKILL), and nothing was written after it.
 
 Also shaped by NIXL's measured behaviour:
@@ -72,6 +75,10 @@ _MAX_NAME = 256
 # Serialized agent metadata starts with the agent's name (nixlSerDes, NIXL 1.x).
 _MD_PREFIX = b"nixlSerDes|Agent"
 _DISCONNECT = (_nb.nixlRemoteDisconnectError,)
+# UCX transports whose READs land only while the reader's worker is progressed (tcp: a GET is
+# emulated with messages) or inside transfer() (CPU copies); RDMA NICs and GPU copy engines write on their own.
+_PROGRESSED_TLS = frozenset(("tcp", "cma", "sm", "shm", "self", "posix", "sysv", "xpmem"))
+_MAX_RETIRED = 64  # agents set aside by resets (each a UCX worker, its sockets and under 1 MiB)
 
 
 def _quiet_nixl_logging() -> None:
@@ -211,6 +218,8 @@ class NixlBackend:
         self._completed: list[Completion] = []
         self._resets = 0
         self._orphans = 0  # agents that outlived their reset
+        self._retire = _progressed_only(progress_thread)
+        self._retired: list[nixl.nixl_agent] = []  # reset, never progressed again, kept open (oldest first)
 
     def _start_agent(self) -> nixl.nixl_agent:
         try:
@@ -502,11 +511,12 @@ class NixlBackend:
             self._quietly(self._agent.remove_remote_agent, peer)
 
     def _reset(self, why: str) -> bool:
-        """Destroy the agent, the one way found to stop a GET NIXL cannot abort, and rebuild it.
+        """Take the agent out of service, the one way found to stop a GET NIXL cannot abort, and rebuild it.
 
         Every read in flight ends (``BackendError`` unless it already failed);
         regions and known peers are loaded into the new agent, removed peers
         are gone.  Not while another thread is inside ``transfer()`` (False).
+        The old agent is retired where that stops its reads, else destroyed (``_drop_agent``).
         """
         if not all(r.posted for r in self._reads.values()):
             return False
@@ -517,7 +527,7 @@ class NixlBackend:
             _release(read.handles)  # no handle object may keep the agent alive
             read.handles, read.live = [], []
         self._leaving.clear()
-        self._destroy_agent(list(self._reads))
+        self._drop_agent(list(self._reads))
         self._resets += 1
         self._settle()
         if (exc := self._quietly(self._rebuild)) is not None:
@@ -537,8 +547,27 @@ class NixlBackend:
                 log.warning("NIXL backend %r: peer %r not reloaded after the reset: %s", self.name, peer, exc)
                 del self._peers[peer]
 
-    def _destroy_agent(self, tags: list[bytes]) -> None:
-        """Drop the agent and check it is gone: only then has UCX closed its connections.
+    def _drop_agent(self, tags: list[bytes]) -> None:
+        """Retire the agent where its reads need it progressed to land, else destroy it.
+
+        Retired: kept open, never progressed again.  Destroying closes its connections, and a
+        peer that was stopped with reads from it queued is aborted by UCX when it resumes (its
+        software GET reply meets the closed socket: ``ucs_fatal`` in ``ucp_request_try_send``,
+        plugins/nixl/README.md); kept open, that peer's replies land in a socket nobody reads.
+        Only the oldest beyond ``_MAX_RETIRED`` is destroyed.  GPU memory is always destroyed:
+        its copy engines write on their own.
+        """
+        agent, self._agent = self._agent, None
+        self._registrations = []
+        if self._retire and not any(kind is MemoryKind.DEVICE for kind, *_ in self._registered):
+            self._retired.append(agent)
+            if len(self._retired) <= _MAX_RETIRED:
+                return
+            agent, tags = self._retired.pop(0), []  # its reads were reported when it was retired
+        self._destroy(agent, tags)
+
+    def _destroy(self, agent: nixl.nixl_agent, tags: list[bytes]) -> None:
+        """Drop ``agent`` and check it is gone: only then has UCX closed its connections.
 
         One that something still holds (a stored exception's traceback, say) is set aside and
         never progressed again.  Over tcp a GET lands only while its agent is progressed, and
@@ -546,9 +575,8 @@ class NixlBackend:
         an RDMA NIC could still write, so the backend turns unhealthy, logs the tags and goes on
         with a new agent rather than failing every later call.
         """
-        core = weakref.ref(self._agent.agent)  # the C++ agent; each handle object holds it too
-        self._agent = None
-        self._registrations = []
+        core = weakref.ref(agent.agent)  # the C++ agent; each handle object holds it too
+        del agent
         if core() is not None:
             gc.collect()  # a reference cycle is the harmless case
         if core() is not None:
@@ -559,7 +587,7 @@ class NixlBackend:
 
     @property
     def healthy(self) -> bool:
-        """False once an agent outlived its reset (see ``_destroy_agent``): restart the process when idle."""
+        """False once an agent outlived its reset (see ``_destroy``): restart the process when idle."""
         return self._orphans == 0
 
     @staticmethod
@@ -592,6 +620,25 @@ class NixlBackend:
             self._spans = {}
             self._peers.clear()
             self._leaving.clear()
+            while self._retired:
+                self._destroy(self._retired.pop(0), [])
+
+
+def _progressed_only(progress_thread: bool) -> bool:
+    """Whether this process's READs land only while their agent is progressed (or inside ``transfer()``).
+
+    So with NIXL's progress thread off and UCX limited to ``_PROGRESSED_TLS``, by ``UCX_TLS`` or
+    for want of any RDMA device on this host.
+    """
+    if progress_thread:
+        return False
+    tls = os.environ.get("UCX_TLS", "")
+    if tls and not tls.startswith("^") and set(tls.split(",")) <= _PROGRESSED_TLS:
+        return True
+    try:
+        return not os.listdir("/sys/class/infiniband")
+    except OSError:
+        return True
 
 
 def _release(handles: list) -> None:
