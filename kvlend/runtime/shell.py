@@ -24,7 +24,7 @@ from ..core.text import printable
 from ..errors import AuthError, BackendError, ConfigError, KvlendError, TransferTimeout
 from ..protocol.actions import AddPeer, Cancel, Close, Connect, Post, RemovePeer, Send
 from ..security.credentials import Credentials
-from ..transport import TransferBackend
+from ..transport import Completion, TransferBackend
 from .sockets import Sockets
 from .tls import TlsChannel
 
@@ -112,7 +112,7 @@ class Shell:
         with self._lock:
             wait = self._wait(timeout)
         accepted, up, data, gone = self._sockets.poll(wait)
-        completions = self.backend.poll() if not self._closed else []
+        completions = self._progress() if not self._closed else []
         authenticated, data, gone = self._secure(up, data, gone)
         with self._lock:
             now = self.clock()
@@ -125,6 +125,19 @@ class Shell:
         self._flush()
         if self.registry is not None:
             self._cluster_turn()
+
+    def _progress(self) -> list[Completion]:
+        """The backend's completions.  One that fails and tracks no read any more (closed under
+        the node, say) will never report the reads posted to it: they end now, with its error."""
+        try:
+            return self.backend.poll()
+        except KvlendError as exc:
+            if not self._tags or getattr(self.backend, "in_flight", None) != 0:
+                raise
+            log.error("%s: the transfer backend failed and holds no read (%s): failing the %d posted to it",
+                      self.name, printable(exc), len(self._tags))
+            return [Completion(tag, BackendError(f"read {tag!r}: the transfer backend failed: {exc}"))
+                    for tag in self._tags]
 
     def flush(self) -> None:
         """Perform the session's actions and deliver its events (outside the session's lock)."""
