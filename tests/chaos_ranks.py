@@ -290,9 +290,18 @@ def chaos(seconds: float, seed: int, inflight: int = 48, cancel: float = 0.05, l
             violations.append(f"the decode never reported its end (rc {decode.proc.poll()})")
             summary = {}
         decode.finish(30.0)
-        for i, p in enumerate(prefills):
-            if p.proc.poll() is not None:
-                violations.append(f"prefill {i} died unkilled: rc {p.proc.returncode}")
+        for i, p in enumerate(prefills):  # the decode's sockets closed under them: they must end cleanly
+            try:
+                p.send("stop")
+                end = p.event("prefill_end", 30.0)
+            except (AssertionError, BrokenPipeError):
+                violations.append(f"prefill {i} died unkilled: rc {p.proc.poll()}")
+                continue
+            if end["locked"] or end["active"]:
+                violations.append(f"prefill {i} ended holding leases: {end}")
+            p.finish(10.0)
+            if p.proc.returncode != 0:
+                violations.append(f"prefill {i} exited with rc {p.proc.returncode}")
     finally:
         for rank in (decode, *prefills):
             rank.kill()

@@ -28,7 +28,9 @@ from conftest import (
     SENTINEL, TPP, FreeList, group_layers, make_layout, make_pools, nixl, pattern, prefill_request, slots,
 )
 
-from kvlend.errors import AuthError, BackendError, ConfigError, LayoutMismatch, LeaseExpired, PeerLost, ProtocolError, TransferTimeout
+from kvlend.errors import (
+    AuthError, BackendError, ConfigError, LayoutMismatch, LeaseExpired, PeerLost, ProtocolError, TransferTimeout,
+)
 from kvlend.core.layout import PageLayout
 from kvlend.runtime import DecodeNode, FetchResult, Link, NodeConfig, PrefillNode
 from kvlend.protocol.wire import Done, LeaseOffer

@@ -22,8 +22,9 @@ other read in flight then ends with ``BackendError``.  Where its reads land
 only while it is progressed (tcp, CPU copies, no progress thread) the old
 agent is retired: kept open, never progressed again, so a stopped peer that
 resumes does not meet a closed socket (which UCX answers with an abort).
-Otherwise it is destroyed, which stops every write (50 ms over tcp).  A peer's death needs no escalation: NIXL reports the
-disconnect (ERR 14-18 ms after a SIGKILL), and nothing was written after it.
+Otherwise it is destroyed, which stops every write (50 ms over tcp).  A
+peer's death needs no escalation: NIXL reports the disconnect (ERR 14-18 ms
+after a SIGKILL), and nothing was written after it.
 
 Also shaped by NIXL's measured behaviour:
 
