@@ -72,6 +72,14 @@ def test_failed_read_does_not_write_after_its_completion(initiator, scenario):
         assert report["healthy"] is False and report["resets"] == 1 + report["resets_before"], report
 
 
+@pytest.mark.slow
+def test_a_reported_read_keeps_no_handle_object(initiator):
+    """Each NIXL handle object holds the agent, and a reset must see the agent gone: a read that
+    ``poll()`` reported keeps none, even if a variable still holds it (``poll``'s own loop did,
+    so a reset in the same poll found the agent alive and closed the backend: issue 22, finding 6)."""
+    assert initiator.run("keeps_no_handle") == {"handles_left": 0}
+
+
 class InitiatorProcess:
     """The spawned initiator, running one scenario per request."""
 
@@ -140,6 +148,11 @@ class _Initiator:
 
     def scenario(self, scenario: str) -> dict:
         backend, tag = self.backend, f"doomed-{scenario}".encode()
+        if scenario == "keeps_no_handle":
+            self._post(tag, SIZE)
+            read = backend._reads[tag]
+            self._until(lambda: self._poll() or self.reported.pop(tag, None))
+            return {"handles_left": len(read.handles)}
         self.dst[:] = SENTINEL
         backend.timeout = TIMEOUT if EXPECTED[scenario] == "TransferTimeout" else DEADLINE
         backend.abort_grace = ABORT_GRACE  # an attribute the old backend ignores

@@ -503,6 +503,7 @@ class NixlBackend:
         for tag in [t for t, r in self._reads.items() if r.settled]:
             read = self._reads.pop(tag)
             _release(read.handles)  # terminal: releasing only frees
+            read.handles = []  # a handle object holds the agent, and a caller's variable may still hold the read
             self._completed.append(Completion(tag, read.error))
         if not self._leaving:
             return
