@@ -45,7 +45,8 @@ EXPECTED = {
     "remove_peer": "PeerLost",
     "sigkill": "PeerLost",
     "hung_lender": "TransferTimeout",
-    "pinned_agent": "TransferTimeout",  # a hung lender, and something still holds the reader's agent
+    "destroyed_agent": "TransferTimeout",  # a hung lender, and the reset destroys the agent (as over RDMA)
+    "pinned_agent": "TransferTimeout",  # the same, and something still holds the reader's agent
 }
 
 
@@ -68,8 +69,11 @@ def test_failed_read_does_not_write_after_its_completion(initiator, scenario):
     assert report["fresh_read_exact"], report
     if scenario == "hung_lender":  # the reader's agent was retired, not closed under the stopped lender
         assert report["lender_survived"], report
+    if scenario == "destroyed_agent":  # the reset destroyed the agent: nothing outlived it
+        assert report["orphaned"] == 0 and report["resets"] == 1 + report["resets_before"], report
     if scenario == "pinned_agent":  # its reset could not destroy the agent: it says so, and goes on
-        assert report["healthy"] is False and report["resets"] == 1 + report["resets_before"], report
+        assert report["orphaned"] == 1 and not report["healthy"], report
+        assert report["resets"] == 1 + report["resets_before"], report
 
 
 @pytest.mark.slow
@@ -169,17 +173,19 @@ class _Initiator:
             backend.remove_peer(self.peer)
         elif scenario == "sigkill":
             os.kill(self.lender.pid, signal.SIGKILL)
-        elif scenario in ("hung_lender", "pinned_agent"):
+        elif scenario in ("hung_lender", "destroyed_agent", "pinned_agent"):
             os.kill(self.lender.pid, signal.SIGSTOP)
         pinned = None
-        if scenario == "pinned_agent":  # a stray reference, where a reset must destroy the agent (RDMA)
-            pinned, backend._retire = backend._agent.agent, False
-        resets_before = getattr(backend, "resets", None)
+        if scenario in ("destroyed_agent", "pinned_agent"):  # where a reset must destroy the agent (RDMA)
+            backend._retire = False
+        if scenario == "pinned_agent":
+            pinned = backend._agent.agent  # a stray reference
+        resets_before, orphans_before = getattr(backend, "resets", None), getattr(backend, "_orphans", 0)
         done = self._until(lambda: self._poll() or self.reported.pop(tag, None))
         reported = time.monotonic()
         landed = self._landed()
         snapshot = self.dst.copy()
-        if scenario in ("hung_lender", "pinned_agent"):
+        if scenario in ("hung_lender", "destroyed_agent", "pinned_agent"):
             os.kill(self.lender.pid, signal.SIGCONT)  # a GET left behind would write again now
         self._keep_polling(WATCH)
         changed = int(np.count_nonzero(self.dst != snapshot))
@@ -209,6 +215,7 @@ class _Initiator:
             "fresh_read_exact": fresh.error is None and np.array_equal(self.dst, self.expected),
             "resets": getattr(backend, "resets", None),
             "resets_before": resets_before,
+            "orphaned": getattr(backend, "_orphans", 0) - orphans_before,
             "healthy": getattr(backend, "healthy", None),
         }
 

@@ -559,17 +559,19 @@ class NixlBackend:
         Only the oldest beyond ``_MAX_RETIRED`` is destroyed.  GPU memory is always destroyed:
         its copy engines write on their own.
         """
-        agent, self._agent = self._agent, None
+        doomed = [self._agent]  # never in a local variable: _destroy must drop the last reference
+        self._agent = None
         self._registrations = []
         if self._retire and not any(kind is MemoryKind.DEVICE for kind, *_ in self._registered):
-            self._retired.append(agent)
+            self._retired.append(doomed.pop())
             if len(self._retired) <= _MAX_RETIRED:
                 return
-            agent, tags = self._retired.pop(0), []  # its reads were reported when it was retired
-        self._destroy(agent, tags)
+            doomed.append(self._retired.pop(0))
+            tags = []  # its reads were reported when it was retired
+        self._destroy(doomed, tags)
 
-    def _destroy(self, agent: nixl.nixl_agent, tags: list[bytes]) -> None:
-        """Drop ``agent`` and check it is gone: only then has UCX closed its connections.
+    def _destroy(self, doomed: list[nixl.nixl_agent], tags: list[bytes]) -> None:
+        """Drop the agent in ``doomed``, and check it is gone: only then has UCX closed its connections.
 
         One that something still holds (a stored exception's traceback, say) is set aside and
         never progressed again.  Over tcp a GET lands only while its agent is progressed, and
@@ -577,8 +579,8 @@ class NixlBackend:
         an RDMA NIC could still write, so the backend turns unhealthy, logs the tags and goes on
         with a new agent rather than failing every later call.
         """
-        core = weakref.ref(agent.agent)  # the C++ agent; each handle object holds it too
-        del agent
+        core = weakref.ref(doomed[0].agent)  # the C++ agent; each handle object holds it too
+        doomed.clear()
         if core() is not None:
             gc.collect()  # a reference cycle is the harmless case
         if core() is not None:
@@ -623,7 +625,7 @@ class NixlBackend:
             self._peers.clear()
             self._leaving.clear()
             while self._retired:
-                self._destroy(self._retired.pop(0), [])
+                self._destroy([self._retired.pop(0)], [])
 
 
 def _progressed_only(progress_thread: bool) -> bool:
