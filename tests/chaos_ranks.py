@@ -43,6 +43,7 @@ TTL, BEAT, DEADLINE, GRACE = 3.0, 0.5, 8.0, 2.0
 SLACK = 3.0  # a loaded host's lag between a deadline and the rank seeing the fetch end
 HOLD = 2.0  # seconds a failed fetch's destination stays marked before it is checked and reused
 FAILED = 0x5A  # what a failed fetch's destination holds while it is held
+TCP = {"UCX_TLS": "tcp", "UCX_NET_DEVICES": "lo"}
 
 
 def config(deadline: float = DEADLINE) -> NodeConfig:
@@ -204,9 +205,21 @@ def prefill_args(gen: int) -> list[str]:
 
 def chaos(seconds: float, seed: int, inflight: int = 48, cancel: float = 0.05, log=print) -> dict:
     """One run; its summary, with ``violations`` (empty when every check held)."""
+    saved = {name: os.environ.get(name) for name in TCP}
+    os.environ.update(TCP)  # the children inherit it; this process's own agents must not
+    try:
+        return _chaos(seconds, seed, inflight, cancel, log)
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
+def _chaos(seconds: float, seed: int, inflight: int, cancel: float, log) -> dict:
     from test_faults import Rank
 
-    os.environ.update(UCX_TLS="tcp", UCX_NET_DEVICES="lo")  # the children inherit it
     rng = np.random.default_rng(seed)
     violations: list[str] = []
     gen = [0]
@@ -299,9 +312,9 @@ def chaos(seconds: float, seed: int, inflight: int = 48, cancel: float = 0.05, l
                 continue
             if end["locked"] or end["active"]:
                 violations.append(f"prefill {i} ended holding leases: {end}")
-            p.finish(10.0)
+            p.finish(30.0)  # SIGKILLed (rc -9) if it does not exit by then
             if p.proc.returncode != 0:
-                violations.append(f"prefill {i} exited with rc {p.proc.returncode}")
+                violations.append(f"prefill {i} exited with rc {p.proc.returncode} after its end")
     finally:
         for rank in (decode, *prefills):
             rank.kill()
