@@ -11,8 +11,10 @@ SIGKILLs and restarts the prefills, or SIGSTOPs one for 1-7 s, at random.  The d
   destination is not written after that (it is marked and checked again ``HOLD`` s later);
 * at the end every fetch started has finished, within its deadline.
 
-The driver adds: no process died that was not killed.  It prints one summary line per run and
-exits non-zero on any violation.  Run as ``python tests/chaos_ranks.py run --seconds 60 --runs 10``.
+The driver adds: no process died that was not killed, and each prefill, stopped after the
+decode, ends holding no lease.  It prints one summary line per run (requests served, failures by
+type, resets) and exits non-zero on any violation.  Run as ``scripts/chaos --seconds 60 --runs 10``.
+The decode answers ``report`` on stdin with its counts so far (``test_chaos`` waits on them).
 """
 
 from __future__ import annotations
