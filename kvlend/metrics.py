@@ -66,6 +66,8 @@ SPECS = {
               "gauge", ("node",)),
         _Spec("kvlend_peer_cert_expiry_seconds", "Seconds until the first certificate among this rank's live "
               "links' peers expires (+Inf with none)", "gauge", ("node",)),
+        _Spec("kvlend_orphaned_agents_total", "Transfer agents that outlived their reset (decode): unhealthy",
+              "counter"),
     )
 }
 

@@ -84,10 +84,10 @@ class Stdin:
 
 # -------------------------------------------------------------------- prefill
 def run_prefill(args) -> int:
-    pools = make_pools(SRC_PAGES)
+    pools = make_pools(args.pages, head_dim=args.head_dim)
     layout = make_layout(pools)
     rng = np.random.default_rng(args.seed)
-    free = {name: FreeList(SRC_PAGES, rng) for name in layout.groups}
+    free = {name: FreeList(args.pages, rng) for name in layout.groups}
     ended: queue.SimpleQueue = queue.SimpleQueue()
     tables: dict[str, dict[str, np.ndarray]] = {}
     owner: dict[str, str] = {}
@@ -124,6 +124,8 @@ def run_prefill(args) -> int:
                 else:
                     request, seed = f"p{args.gen}-{i}", args.gen * 1_000_000 + i
                     num_tokens = int(rng.integers(1, args.max_tokens + 1))
+                    if rng.random() < args.big:
+                        num_tokens = int(rng.integers(args.big_tokens // 2, args.big_tokens + 1))
                     i += 1
                 if min(map(len, free.values())) < -(-num_tokens // TPP):
                     continue
@@ -337,6 +339,10 @@ def main() -> int:
     p.add_argument("--deadline", type=float, default=10.0)
     p.add_argument("--window", type=int, default=4)
     p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--pages", type=int, default=SRC_PAGES, help="prefill: pages per layer pool")
+    p.add_argument("--head-dim", type=int, default=8, help="prefill: page size (a slot is 64 * head_dim bytes)")
+    p.add_argument("--big", type=float, default=0.0, help="prefill: share of requests of --big-tokens/2..--big-tokens")
+    p.add_argument("--big-tokens", type=int, default=0)
     p.add_argument("--delay", type=float, default=0.0, help="prefill: longest random pause before an offer")
     p.add_argument("--resume", action="append", default=[], metavar="NAME:SEED:TOKENS")
     p.add_argument("--connect", metavar="HOST:PORT")

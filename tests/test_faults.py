@@ -47,17 +47,17 @@ FAULT_CONFIG = NodeConfig(ttl=TTL, heartbeat=BEAT, chunk_pages=1, handshake_time
 
 
 class Rank:
-    """A ``fault_ranks.py`` child: JSON events on stdout, commands on stdin, SIGKILL on demand.
+    """A ``fault_ranks.py`` child (or ``script``'s): JSON events on stdout, commands on stdin, SIGKILL on demand.
 
     It proves ``identity`` with a certificate from the tests' CA, written into a private directory
     that goes when the child does.  Its stderr is discarded unless ``$KVLEND_RANK_STDERR`` is set
     (for debugging a child).
     """
 
-    def __init__(self, identity: str, mode: str, *args: str) -> None:
+    def __init__(self, identity: str, mode: str, *args: str, script: str = "fault_ranks.py") -> None:
         self._certs = tempfile.TemporaryDirectory(prefix="kvlend-rank-")
         self.proc = subprocess.Popen(
-            [sys.executable, os.path.join(TESTS, "fault_ranks.py"), mode, *args],
+            [sys.executable, os.path.join(TESTS, script), mode, *args],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=None if os.environ.get("KVLEND_RANK_STDERR") else subprocess.DEVNULL, bufsize=0,
             env={**os.environ, **save_rank(creds(identity), self._certs.name)},
         )

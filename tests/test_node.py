@@ -28,7 +28,9 @@ from conftest import (
     SENTINEL, TPP, FreeList, group_layers, make_layout, make_pools, nixl, pattern, prefill_request, slots,
 )
 
-from kvlend.errors import AuthError, ConfigError, LayoutMismatch, LeaseExpired, PeerLost, ProtocolError, TransferTimeout
+from kvlend.errors import (
+    AuthError, BackendError, ConfigError, LayoutMismatch, LeaseExpired, PeerLost, ProtocolError, TransferTimeout,
+)
 from kvlend.core.layout import PageLayout
 from kvlend.runtime import DecodeNode, FetchResult, Link, NodeConfig, PrefillNode
 from kvlend.runtime.clock import lease_clock
@@ -476,3 +478,17 @@ def test_bad_arguments_are_kvlend_errors_before_anything_happens():
         with pytest.raises(PeerLost, match="999"):
             r.decode.fetch(gone, None, {})
         r.decode.disconnect(gone)  # an unknown link: nothing to do
+
+
+def test_reads_posted_to_a_backend_closed_under_the_node_end_with_an_error():
+    """A backend that holds no read any more can never report the ones posted to it: their fetch
+    ends with ``BackendError`` instead of waiting forever (issue 22, finding 6)."""
+    with rig() as r:
+        tables = prefill_request(r.layout, r.src, free_lists(r.layout, SRC_PAGES, 5), 40, seed=5)
+        r.prefill.offer(r.peer, "orphaned", 40, tables, r.layout.full_selection(), meta={"seed": 5})
+        link, offer = r.decode.next_offer(DEADLINE)
+        free = free_lists(r.decode.layout, DST_PAGES, 6)
+        handle = r.decode.start_fetch(offer, {name: free[name].alloc(10) for name in r.layout.groups}, link=link)
+        r.decode.backend.close()  # its reads (copied at once over cma, not yet reported) are gone with it
+        r.decode.wait([handle], DEADLINE)
+        assert isinstance(handle.error, BackendError) and "transfer backend failed" in str(handle.error)

@@ -46,6 +46,8 @@ EXPECTED = {
     "remove_peer": "PeerLost",
     "sigkill": "PeerLost",
     "hung_lender": "TransferTimeout",
+    "destroyed_agent": "TransferTimeout",  # a hung lender, and the reset destroys the agent (as over RDMA)
+    "pinned_agent": "TransferTimeout",  # the same, and something still holds the reader's agent
 }
 
 
@@ -66,6 +68,21 @@ def test_failed_read_does_not_write_after_its_completion(initiator, scenario):
         f"{report['error']} Completion was reported: {report}"
     )
     assert report["fresh_read_exact"], report
+    if scenario == "hung_lender":  # the reader's agent was retired, not closed under the stopped lender
+        assert report["lender_survived"], report
+    if scenario == "destroyed_agent":  # the reset destroyed the agent: nothing outlived it
+        assert report["orphaned"] == 0 and report["resets"] == 1 + report["resets_before"], report
+    if scenario == "pinned_agent":  # its reset could not destroy the agent: it says so, and goes on
+        assert report["orphaned"] == 1 and not report["healthy"], report
+        assert report["resets"] == 1 + report["resets_before"], report
+
+
+@pytest.mark.slow
+def test_a_reported_read_keeps_no_handle_object(initiator):
+    """Each NIXL handle object holds the agent, and a reset must see the agent gone: a read that
+    ``poll()`` reported keeps none, even if a variable still holds it (``poll``'s own loop did,
+    so a reset in the same poll found the agent alive and closed the backend: issue 22, finding 6)."""
+    assert initiator.run("keeps_no_handle") == {"handles_left": 0}
 
 
 class InitiatorProcess:
@@ -136,6 +153,12 @@ class _Initiator:
 
     def scenario(self, scenario: str) -> dict:
         backend = self.backend
+        if scenario == "keeps_no_handle":
+            tag = b"reported"
+            self._post(tag, SIZE)
+            read = backend._reads[tag]
+            self._until(lambda: self._poll() or self.reported.pop(tag, None))
+            return {"handles_left": len(read.handles)}
         backend.timeout = TIMEOUT if EXPECTED[scenario] == "TransferTimeout" else DEADLINE
         backend.abort_grace = ABORT_GRACE  # an attribute the old backend ignores
         for attempt in range(ATTEMPTS):
@@ -152,19 +175,25 @@ class _Initiator:
             backend.remove_peer(self.peer)
         elif scenario == "sigkill":
             os.kill(self.lender.pid, signal.SIGKILL)
-        elif scenario == "hung_lender":
+        elif scenario in ("hung_lender", "destroyed_agent", "pinned_agent"):
             os.kill(self.lender.pid, signal.SIGSTOP)
+        pinned = None
+        if scenario in ("destroyed_agent", "pinned_agent"):  # where a reset must destroy the agent (RDMA)
+            backend._retire = False
+        if scenario == "pinned_agent":
+            pinned = backend._agent.agent  # a stray reference
+        resets_before, orphans_before = getattr(backend, "resets", None), getattr(backend, "_orphans", 0)
         done = self._until(lambda: self._poll() or self.reported.pop(tag, None))
         reported = time.monotonic()
         landed = self._landed()
         snapshot = self.dst.copy()
-        if scenario == "hung_lender":
+        if scenario in ("hung_lender", "destroyed_agent", "pinned_agent"):
             os.kill(self.lender.pid, signal.SIGCONT)  # a GET left behind would write again now
         self._keep_polling(WATCH)
         changed = int(np.count_nonzero(self.dst != snapshot))
 
         lender_survived = self.lender.is_alive()
-        if scenario in ("sigkill", "hung_lender"):  # UCX may abort a lender resumed after a reset (README)
+        if not lender_survived or scenario == "sigkill":  # UCX aborts a lender resumed under a closed socket
             self.lender.kill()
             self.lender.join(DEADLINE)
             self._start_lender()  # a new incarnation under the same name
@@ -173,6 +202,8 @@ class _Initiator:
         self.dst[:] = SENTINEL
         started = time.monotonic()
         fresh = self._read(f"fresh-{scenario}".encode(), SIZE)
+        del pinned
+        backend._retire = True
         return {
             "error": type(done.error).__name__,
             "message": str(done.error),
@@ -185,6 +216,9 @@ class _Initiator:
             "fresh_read_error": repr(fresh.error),
             "fresh_read_exact": fresh.error is None and np.array_equal(self.dst, self.expected),
             "resets": getattr(backend, "resets", None),
+            "resets_before": resets_before,
+            "orphaned": getattr(backend, "_orphans", 0) - orphans_before,
+            "healthy": getattr(backend, "healthy", None),
         }
 
     def _post_doomed(self, scenario: str, attempt: int) -> tuple[bytes, float]:

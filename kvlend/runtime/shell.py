@@ -29,7 +29,7 @@ from ..protocol.actions import AddPeer, Cancel, Close, Connect, Post, RemovePeer
 from ..protocol.config import NodeConfig
 from ..protocol.connection import FrameReader
 from ..security.credentials import Credentials
-from ..transport import TransferBackend
+from ..transport import Completion, TransferBackend
 from .certificates import CertWatch
 from .sockets import Sockets
 from .tls import TlsChannel
@@ -98,6 +98,12 @@ class Shell:
         return self._thread is not None
 
     @property
+    def healthy(self) -> bool:
+        """False once the backend could not reset its agent safely (logged, ``kvlend_orphaned_agents_total``):
+        fetches still end, each with its error, but drain this rank and restart it."""
+        return getattr(self.backend, "healthy", True)
+
+    @property
     def loop_thread(self) -> threading.Thread | None:
         """The thread ``start()`` runs the loop on (an engine may set its CPU affinity or priority)."""
         return self._thread
@@ -117,7 +123,7 @@ class Shell:
         with self._lock:
             wait = self._wait(timeout)
         accepted, up, data, gone = self._sockets.poll(wait)
-        completions = self.backend.poll() if not self._closed else []
+        completions = self._progress() if not self._closed else []
         authenticated, data, gone = self._secure(up, data, gone)
         gone += self._expired_links()
         with self._lock:
@@ -131,6 +137,19 @@ class Shell:
         self._flush()
         if self.registry is not None:
             self._cluster_turn()
+
+    def _progress(self) -> list[Completion]:
+        """The backend's completions.  One that fails and tracks no read any more (closed under
+        the node, say) will never report the reads posted to it: they end now, with its error."""
+        try:
+            return self.backend.poll()
+        except KvlendError as exc:
+            if not self._tags or getattr(self.backend, "in_flight", None) != 0:
+                raise
+            log.error("%s: the transfer backend failed and holds no read (%s): failing the %d posted to it",
+                      self.name, printable(exc), len(self._tags))
+            return [Completion(tag, BackendError(f"read {tag!r}: the transfer backend failed: {exc}"))
+                    for tag in self._tags]
 
     def flush(self) -> None:
         """Perform the session's actions and deliver its events (outside the session's lock)."""
@@ -303,7 +322,7 @@ class Shell:
                 exc = BackendError(f"posting read {action.tag!r}: {type(exc).__name__}: {exc}")
             self._tags.discard(action.tag)
             with self._lock:
-                self._read_done(action.tag, exc, self.clock())
+                self._read_done(action.tag, _detached(exc), self.clock())
         elif isinstance(action, (Send, Close, Connect, AddPeer)):
             self._channels.pop(action.conn, None)
             self._sockets.close(action.conn)
@@ -403,3 +422,13 @@ class Shell:
         self._channels.clear()
         self._sockets.close_all()
         self._certs.withdraw()
+
+
+def _detached(error: KvlendError) -> KvlendError:
+    """``error`` without the frames it was raised through, to be kept as a fetch's error.
+
+    A traceback keeps every frame's locals alive, the backend's transfer agent among them,
+    for as long as the engine holds the failed fetch; an agent kept alive cannot be reset.
+    """
+    error.__context__ = error.__cause__ = None
+    return error.with_traceback(None)

@@ -16,11 +16,15 @@ alive but stopped, the GET stays PROC (past 25 s), survives release and
 removal, and resumes writing when the peer does.  So a failed read keeps its
 handles, and they are polled until they are terminal.  A peer leaves NIXL
 only once its reads have settled.  If handles are still not terminal
-``abort_grace`` seconds after the abort, the agent is destroyed, which stops
-every write (50 ms over tcp), and rebuilt under the same name with the same
-regions and peers.  Every other read in flight then ends with
-``BackendError``.  A peer's death needs no escalation: NIXL reports the
-disconnect (ERR 14-18 ms after a SIGKILL), and nothing was written after it.
+``abort_grace`` seconds after the abort, the agent is taken out of service
+and rebuilt under the same name with the same regions and peers.  Every
+other read in flight then ends with ``BackendError``.  Where its reads land
+only while it is progressed (tcp, CPU copies, no progress thread) the old
+agent is retired: kept open, never progressed again, so a stopped peer that
+resumes does not meet a closed socket (which UCX answers with an abort).
+Otherwise it is destroyed, which stops every write (50 ms over tcp).  A
+peer's death needs no escalation: NIXL reports the disconnect (ERR 14-18 ms
+after a SIGKILL), and nothing was written after it.
 
 Also shaped by NIXL's measured behaviour:
 
@@ -42,6 +46,7 @@ Also shaped by NIXL's measured behaviour:
 
 from __future__ import annotations
 
+import gc
 import logging
 import math
 import os
@@ -56,6 +61,7 @@ from typing import Mapping, Sequence
 import numpy as np
 
 from kvlend.transport import Completion, ReadBatch
+from kvlend.metrics import METRICS
 from kvlend.errors import BackendError, KvlendError, PeerLost, TransferCancelled, TransferTimeout
 from kvlend.core.layout import MemoryKind, MemoryRegion
 
@@ -70,6 +76,10 @@ _MAX_NAME = 256
 # Serialized agent metadata starts with the agent's name (nixlSerDes, NIXL 1.x).
 _MD_PREFIX = b"nixlSerDes|Agent"
 _DISCONNECT = (_nb.nixlRemoteDisconnectError,)
+# UCX transports whose READs land only while the reader's worker is progressed (tcp: a GET is
+# emulated with messages) or inside transfer() (CPU copies); RDMA NICs and GPU copy engines write on their own.
+_PROGRESSED_TLS = frozenset(("tcp", "cma", "sm", "shm", "self", "posix", "sysv", "xpmem"))
+_MAX_RETIRED = 64  # agents set aside by resets (each a UCX worker, its sockets and under 1 MiB)
 
 
 def _quiet_nixl_logging() -> None:
@@ -208,6 +218,9 @@ class NixlBackend:
         self._reads: dict[bytes, _Read] = {}
         self._completed: list[Completion] = []
         self._resets = 0
+        self._orphans = 0  # agents that outlived their reset
+        self._retire = _progressed_only(progress_thread)
+        self._retired: list[nixl.nixl_agent] = []  # reset, never progressed again, kept open (oldest first)
 
     def _start_agent(self) -> nixl.nixl_agent:
         try:
@@ -490,6 +503,7 @@ class NixlBackend:
         for tag in [t for t, r in self._reads.items() if r.settled]:
             read = self._reads.pop(tag)
             _release(read.handles)  # terminal: releasing only frees
+            read.handles = []  # a handle object holds the agent, and a caller's variable may still hold the read
             self._completed.append(Completion(tag, read.error))
         if not self._leaving:
             return
@@ -499,11 +513,12 @@ class NixlBackend:
             self._quietly(self._agent.remove_remote_agent, peer)
 
     def _reset(self, why: str) -> bool:
-        """Destroy the agent, the one way found to stop a GET NIXL cannot abort, and rebuild it.
+        """Take the agent out of service, the one way found to stop a GET NIXL cannot abort, and rebuild it.
 
         Every read in flight ends (``BackendError`` unless it already failed);
         regions and known peers are loaded into the new agent, removed peers
         are gone.  Not while another thread is inside ``transfer()`` (False).
+        The old agent is retired where that stops its reads, else destroyed (``_drop_agent``).
         """
         if not all(r.posted for r in self._reads.values()):
             return False
@@ -514,7 +529,7 @@ class NixlBackend:
             _release(read.handles)  # no handle object may keep the agent alive
             read.handles, read.live = [], []
         self._leaving.clear()
-        self._destroy_agent()
+        self._drop_agent(list(self._reads))
         self._resets += 1
         self._settle()
         if (exc := self._quietly(self._rebuild)) is not None:
@@ -534,14 +549,50 @@ class NixlBackend:
                 log.warning("NIXL backend %r: peer %r not reloaded after the reset: %s", self.name, peer, exc)
                 del self._peers[peer]
 
-    def _destroy_agent(self) -> None:
-        """Drop the agent and check it is gone: only then has UCX closed its connections."""
-        core = weakref.ref(self._agent.agent)  # the C++ agent; each handle object holds it too
+    def _drop_agent(self, tags: list[bytes]) -> None:
+        """Retire the agent where its reads need it progressed to land, else destroy it.
+
+        Retired: kept open, never progressed again.  Destroying closes its connections, and a
+        peer that was stopped with reads from it queued is aborted by UCX when it resumes (its
+        software GET reply meets the closed socket: ``ucs_fatal`` in ``ucp_request_try_send``,
+        plugins/nixl/README.md); kept open, that peer's replies land in a socket nobody reads.
+        Only the oldest beyond ``_MAX_RETIRED`` is destroyed.  GPU memory is always destroyed:
+        its copy engines write on their own.
+        """
+        doomed = [self._agent]  # never in a local variable: _destroy must drop the last reference
         self._agent = None
         self._registrations = []
+        if self._retire and not any(kind is MemoryKind.DEVICE for kind, *_ in self._registered):
+            self._retired.append(doomed.pop())
+            if len(self._retired) <= _MAX_RETIRED:
+                return
+            doomed.append(self._retired.pop(0))
+            tags = []  # its reads were reported when it was retired
+        self._destroy(doomed, tags)
+
+    def _destroy(self, doomed: list[nixl.nixl_agent], tags: list[bytes]) -> None:
+        """Drop the agent in ``doomed``, and check it is gone: only then has UCX closed its connections.
+
+        One that something still holds (a stored exception's traceback, say) is set aside and
+        never progressed again.  Over tcp a GET lands only while its agent is progressed, and
+        over cma only inside ``transfer()``, so its reads (``tags``) can no longer write there;
+        an RDMA NIC could still write, so the backend turns unhealthy, logs the tags and goes on
+        with a new agent rather than failing every later call.
+        """
+        core = weakref.ref(doomed[0].agent)  # the C++ agent; each handle object holds it too
+        doomed.clear()
         if core() is not None:
-            self._closed = True
-            raise BackendError(f"NIXL backend {self.name!r}: its agent outlived the reset; reads may still write")
+            gc.collect()  # a reference cycle is the harmless case
+        if core() is not None:
+            self._orphans += 1
+            METRICS.inc("kvlend_orphaned_agents_total")
+            log.error("NIXL backend %r: its old agent outlived the reset (still referenced); it is never progressed "
+                      "again, but over RDMA reads %s may still write into their destinations", self.name, tags)
+
+    @property
+    def healthy(self) -> bool:
+        """False once an agent outlived its reset (see ``_destroy``): restart the process when idle."""
+        return self._orphans == 0
 
     @staticmethod
     def _quietly(fn, *args) -> Exception | None:
@@ -573,6 +624,25 @@ class NixlBackend:
             self._spans = {}
             self._peers.clear()
             self._leaving.clear()
+            while self._retired:
+                self._destroy([self._retired.pop(0)], [])
+
+
+def _progressed_only(progress_thread: bool) -> bool:
+    """Whether this process's READs land only while their agent is progressed (or inside ``transfer()``).
+
+    So with NIXL's progress thread off and UCX limited to ``_PROGRESSED_TLS``, by ``UCX_TLS`` or
+    for want of any RDMA device on this host.
+    """
+    if progress_thread:
+        return False
+    tls = os.environ.get("UCX_TLS", "")
+    if tls and not tls.startswith("^") and set(tls.split(",")) <= _PROGRESSED_TLS:
+        return True
+    try:
+        return not os.listdir("/sys/class/infiniband")
+    except OSError:
+        return True
 
 
 def _release(handles: list) -> None:
