@@ -180,7 +180,7 @@ def test_sigkill_decode_mid_transfer_frees_locks_within_ttl_and_a_new_decode_ser
             child.event("mid_transfer")  # 40 chunks paced 0.1 s apart: the kill lands mid-transfer
             time.sleep(2 * BEAT)  # long enough that only heartbeats can have kept the lease
             assert_locked(r.prefill, tables, True)
-            assert r.prefill.lender.get(lease.id, time.monotonic()).id == lease.id
+            assert r.prefill.lender.get(lease.id, r.prefill.clock()).id == lease.id
             child.kill()
             killed = time.monotonic()
             while True:
@@ -191,6 +191,9 @@ def test_sigkill_decode_mid_transfer_frees_locks_within_ttl_and_a_new_decode_ser
                 assert time.monotonic() - killed <= TTL + BEAT, f"{locked} pages still locked after TTL + heartbeat"
                 time.sleep(0.005)
             freed_after = time.monotonic() - killed
+            end = time.monotonic() + DEADLINE  # the engine hears of it just after the unlock, outside the lock
+            while not released and time.monotonic() < end:
+                time.sleep(0.005)
             assert list(released) == [("doomed", "expired")]
             assert "decode7" not in r.prefill.ready_peers()
             print(f"\nlocks of the killed decode dropped {freed_after:.2f} s after SIGKILL (ttl {TTL}, heartbeat {BEAT})")
@@ -405,7 +408,7 @@ def test_a_foreign_certificate_a_replayed_session_and_another_decodes_lease_are_
         # Decode B, properly connected, sends Heartbeat and Done for A's lease.
         with RawDecode(r.prefill.address, creds("decode-b")) as b:
             b.handshake(r.decode.layout)
-            before = r.prefill.lender.get(lease.id, time.monotonic()).expires_at
+            before = r.prefill.lender.get(lease.id, r.prefill.clock()).expires_at
             time.sleep(0.05)  # so a renewal would move the expiry
             b.send(Done(lease.id, 50))
             ack = b.recv(DEADLINE)
@@ -416,7 +419,7 @@ def test_a_foreign_certificate_a_replayed_session_and_another_decodes_lease_are_
             with pytest.raises(PeerLost):
                 b.recv(DEADLINE)
             with r.prefill._lock:
-                assert r.prefill.lender.get(lease.id, time.monotonic()).expires_at == before  # not renewed
+                assert r.prefill.lender.get(lease.id, r.prefill.clock()).expires_at == before  # not renewed
             assert_locked(r.prefill, tables, True)
             assert "decode-b" not in r.prefill.ready_peers()
 
