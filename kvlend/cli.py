@@ -345,9 +345,9 @@ def _run_cluster_status(args: argparse.Namespace) -> int:
         return EXIT_OK
     ranks = status["ranks"]
     print(f"cluster {args.prefix} at etcd {status['endpoint']} (revision {status['revision']}): {len(ranks)} live ranks")
-    rows = [("IDENTITY", "ROLE", "ENDPOINT", "LAYOUT", "TP", "PP", "LOAD")] + [
+    rows = [("IDENTITY", "ROLE", "ENDPOINT", "LAYOUT", "TP", "PP", "LOAD", "HEALTH")] + [
         (r["identity"], r["role"], r["endpoint"], r["layout_id"] or "-", r["tp"], r["pp"],
-         f"{r['load']}/{r['capacity']}") for r in ranks]
+         f"{r['load']}/{r['capacity']}", "ok" if r["healthy"] else "UNHEALTHY") for r in ranks]
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     for row in rows:
         print("  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip())

@@ -299,7 +299,7 @@ def test_cluster_status_lists_the_live_ranks_from_a_real_etcd(capsys):
         assert rank.wait_for(lambda view: view.get("prefill-7") is not None, 10)
         code, out, err = run(capsys, "cluster", "status", "--etcd", etcd.endpoints[0], "--prefix", "/kvlend/cli-test")
         assert code == 0, err
-        assert "1 live ranks" in out and has_row(out, f"prefill-7 prefill 10.1.2.3:4100 {layout.layout_id[:16]} 0/1 0/1 3/8")
+        assert "1 live ranks" in out and has_row(out, f"prefill-7 prefill 10.1.2.3:4100 {layout.layout_id[:16]} 0/1 0/1 3/8 ok")
         code, out, _ = run(capsys, "cluster", "status", "--etcd", etcd.endpoints[0], "--prefix", "/kvlend/cli-test",
                            "--json")
         assert code == 0 and [r["identity"] for r in json.loads(out)["ranks"]] == ["prefill-7"]

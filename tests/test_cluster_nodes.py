@@ -418,3 +418,14 @@ def test_a_degraded_registry_leaves_the_known_prefills_serving():
             assert a.node.lender.active_leases == b.node.lender.active_leases == 0
         finally:
             cluster.close()
+
+
+def test_a_node_whose_backend_turned_unhealthy_says_so_in_its_record(cluster):
+    p = cluster.prefill("prefill-a")
+    d = cluster.decode("decode-sick")
+    assert p.registry.wait_for(lambda v: v.get(d.name) is not None and v.get(d.name).healthy, DEADLINE)
+    d.node.backend._orphans += 1  # what a reset whose old agent outlived it leaves (kvlend_orphaned_agents_total)
+    assert not d.node.healthy
+    assert p.registry.wait_for(lambda v: v.get(d.name) is not None and not v.get(d.name).healthy, DEADLINE)
+    row = next(r for r in p.registry.status()["ranks"] if r["identity"] == d.name)
+    assert row["healthy"] is False  # what `kvlend cluster status` prints as UNHEALTHY

@@ -113,7 +113,7 @@ def records(draw, identity=identities, role=st.sampled_from(ROLES)) -> RankRecor
         layout=b"" if role == "router" else draw(st.sampled_from(ENCODED_LAYOUTS)),
         tp_size=tp_size, tp_rank=draw(st.integers(0, tp_size - 1)),
         pp_size=pp_size, pp_rank=draw(st.integers(0, pp_size - 1)),
-        capacity=draw(st.integers(1, MAX_CAPACITY)), load=draw(st.integers(0, MAX_LOAD)),
+        capacity=draw(st.integers(1, MAX_CAPACITY)), load=draw(st.integers(0, MAX_LOAD)), healthy=draw(st.booleans()),
         meta=draw(st.dictionaries(st.text(min_size=1, max_size=64), st.text(max_size=64), max_size=16)),
     )
 
@@ -304,7 +304,9 @@ HOSTILE = [
     ("record.meta", as_bytes(valid_body(meta=None))),
     ("record.load", b'{"version":2,"identity":"p0","role":"prefill","host":"h","port":1,"layout":"'
      + layout_digest(SAME.encode()).encode() + b'","tp_size":1,"tp_rank":0,"pp_size":1,"pp_rank":0,'
-     b'"capacity":1,"load":NaN,"meta":{}}'),
+     b'"capacity":1,"load":NaN,"healthy":true,"meta":{}}'),
+    ("record.healthy", as_bytes(valid_body(healthy=1))),
+    ("record.healthy", as_bytes(valid_body(healthy="yes"))),
 ]
 
 
@@ -858,6 +860,15 @@ def test_pick_never_sends_to_incompatible_prefills_or_other_roles():
     assert view.pick(LOCAL) == busy
 
 
+def test_pick_never_sends_to_an_unhealthy_prefill_and_says_why_none_is_left():
+    sick = rec("a-sick", load=0, capacity=100, healthy=False)  # idle, but its backend could not reset safely
+    view = view_of(sick, rec("b-busy", load=9, capacity=10))
+    assert view.pick(LOCAL).identity == "b-busy"
+    assert RankRecord.decode(sick.encode(), LAYOUTS).healthy is False  # it travels
+    with pytest.raises(RegistryError, match=r"'a-sick \(unhealthy\)'"):
+        view.pick(LOCAL, exclude=["b-busy"])
+
+
 def test_pick_errors_name_the_live_prefills():
     empty = new_view()
     with pytest.raises(RegistryError, match="live prefills: none") as info:
@@ -882,7 +893,8 @@ def clusters(draw):
     for name in names:
         role = draw(st.sampled_from(("prefill", "prefill", "prefill", "decode")))
         records_.append(RankRecord(name, role, "h", 7000, layout=draw(st.sampled_from(ENCODED_LAYOUTS)),
-                                   capacity=draw(st.integers(1, 8)), load=draw(st.integers(0, 20))))
+                                   capacity=draw(st.integers(1, 8)), load=draw(st.integers(0, 20)),
+                                   healthy=draw(st.sampled_from((True, True, True, False)))))
         if draw(st.booleans()):
             routed[name] = draw(st.integers(0, 10))
     exclude = draw(st.lists(st.sampled_from(names), unique=True)) if names else []
@@ -897,13 +909,15 @@ def test_pick_matches_a_model(cluster, order):
     items = [(key(r.identity), r.encode()) for r in records_]
     view.reset(3, [items[i] for i in order if i < len(items)])
     prefills = sorted((r for r in records_ if r.role == "prefill"), key=lambda r: r.identity)
-    candidates = [r for r in prefills if negotiates(LOCAL, r.page_layout) and r.identity not in exclude]
+    candidates = [r for r in prefills
+                  if negotiates(LOCAL, r.page_layout) and r.identity not in exclude and r.healthy]
     assert view.compatible(LOCAL) == [r for r in prefills if negotiates(LOCAL, r.page_layout)]
     if not candidates:
         with pytest.raises(RegistryError) as info:
             view.pick(LOCAL, routed, exclude)
         message = str(info.value)
-        assert (f"live prefills: {[r.identity for r in prefills]}" if prefills else "live prefills: none") in message
+        known = [r.identity + ("" if r.healthy else " (unhealthy)") for r in prefills]
+        assert (f"live prefills: {known}" if prefills else "live prefills: none") in message
         for name in exclude:
             assert repr(name) in message
         return

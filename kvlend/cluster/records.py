@@ -36,7 +36,7 @@ MAX_CAPACITY = MAX_LOAD = 1 << 16  # leases or fetches at once: more is a broken
 ROLES = ("prefill", "decode", "router")
 _MAX_HOST = 255
 _FIELDS = ("version", "identity", "role", "host", "port", "layout", "tp_size", "tp_rank", "pp_size", "pp_rank",
-           "capacity", "load", "meta")
+           "capacity", "load", "healthy", "meta")
 _MAX_META, _MAX_META_TEXT = 16, 256
 _DIGEST = re.compile(r"[0-9a-f]{64}")
 
@@ -82,7 +82,9 @@ class RankRecord:
     ``host``/``port``: the control endpoint a peer dials (a decode that only
     dials out publishes port 0).  ``capacity``: how much work the rank takes
     at once (leases for a prefill, fetches for a decode); ``load``: how much
-    it holds now.  ``layout``: its ``PageLayout`` encoded, empty for a router.
+    it holds now.  ``healthy``: False once its transfer backend could not reset
+    safely (the node's ``healthy``): it still ends every fetch, but routers send
+    it no new work and it should be drained and restarted.  ``layout``: its ``PageLayout`` encoded, empty for a router.
     ``meta``: a few engine-specific strings (say, the engine's own API address).
     """
 
@@ -98,6 +100,7 @@ class RankRecord:
     capacity: int = 1
     load: int = 0
     meta: Mapping[str, str] = field(default_factory=dict)
+    healthy: bool = True
 
     def __post_init__(self) -> None:
         try:
@@ -114,6 +117,8 @@ class RankRecord:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
                 raise RegistryError(f"record.{name}: expected an int in [{low}, {high}], got {value!r}")
+        if not isinstance(self.healthy, bool):
+            raise RegistryError(f"record.healthy: expected true or false, got {self.healthy!r}")
         if self.tp_rank >= self.tp_size or self.pp_rank >= self.pp_size:
             raise RegistryError(f"record: tp_rank {self.tp_rank}/{self.tp_size} or pp_rank "
                                 f"{self.pp_rank}/{self.pp_size} is out of range")
@@ -135,7 +140,7 @@ class RankRecord:
             self.page_layout  # noqa: B018 -- decodes it: a record never carries a layout nobody can read
 
     def __hash__(self) -> int:  # ``meta`` is a read-only mapping, which does not hash
-        return hash((self.identity, self.role, self.host, self.port, self.load))
+        return hash((self.identity, self.role, self.host, self.port, self.load, self.healthy))
 
     @cached_property
     def page_layout(self) -> PageLayout | None:

@@ -247,6 +247,7 @@ class Registry:
                 "ranks": [{"identity": r.identity, "role": r.role, "endpoint": f"{r.host}:{r.port}",
                            "layout_id": r.layout_id[:16], "tp": f"{r.tp_rank}/{r.tp_size}",
                            "pp": f"{r.pp_rank}/{r.pp_size}", "load": r.load, "capacity": r.capacity,
+                           "healthy": r.healthy,
                            **({"meta": dict(r.meta)} if r.meta else {})} for r in v.ranks()],
                 "rejected": dict(v.rejected),
             }

@@ -188,15 +188,15 @@ class ClusterView:
 
     def pick(self, layout: PageLayout, routed: Mapping[str, int] | None = None,
              exclude: Iterable[str] = ()) -> RankRecord:
-        """The compatible prefill with the most room: least (published load + ``routed`` to it since) per
-        unit of capacity, ties by identity.  ``routed`` counts what the caller sent that the records may
+        """The compatible, healthy prefill with the most room: least (published load + ``routed`` to it
+        since) per unit of capacity, ties by identity.  ``routed`` counts what the caller sent that the records may
         not show yet (etcd lags by an update interval).  ``RegistryError`` if none is live."""
         routed = routed or {}
         skip = set(exclude)
-        live = [r for r in self.compatible(layout) if r.identity not in skip]
+        live = [r for r in self.compatible(layout) if r.identity not in skip and r.healthy]
         if not live:
-            known = [r.identity for r in self.ranks("prefill")]
-            raise RegistryError(f"no live prefill rank is compatible with layout {layout.layout_id[:12]} "
+            known = [r.identity + ("" if r.healthy else " (unhealthy)") for r in self.ranks("prefill")]
+            raise RegistryError(f"no live, healthy prefill rank is compatible with layout {layout.layout_id[:12]} "
                                 f"(live prefills: {known or 'none'}; excluded: {sorted(skip) or 'none'})")
         return min(live, key=lambda r: (Fraction(r.load + routed.get(r.identity, 0), r.capacity), r.identity))
 

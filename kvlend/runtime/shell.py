@@ -73,6 +73,7 @@ class Shell:
         self.registry: Registry | None = None
         self._cluster: deque[Change] = deque()  # registry changes for the loop (appended on the registry thread)
         self._load = 0  # the load last handed to the registry
+        self._healthy = True  # the health last handed to the registry
         self._certs = CertWatch(self.name, credentials)
         self._certs.publish()
 
@@ -360,7 +361,7 @@ class Shell:
             self._wake()
 
     def _cluster_turn(self) -> None:
-        """On the loop's turn: act on the queued changes, and publish the load if it moved."""
+        """On the loop's turn: act on the queued changes, and publish the load and health if they moved."""
         acted = False
         while self._cluster:
             acted |= self._cluster_change(self._cluster.popleft())
@@ -368,6 +369,9 @@ class Shell:
         if load != self._load:
             self._load = load
             self.registry.update(load=load)  # the registry coalesces a burst into one put
+        if self._healthy and not self.healthy:  # it never turns back
+            self._healthy = False
+            self.registry.update(healthy=False)  # routers stop sending here
         if acted:
             self._flush()
 
