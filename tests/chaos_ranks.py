@@ -205,12 +205,16 @@ def prefill_args(gen: int) -> list[str]:
             str(HEAD_DIM), "--max-tokens", "64", "--big", "0.004", "--big-tokens", str(BIG_TOKENS)]
 
 
-def chaos(seconds: float, seed: int, inflight: int = 48, cancel: float = 0.05, log=print) -> dict:
-    """One run; its summary, with ``violations`` (empty when every check held)."""
+def chaos(seconds: float, seed: int, inflight: int = 48, cancel: float = 0.05, stops: float = 0.5,
+          log=print) -> dict:
+    """One run; its summary, with ``violations`` (empty when every check held).
+
+    ``stops``: the share of chaos events that SIGSTOP a prefill for 1-7 s rather than SIGKILL it.
+    """
     saved = {name: os.environ.get(name) for name in TCP}
     os.environ.update(TCP)  # the children inherit it; this process's own agents must not
     try:
-        return _chaos(seconds, seed, inflight, cancel, log)
+        return _chaos(seconds, seed, inflight, cancel, stops, log)
     finally:
         for name, value in saved.items():
             if value is None:
@@ -219,7 +223,7 @@ def chaos(seconds: float, seed: int, inflight: int = 48, cancel: float = 0.05, l
                 os.environ[name] = value
 
 
-def _chaos(seconds: float, seed: int, inflight: int, cancel: float, log) -> dict:
+def _chaos(seconds: float, seed: int, inflight: int, cancel: float, stops: float, log) -> dict:
     from test_faults import Rank
 
     rng = np.random.default_rng(seed)
@@ -278,7 +282,7 @@ def _chaos(seconds: float, seed: int, inflight: int, cancel: float, log) -> dict
                 i = int(rng.integers(len(prefills)))
                 if i in stopped:
                     continue
-                if rng.random() < 0.5:
+                if rng.random() < 1.0 - stops:
                     events["kill"] += 1
                     prefills[i].kill()
                     prefills[i] = start_prefill()
@@ -337,12 +341,13 @@ def main() -> int:
     p.add_argument("--deadline", type=float, default=DEADLINE, help="decode: seconds a fetch may take")
     p.add_argument("--inflight", type=int, default=48, help="fetches the decode keeps in flight")
     p.add_argument("--cancel", type=float, default=0.05, help="share of fetches cancelled soon after they start")
+    p.add_argument("--stops", type=float, default=0.5, help="share of chaos events that SIGSTOP rather than SIGKILL")
     args = p.parse_args()
     if args.mode == "decode":
         return run_decode(args)
     failed = 0
     for run in range(args.runs):
-        failed += bool(chaos(args.seconds, args.seed + run, args.inflight, args.cancel)["violations"])
+        failed += bool(chaos(args.seconds, args.seed + run, args.inflight, args.cancel, args.stops)["violations"])
     print(f"chaos: {args.runs - failed} of {args.runs} runs held")
     return 1 if failed else 0
 
