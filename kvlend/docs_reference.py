@@ -143,7 +143,8 @@ def environment_reads() -> dict[str, list[str]]:
     return found
 
 
-def _environment() -> list[str]:
+def environment_section() -> list[str]:
+    """The table of environment variables; a variable read but not described (or the reverse) is an error."""
     reads = environment_reads()
     undocumented = sorted(set(reads) - set(ENVIRONMENT))
     stale = sorted(set(ENVIRONMENT) - set(reads))
@@ -414,7 +415,7 @@ def render() -> str:
     lines += _limits()
     lines += ["", "## Environment variables", "", "Every variable the code reads (found by scanning "
               "`kvlend/`, `plugins/`, `examples/`, `scripts/`, and `tests/` for `KVLEND_*`).", ""]
-    lines += _environment()
+    lines += environment_section()
     lines += ["", "## Metrics", "", "`kvlend.metrics.METRICS`: `snapshot()` from Python, `serve(port)` for "
               "Prometheus ([operations.md](operations.md#metrics)).", ""]
     lines += _metrics()

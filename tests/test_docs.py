@@ -1,4 +1,4 @@
-"""The README documents every CLI option and every environment variable the code reads."""
+"""The docs stay true: docs/reference.md is what the code generates, links resolve, commands exist."""
 
 from __future__ import annotations
 
@@ -9,78 +9,73 @@ from pathlib import Path
 
 import pytest
 
-from kvlend import cli
+from kvlend import cli, docs_reference
 
 ROOT = Path(__file__).resolve().parents[1]
 README = (ROOT / "README.md").read_text()
-SOURCES = ("kvlend", "plugins", "examples", "scripts")
-
-PY_READS = (
-    re.compile(r"""environ\[\s*["']([A-Z][A-Z0-9_]*)["']\s*\]"""),
-    re.compile(r"""environ\.get\(\s*["']([A-Z][A-Z0-9_]*)["']"""),
-    re.compile(r"""getenv\(\s*["']([A-Z][A-Z0-9_]*)["']"""),
-    re.compile(r"""["']([A-Z][A-Z0-9_]*)["']\s+in\s+os\.environ"""),
-    re.compile(r"""^[A-Z_]*ENV\s*=\s*["']([A-Z][A-Z0-9_]*)["']""", re.M),  # CA_ENV = "KVLEND_CA"
-)
-SHELL_READS = re.compile(r"\$\{([A-Z][A-Z0-9_]*)(?::?-[^}]*)?\}")
+PAGES = sorted([ROOT / "README.md", ROOT / "BENCHMARKS.md", *(ROOT / "docs").glob("*.md"),
+                *(ROOT / "plugins").glob("*/README.md")])
+LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")
+# A repository path in backticks, e.g. `scripts/demo --json` or `examples/pair.py`.
+REPO_PATH = re.compile(r"`(?:\.venv/bin/python |python )?((?:scripts|examples|kvlend|plugins|tests|docs)/[\w./-]+)")
 
 
-def source_files() -> list[Path]:
-    files = []
-    for top in SOURCES:
-        for path in (ROOT / top).rglob("*"):
-            if path.is_file() and "egg-info" not in str(path) and "__pycache__" not in path.parts \
-                    and (path.suffix == ".py" or path.parent.name == "scripts"):
-                files.append(path)
-    return files
+@pytest.fixture(scope="module")
+def rendered() -> str:
+    return docs_reference.render()  # imports every entry point: once
 
 
-def env_vars_read() -> set[str]:
-    names = set()
-    for path in source_files():
-        text = path.read_text(errors="replace")
-        for pattern in PY_READS:
-            names.update(pattern.findall(text))
-        if text.startswith("#!") and "bash" in text.splitlines()[0]:
-            names.update(SHELL_READS.findall(text))
-    return names
+def test_the_reference_is_what_the_code_generates(rendered):
+    assert (ROOT / "docs" / "reference.md").read_text() == rendered, \
+        "docs/reference.md is out of date: run python -m kvlend.docs_reference"
 
 
-def option_strings() -> set[tuple[str, str]]:
-    """(command, option) for every option of every (sub)command."""
-    found = set()
-
-    def walk(parser: argparse.ArgumentParser, name: str) -> None:
-        for action in parser._actions:
-            if isinstance(action, argparse._SubParsersAction):
-                for sub, child in action.choices.items():
-                    walk(child, f"{name} {sub}")
-            else:
-                found.update((name, opt) for opt in action.option_strings if opt.startswith("--"))
-
-    walk(cli.build_parser(), "kvlend")
-    return found
+def test_the_check_mode_says_so(capsys, tmp_path, monkeypatch, rendered):
+    monkeypatch.setattr(docs_reference, "render", lambda: rendered)
+    assert docs_reference.main(["--check"]) == 0
+    stale = tmp_path / "reference.md"
+    stale.write_text("# Reference\n")
+    monkeypatch.setattr(docs_reference, "OUTPUT", stale)
+    monkeypatch.setattr(docs_reference, "ROOT", tmp_path)
+    assert docs_reference.main(["--check"]) == 1
+    assert "out of date" in capsys.readouterr().err
 
 
 def test_the_scan_finds_what_we_know_is_read():
-    names = env_vars_read()
+    names = set(docs_reference.environment_reads())
     assert {"KVLEND_CA", "KVLEND_CERT", "KVLEND_KEY", "KVLEND_LOG", "KVLEND_EXAMPLES", "NIXL_LOG_LEVEL",
-            "KVLEND_PYTHON", "PYTHON"} <= names
+            "KVLEND_PYTHON", "PYTHON", "KVLEND_CHAOS_S"} <= names
 
 
-@pytest.mark.parametrize("name", sorted(env_vars_read()))
-def test_every_environment_variable_is_in_the_readme(name):
-    assert f"`{name}`" in README, f"README.md does not document ${name}"
+def test_an_undescribed_variable_fails_the_generator(monkeypatch):
+    monkeypatch.setattr(docs_reference, "ENVIRONMENT",
+                        {k: v for k, v in docs_reference.ENVIRONMENT.items() if k != "KVLEND_LOG"})
+    with pytest.raises(docs_reference.ReferenceError, match="KVLEND_LOG"):
+        docs_reference.environment_section()
 
 
-def test_every_cli_option_is_in_the_readme():
-    options = option_strings()
-    commands = {command for command, _ in options}
-    assert {"kvlend", "kvlend demo", "kvlend bench", "kvlend layout show", "kvlend layout check",
-            "kvlend certs ca", "kvlend certs issue", "kvlend certs check"} <= commands
-    assert {("kvlend demo", "--metrics-port"), ("kvlend demo", "--decode-tp"), ("kvlend bench", "--plot")} <= options
-    missing = sorted((c, o) for c, o in options if o != "--help" and not re.search(rf"`{re.escape(o)}[` ]", README))
-    assert not missing, f"README.md does not document {missing}"
+def test_the_reference_has_every_option_variable_field_and_metric():
+    """What the old README test demanded, now of the generated page."""
+    from kvlend.metrics import SPECS
+    from kvlend.protocol.config import NodeConfig, Quotas
+
+    text = (ROOT / "docs" / "reference.md").read_text()
+    stack = [("kvlend", cli.build_parser())]
+    while stack:
+        name, parser = stack.pop()
+        for action in parser._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                stack.extend((f"{name} {sub}", child) for sub, child in action.choices.items())
+            for option in action.option_strings:
+                if option.startswith("--") and option != "--help":
+                    assert f"`{option}" in text, f"reference.md lacks {name} {option}"
+    for name in docs_reference.environment_reads():
+        assert f"| `{name}` |" in text
+    for cls in (NodeConfig, Quotas):
+        for field in cls.__dataclass_fields__:
+            assert f"| `{field}` |" in text
+    for name in SPECS:
+        assert f"| `{name}` |" in text
 
 
 def test_every_option_has_help_naming_its_default():
@@ -109,19 +104,50 @@ def test_top_level_help_documents_exit_codes(capsys):
 
 def test_readme_starts_with_the_two_commands_and_they_exist():
     block = re.search(r"```sh\n(.*?)```", README, re.S)
-    assert block and README.index("```sh") < README.index("##"), "the two commands come first"
+    assert block and README.index("```sh") < README.index("\n## "), "the two commands come first"
     commands = [line.split()[0] for line in block.group(1).splitlines() if line.strip()]
     assert commands == ["scripts/demo", "scripts/test"]
     for command in commands:
         path = ROOT / command
         assert path.is_file() and os.access(path, os.X_OK), f"{command} is not an executable file"
+    assert "\nscripts/test\n" in (ROOT / ".ci" / "run").read_text(), "CI runs the README's test command"
 
 
-def test_readme_documents_every_metric():
-    from kvlend.metrics import SPECS
+def test_readme_stays_short():
+    assert len(README.splitlines()) <= 220, "README.md is the front page: move detail into docs/"
 
-    for name in SPECS:
-        assert f"`{name}" in README, f"README.md does not list metric {name}"
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: str(p.relative_to(ROOT)))
+def test_links_resolve(page):
+    text = page.read_text()
+    for target in LINK.findall(text):
+        if re.match(r"[a-z]+:", target):
+            continue  # http(s), mailto: not checked offline
+        path, _, anchor = target.partition("#")
+        resolved = (page.parent / path).resolve() if path else page
+        assert resolved.exists(), f"{page.relative_to(ROOT)} links to {target}, which does not exist"
+        if anchor and resolved.suffix == ".md":
+            anchors = {_anchor(h) for h in re.findall(r"^#+ (.*)$", resolved.read_text(), re.M)}
+            assert anchor in anchors, f"{page.relative_to(ROOT)} links to {target}: no such heading"
+
+
+def _anchor(heading: str) -> str:
+    """GitHub's anchor for a heading: lower case, punctuation dropped, spaces to hyphens."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: str(p.relative_to(ROOT)))
+def test_paths_in_docs_exist(page):
+    missing = sorted({p.rstrip(".") for p in REPO_PATH.findall(page.read_text())
+                      if not (ROOT / p.rstrip(".")).exists() and "*" not in p and "<" not in p})
+    assert not missing, f"{page.relative_to(ROOT)} names files that do not exist: {missing}"
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: str(p.relative_to(ROOT)))
+def test_docs_point_nowhere_outside_the_project(page):
+    text = page.read_text()
+    for outside in ("../shared", "DESIGN.md", "/work/", "/root/", "models.md"):
+        assert outside not in text, f"{page.relative_to(ROOT)} points outside the project: {outside}"
 
 
 @pytest.mark.parametrize("argv, message", [
