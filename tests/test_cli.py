@@ -60,7 +60,7 @@ def test_example_files_are_what_make_layouts_writes():
 def test_llama_example_is_what_layout_from_pools_makes():
     lay = load(LLAMA)
     assert (len(lay.regions), len(lay.buffers), lay.tokens_per_page, lay.dtype) == (32, 64, 16, "bfloat16")
-    assert sum(b.page_bytes for b in lay.buffers) // lay.tokens_per_page == 131072  # models.md: bytes per token
+    assert sum(b.page_bytes for b in lay.buffers) // lay.tokens_per_page == 131072  # Llama-3.1-8B: bytes per token
     # Same per-page shape in small torch pools: same identity (capacity and addresses do not count).
     pools = [torch.empty(2, 2, 8, 16, 128, dtype=torch.bfloat16) for _ in range(32)]
     from_pools = layout_from_pools(pools, kept_window=131072, scope=lay.scope)

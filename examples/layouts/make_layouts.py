@@ -2,7 +2,7 @@
 
 Run ``python examples/layouts/make_layouts.py``; the output is deterministic
 (made-up addresses, fixed capacities), so a diff after regenerating means the
-layout encoding changed.  Shapes come from /work/shared/models.md (bf16).
+layout encoding changed.  Shapes are the published models' configurations (bf16).
 """
 
 from __future__ import annotations
