@@ -110,7 +110,7 @@ PY_READS = (
 SHELL_READS = re.compile(r"\$\{([A-Z][A-Z0-9_]*)(?::?-[^}]*)?\}")
 
 
-class ReferenceError(Exception):
+class Undocumented(Exception):
     """The code holds something the reference cannot describe (an undocumented variable or field)."""
 
 
@@ -149,8 +149,8 @@ def environment_section() -> list[str]:
     undocumented = sorted(set(reads) - set(ENVIRONMENT))
     stale = sorted(set(ENVIRONMENT) - set(reads))
     if undocumented or stale:
-        raise ReferenceError(f"describe in kvlend/docs_reference.py ENVIRONMENT: {undocumented}; "
-                             f"no longer read: {stale}")
+        raise Undocumented(f"describe in kvlend/docs_reference.py ENVIRONMENT: {undocumented}; "
+                           f"no longer read: {stale}")
     rows = [(f"`{name}`", default, meaning, _paths(reads[name])) for name, (default, meaning) in ENVIRONMENT.items()]
     lines = _table(("variable", "default", "meaning", "read by"), rows)
     lines += ["", "Read by the libraries underneath, not by kvlend:", ""]
@@ -191,18 +191,18 @@ def entry_point(relative: str) -> tuple[argparse.ArgumentParser, str]:
     the file's docstring."""
     path = ROOT / relative
     if (path.parent / "__init__.py").is_file():  # a plugin's module: import it by its name
-        package = path.parent
-        module = importlib.import_module(f"{package.name}.{path.stem}")
-        return _main_parser(module, relative)
+        return _main_parser(importlib.import_module(f"{path.parent.name}.{path.stem}"), relative)
     name = "kvlend_reference_" + re.sub(r"\W", "_", path.stem)
     loader = importlib.machinery.SourceFileLoader(name, str(path))  # scripts have no .py suffix
     module = importlib.util.module_from_spec(importlib.util.spec_from_loader(name, loader))
     sys.modules[name] = module  # dataclasses look their module up while the file runs
+    search_path = list(sys.path)  # the examples put their own folder on it
     try:
         loader.exec_module(module)
         return _main_parser(module, relative)
     finally:
         del sys.modules[name]
+        sys.path[:] = search_path
 
 
 def _main_parser(module, relative: str) -> tuple[argparse.ArgumentParser, str]:
@@ -211,7 +211,7 @@ def _main_parser(module, relative: str) -> tuple[argparse.ArgumentParser, str]:
             module.main()
     except _Parsed as parsed:
         return parsed.parser, module.__doc__ or ""
-    raise ReferenceError(f"{relative}: main() returned without parsing arguments")
+    raise Undocumented(f"{relative}: main() returned without parsing arguments")
 
 
 def _option_rows(parser: argparse.ArgumentParser) -> list[tuple[str, str]]:
@@ -313,7 +313,7 @@ def _config_table(cls: type) -> list[str]:
     rows = []
     for item in dataclasses.fields(cls):
         if not docs.get(item.name):
-            raise ReferenceError(f"{cls.__name__}.{item.name} has no comment or docstring bullet to document it")
+            raise Undocumented(f"{cls.__name__}.{item.name} has no comment or docstring bullet to document it")
         rows.append((f"`{item.name}`", f"`{_value(item.default, item.name)}`", docs[item.name].replace("|", "\\|")))
     return _table(("field", "default", "meaning"), rows)
 
@@ -336,7 +336,8 @@ def _configuration() -> list[str]:
     lines = ["### `NodeConfig`", "", f"`kvlend.protocol.config.NodeConfig` (also exported by `kvlend.runtime`): "
              f"{_first_sentence(NodeConfig.__doc__)}", ""]
     lines += _config_table(NodeConfig)
-    lines += ["", "### `Quotas`", "", "`kvlend.protocol.config.Quotas`, `NodeConfig.quotas`: " + _first_sentence(Quotas.__doc__), ""]
+    lines += ["", "### `Quotas`", "",
+              f"`kvlend.protocol.config.Quotas`, `NodeConfig.quotas`: {_first_sentence(Quotas.__doc__)}", ""]
     lines += _config_table(Quotas)
     return lines
 
@@ -357,7 +358,7 @@ def _constant_doc(module, name: str) -> str:
         if isinstance(node, ast.Assign) and any(isinstance(t, ast.Name) and t.id == name for t in node.targets):
             line = lines[node.lineno - 1]
             return line.split("  # ", 1)[1].strip() if "  # " in line else ""
-    raise ReferenceError(f"{module.__name__}.{name} is not assigned at module level")
+    raise Undocumented(f"{module.__name__}.{name} is not assigned at module level")
 
 
 # ------------------------------------------------------------------ metrics
@@ -369,7 +370,7 @@ def _metrics() -> list[str]:
     lines = _table(("metric", "type", "labels", "meaning"), rows)
     powers = [round(math.log(b, 4)) for b in SIZE_BUCKETS]
     if SIZE_BUCKETS != tuple(float(4**p) for p in range(powers[0], powers[-1] + 1)):
-        raise ReferenceError("kvlend.metrics.SIZE_BUCKETS are no longer the powers of 4: say what they are")
+        raise Undocumented("kvlend.metrics.SIZE_BUCKETS are no longer the powers of 4: say what they are")
     lines += ["", f"Histograms have Prometheus' `_bucket`, `_sum` and `_count` series. Buckets: seconds "
                   f"{', '.join(f'{b:g}' for b in TIME_BUCKETS)}; bytes and descriptors 4^{powers[0]} to "
                   f"4^{powers[-1]}."]

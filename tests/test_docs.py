@@ -50,7 +50,7 @@ def test_the_scan_finds_what_we_know_is_read():
 def test_an_undescribed_variable_fails_the_generator(monkeypatch):
     monkeypatch.setattr(docs_reference, "ENVIRONMENT",
                         {k: v for k, v in docs_reference.ENVIRONMENT.items() if k != "KVLEND_LOG"})
-    with pytest.raises(docs_reference.ReferenceError, match="KVLEND_LOG"):
+    with pytest.raises(docs_reference.Undocumented, match="KVLEND_LOG"):
         docs_reference.environment_section()
 
 
