@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 
 from kvlend import cli
-from kvlend.bench import scenarios as bench
+from kvlend.bench.pools import fragmented, min_descriptors
+from kvlend.bench.report import format_report, throughputs
 
 
 @pytest.fixture(scope="module")
@@ -37,7 +38,7 @@ def test_plot_is_a_png_of_throughput_per_method(quick_run):
     report, png = quick_run
     data = png.read_bytes()
     assert data.startswith(b"\x89PNG\r\n\x1a\n") and len(data) > 1000
-    labels, series = bench._throughputs(report)
+    labels, series = throughputs(report)
     assert len(labels) == 3  # scenario 3 (16 pages), scenario 2 (1k tokens), scenario 1 (one lease)
     assert labels[0].startswith("16 pages") and labels[-1].startswith("one contiguous lease")
     assert [i for i, _ in series["kvlend"]] == [0, 1, 2]  # kvlend is measured at every size
@@ -131,7 +132,7 @@ def test_scenario_6_times_both_lending_modes_from_the_last_chunk(quick_report):
 
 
 def test_human_table_names_every_method(quick_report):
-    text = bench.format_report(quick_report)
+    text = format_report(quick_report)
     for word in ("kvlend", "raw_nixl", "memcpy", "raw_per_page", "staging", "raw_nixl_notif", "targets:",
                  "progressive_on", "progressive_off", "one chunk's"):
         assert word in text
@@ -149,7 +150,7 @@ def test_bad_arguments_exit_2_naming_the_option(capsys, argv, needle):
 
 
 def test_fragmented_pool_gives_distinct_slots_in_short_runs():
-    slots = bench._fragmented(400, 300, seed=1)
+    slots = fragmented(400, 300, seed=1)
     assert len(np.unique(slots)) == 300 and slots.min() >= 0 and slots.max() < 400
     runs = np.split(slots, np.flatnonzero(np.diff(slots) != 1) + 1)
     assert len(runs) > 50  # scattered, not one block
@@ -159,4 +160,4 @@ def test_min_descriptors_counts_runs_contiguous_on_both_sides():
     src = np.array([0, 1, 2, 7, 8, 3])
     dst = np.array([5, 6, 9, 10, 11, 12])
     # pairs joined only where both sides step by one: (0,5)-(1,6) and (7,10)-(8,11) -> runs [0,1] [2] [7,8] [3]
-    assert bench._min_descriptors(src, dst, buffers=2) == 2 * 4
+    assert min_descriptors(src, dst, buffers=2) == 2 * 4

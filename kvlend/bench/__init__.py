@@ -1,5 +1,6 @@
 """``kvlend bench``: measurement code, outside the core."""
 
-from .scenarios import format_report, plot, pyplot, run
+from .report import format_report, plot, pyplot
+from .runner import run
 
 __all__ = ["format_report", "plot", "pyplot", "run"]

@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import functools
 import logging
 import threading
 import time
@@ -46,8 +45,17 @@ from typing import Callable, Iterable, Mapping, Sequence
 
 from ..core.layout import PageLayout
 from ..errors import RegistryError
+from .etcd_client import (
+    ETCD_CA_ENV, ETCD_CERT_ENV, ETCD_KEY_ENV, ETCD_PASSWORD_ENV, ETCD_USER_ENV, etcd_security_from_env,
+    parse_endpoint, read_pem, tls_client,
+)
 from .records import RankRecord, layout_key, record_key, wanted_layout
 from .view import Change, ClusterView
+
+__all__ = [
+    "ETCD_CA_ENV", "ETCD_CERT_ENV", "ETCD_KEY_ENV", "ETCD_PASSWORD_ENV", "ETCD_USER_ENV", "MIN_TTL", "PAGE",
+    "REJECT_LOG_EVERY", "Listener", "Registry", "etcd_security_from_env",
+]
 
 log = logging.getLogger(__name__)
 
@@ -59,18 +67,6 @@ _MAX_RECEIVE = 32 << 20  # gRPC's default is 4 MiB
 _MINE_KEPT = 8  # the last values put for this rank: their watch events are not someone else's writes
 REJECT_LOG_EVERY = 60.0
 _PUT_BACK_GAP = 0.1  # two processes publishing one identity trade at most ~10 puts a second
-ETCD_USER_ENV = "KVLEND_ETCD_USER"
-ETCD_PASSWORD_ENV = "KVLEND_ETCD_PASSWORD"
-ETCD_CA_ENV = "KVLEND_ETCD_CA"
-ETCD_CERT_ENV = "KVLEND_ETCD_CERT"
-ETCD_KEY_ENV = "KVLEND_ETCD_KEY"
-
-
-def _endpoint(text: str) -> tuple[str, int]:
-    host, sep, port = text.rpartition(":")
-    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-        raise RegistryError(f"etcd endpoint {text!r}: expected host:port")
-    return host, int(port)
 
 
 class Registry:
@@ -93,7 +89,7 @@ class Registry:
                  key_file: str | None = None) -> None:
         if isinstance(endpoints, str) or not endpoints:
             raise RegistryError(f"endpoints: expected a non-empty list of host:port, got {endpoints!r}")
-        self.endpoints = [_endpoint(e) for e in endpoints]
+        self.endpoints = [parse_endpoint(e) for e in endpoints]
         for name, value, low in (("ttl", ttl, MIN_TTL), ("timeout", timeout, 0.05),
                                  ("update_interval", update_interval, 0.0)):
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not low <= value < 3600:
@@ -103,7 +99,7 @@ class Registry:
         if (cert_file is None) != (key_file is None) or (cert_file is not None and ca_file is None):
             raise RegistryError("etcd cert_file and key_file: give both, with ca_file (a client certificate is TLS)")
         self._auth = (username, password)
-        self._tls = _read_pem(ca_file, cert_file, key_file) if ca_file is not None else None
+        self._tls = read_pem(ca_file, cert_file, key_file) if ca_file is not None else None
         self.prefix = prefix
         self.view = ClusterView(prefix)  # read under ``self._cond``; use the query methods
         self.ttl, self.timeout, self.update_interval = float(ttl), float(timeout), float(update_interval)
@@ -297,7 +293,7 @@ class Registry:
     def _client(self, aetcd, host: str, port: int, connect_wait: float):
         options = {"grpc.max_receive_message_length": _MAX_RECEIVE}
         username, password = self._auth
-        kind = aetcd.Client if self._tls is None else _tls_client(aetcd)
+        kind = aetcd.Client if self._tls is None else tls_client(aetcd)
         client = kind(host, port, username=username, password=password, timeout=max(1, round(self.timeout)),
                       options=options, connect_wait_timeout=max(1, round(connect_wait)))
         client.kvlend_tls = self._tls
@@ -545,60 +541,3 @@ class Registry:
                 listener(changes)
             except Exception:
                 log.exception("registry listener failed")
-
-
-def etcd_security_from_env(environ: Mapping[str, str] | None = None) -> dict[str, str]:
-    """``Registry`` keyword arguments for etcd's own auth and TLS from the ``KVLEND_ETCD_*`` variables
-    (unset or empty ones left out, so ``Registry`` refuses half a pair)."""
-    import os
-
-    env = os.environ if environ is None else environ
-    found = {"username": env.get(ETCD_USER_ENV), "password": env.get(ETCD_PASSWORD_ENV),
-             "ca_file": env.get(ETCD_CA_ENV), "cert_file": env.get(ETCD_CERT_ENV), "key_file": env.get(ETCD_KEY_ENV)}
-    return {name: value for name, value in found.items() if value}
-
-
-def _read_pem(ca_file: str, cert_file: str | None, key_file: str | None) -> tuple[bytes, bytes | None, bytes | None]:
-    """The PEM bytes of etcd's CA and our client pair, read once (``RegistryError`` naming a missing one)."""
-    out = []
-    for name, path in (("ca_file", ca_file), ("cert_file", cert_file), ("key_file", key_file)):
-        try:
-            out.append(None if path is None else open(path, "rb").read())
-        except OSError as exc:
-            raise RegistryError(f"etcd {name} {path!r}: {exc.strerror or exc}") from None
-    return out[0], out[1], out[2]
-
-
-@functools.lru_cache(maxsize=1)
-def _tls_client(aetcd):
-    """``aetcd.Client`` over TLS: aetcd itself only opens plaintext channels, so ``connect`` is its own,
-    the same steps over ``grpc.aio.secure_channel``."""
-    import grpc
-
-    class TlsClient(aetcd.Client):
-        kvlend_tls: tuple[bytes, bytes | None, bytes | None]
-
-        async def connect(self) -> None:
-            if self._connected.is_set():
-                return
-            ca, cert, key = self.kvlend_tls
-            credentials = grpc.ssl_channel_credentials(root_certificates=ca, private_key=key, certificate_chain=cert)
-            self.channel = aetcd.rpc.secure_channel(f"{self._host}:{self._port}", credentials,
-                                                    options=self._options.items())
-            try:
-                if self._username is not None:
-                    self.auth_stub = aetcd.rpc.AuthStub(self.channel)
-                    request = aetcd.rpc.AuthenticateRequest(name=self._username, password=self._password)
-                    reply = await self.auth_stub.Authenticate(request, timeout=self._timeout)
-                    self.metadata = (("token", reply.token),)
-            except aetcd.rpc.AioRpcError as exc:
-                aetcd.exceptions._handle_exception(exc)
-            self.kvstub = aetcd.rpc.KVStub(self.channel)
-            self.clusterstub = aetcd.rpc.ClusterStub(self.channel)
-            self.leasestub = aetcd.rpc.LeaseStub(self.channel)
-            self.maintenancestub = aetcd.rpc.MaintenanceStub(self.channel)
-            self._watcher = aetcd.watcher.Watcher(aetcd.rpc.WatchStub(self.channel), timeout=self._timeout,
-                                                  metadata=self.metadata)
-            self._connected.set()
-
-    return TlsClient

@@ -45,7 +45,7 @@ import hmac
 import math
 import secrets
 from collections import OrderedDict
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from types import MappingProxyType
 from typing import Any, Callable, Mapping
 
@@ -56,83 +56,21 @@ from ..errors import (
     PromptMismatch, QuotaExceeded,
 )
 from .layout import PageLayout, RowSelection
+from .lease import (  # Lease, LeaseLimits and the id size are imported from here too
+    LEASE_ID_BYTES, NO_LIMITS, Lease, LeaseLimits, check_id, check_peer, check_ready, check_time, show_peer,
+)
 from .locks import PageLocks, Slots
 from .pages import GroupPages, int_array
 from .prompt import check_digest
 
-LEASE_ID_BYTES = 16
 _EXPIRED, _RELEASED = "expired", "released"
 _SELECTION_CACHE = 64  # distinct selections whose per-group regions are kept
-
-
-@dataclass(frozen=True)
-class Lease:
-    """What was lent: per group, the token pages a reader needs and their slot ordinals."""
-
-    id: bytes
-    request: str
-    num_tokens: int
-    pages: Mapping[str, GroupPages]
-    selection: RowSelection
-    peer: str | None
-    ttl: float
-    expires_at: float
-    lent_at: float = -math.inf
-    ends_by: float = math.inf  # lent_at + the lifetime cap: no renewal pushes expires_at past it
-    ready: int = 0  # tokens the prefill has committed; the lease is final once ``ready == num_tokens``
-    prompt_digest: bytes | None = field(default=None, repr=False)  # a claim must carry the same (None: any)
-
-    def __hash__(self) -> int:
-        return hash(self.id)
-
-    @property
-    def final(self) -> bool:
-        """Every page a reader needs is lent: nothing more will be added (``extend``)."""
-        return self.ready == self.num_tokens
-
-    @property
-    def hex(self) -> str:
-        return self.id.hex()
-
-    @property
-    def num_pages(self) -> int:
-        """Rows lent, summed over groups."""
-        return sum(len(g) for g in self.pages.values())
-
-
-@dataclass(frozen=True)
-class LeaseLimits:
-    """Caps a lend or bind must fit (named as the ``Quotas`` fields they come from); default: none."""
-
-    max_leases_per_peer: float = math.inf
-    max_locked_pages_per_peer: float = math.inf
-    max_lease_lifetime: float = math.inf
-    max_num_tokens: float = math.inf
-
-
-NO_LIMITS = LeaseLimits()
 
 
 @dataclass(frozen=True)
 class _Loan:
     lease: Lease
     locked: tuple[Slots, ...]  # the page-lock slots this lease holds, one entry per lend or extend, validated then
-
-
-def _time(where: str, value: Any) -> float:
-    try:
-        ok = not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value)
-    except OverflowError:
-        ok = False
-    if not ok:
-        raise LeaseError(f"{where}: must be a finite number of seconds, got {value!r}")
-    return float(value)
-
-
-def _peer(value: Any) -> str | None:
-    if value is not None and (not isinstance(value, str) or not value):
-        raise LeaseError(f"peer: must be None or a non-empty str, got {value!r}")
-    return value
 
 
 class Lender:
@@ -208,15 +146,15 @@ class Lender:
         if not isinstance(selection, RowSelection):
             raise LayoutError(f"selection: must be a RowSelection, got {selection!r}")
         targets = self._targets(selection)
-        now = _time("now", now)
-        ttl = _time("ttl", ttl)
+        now = check_time("now", now)
+        ttl = check_time("ttl", ttl)
         if ttl <= 0 or not math.isfinite(now + ttl):
             raise LeaseError(f"ttl: must be > 0 with a finite now + ttl, got now={now} ttl={ttl}")
         if ttl > limits.max_lease_lifetime:
             raise QuotaExceeded("max_lease_lifetime", ttl, limits.max_lease_lifetime, "a lease ttl of")
-        peer = _peer(peer)
+        peer = check_peer(peer)
         prompt_digest = check_digest(prompt_digest)
-        ready = _ready(ready, num_tokens, 0)
+        ready = check_ready(ready, num_tokens, 0)
         lent, slots = self._plan(num_tokens, pages, targets, ready)
         num_pages = sum(len(g) for g in lent.values())
         self._check_quota(peer, num_pages, now, limits)
@@ -261,10 +199,10 @@ class Lender:
             leases, pages = len(live) + more, sum(live) + num_pages
         if more and leases > limits.max_leases_per_peer:  # a lease that grows adds no lease
             raise QuotaExceeded("max_leases_per_peer", leases, limits.max_leases_per_peer,
-                                f"peer {_show_peer(peer)} would hold live leases:")
+                                f"peer {show_peer(peer)} would hold live leases:")
         if pages > limits.max_locked_pages_per_peer:
             raise QuotaExceeded("max_locked_pages_per_peer", pages, limits.max_locked_pages_per_peer,
-                                f"peer {_show_peer(peer)} would hold locked pages:")
+                                f"peer {show_peer(peer)} would hold locked pages:")
 
     def _count(self, peer: str | None, lease_id: bytes, num_pages: int) -> None:
         self._of_peer.setdefault(peer, {})[lease_id] = num_pages
@@ -281,7 +219,7 @@ class Lender:
     def usage(self, peer: str | None) -> tuple[int, int]:
         """(leases, pages) held for ``peer`` (None: tickets not yet claimed), including any past
         expiry that ``expire`` has not yet ended."""
-        peer = _peer(peer)
+        peer = check_peer(peer)
         return len(self._of_peer.get(peer, ())), self._peer_pages.get(peer, 0)
 
     def _targets(self, selection: RowSelection) -> dict[str, tuple[tuple[str, ...], int]]:
@@ -375,7 +313,7 @@ class Lender:
         lease = self.get(lease_id, now)
         if lease.final:
             raise LeaseError(f"lease {lease.hex} is final: every page of its {lease.num_tokens} tokens is lent")
-        ready = _ready(ready, lease.num_tokens, lease.ready + 1)
+        ready = check_ready(ready, lease.num_tokens, lease.ready + 1)
         if not isinstance(limits, LeaseLimits):
             raise LeaseError(f"limits: must be a LeaseLimits, got {type(limits).__name__}")
         targets = self._targets(lease.selection)
@@ -408,8 +346,8 @@ class Lender:
     # ------------------------------------------------------------ lifetime
     def get(self, lease_id: bytes, now: float) -> Lease:
         """The live lease; ``LeaseExpired`` past its expiry, ``LeaseUnknown`` if released or never granted."""
-        _check_id(lease_id)
-        now = _time("now", now)
+        check_id(lease_id)
+        now = check_time("now", now)
         loan = self._live.get(lease_id)
         if loan is not None:
             if now > loan.lease.expires_at:
@@ -428,7 +366,7 @@ class Lender:
 
     def check_read(self, lease_id: bytes, peer: str | None, now: float) -> Lease:
         """The lease, if ``peer`` may read it now: live and offered to this peer (or to any)."""
-        peer = _peer(peer)
+        peer = check_peer(peer)
         lease = self.get(lease_id, now)
         if lease.peer is not None and lease.peer != peer:
             raise LeaseDenied(f"lease {lease.hex} is not offered to peer {peer!r}")
@@ -439,7 +377,7 @@ class Lender:
 
         Checked against ``peer``'s quotas in ``limits`` first (a lease already its own is not counted twice).
         """
-        peer = _peer(peer)
+        peer = check_peer(peer)
         lease = self.check_read(lease_id, peer, now)
         if lease.peer == peer:
             return lease
@@ -453,7 +391,7 @@ class Lender:
         ``prompt_digest``: the digest of the claimer's own prompt; ``PromptMismatch`` unless it is the
         lease's (a lease lent without one takes any).
         """
-        peer = _peer(peer)
+        peer = check_peer(peer)
         lease = self.check_read(lease_id, peer, now)
         if lease.prompt_digest is not None and (
                 not isinstance(prompt_digest, bytes) or not hmac.compare_digest(prompt_digest, lease.prompt_digest)):
@@ -522,7 +460,7 @@ class Lender:
         ``hold``: its reader may still be reading it, so its locks stay until ``settle`` or its
         expiry (see the module doc); it is ended for everything else at once.
         """
-        _check_id(lease_id)
+        check_id(lease_id)
         if lease_id in self._live:
             return self._end(lease_id, _RELEASED, hold)
         if lease_id in self._ended or lease_id in self._held:
@@ -541,7 +479,7 @@ class Lender:
     def expire(self, now: float) -> list[Lease]:
         """End every lease whose expiry is strictly before ``now``, oldest first; a held lease past
         its expiry is settled and listed too (its caller knows it released it)."""
-        now = _time("now", now)
+        now = check_time("now", now)
         out = []
         while self._deadlines and self._deadlines[0][0] < now:
             expires_at, _, lease_id = heapq.heappop(self._deadlines)
@@ -553,7 +491,7 @@ class Lender:
 
     def leases_of(self, peer: str | None) -> list[Lease]:
         """Live leases offered to ``peer``."""
-        peer = _peer(peer)
+        peer = check_peer(peer)
         return [loan.lease for loan in self._live.values() if loan.lease.peer == peer]
 
     def release_peer(self, peer: str | None) -> list[Lease]:
@@ -588,28 +526,8 @@ class Lender:
         return loan.lease
 
 
-def _show_peer(peer: str) -> str:
-    return repr(peer if len(peer) <= 200 else peer[:200] + "...")
-
-
-def _check_id(lease_id: Any) -> None:
-    if not isinstance(lease_id, bytes) or len(lease_id) != LEASE_ID_BYTES:
-        got = f"{len(lease_id)} bytes" if isinstance(lease_id, bytes) else type(lease_id).__name__
-        raise LeaseUnknown(f"lease id: must be {LEASE_ID_BYTES} bytes, got {got}")
-
-
 def _table(group: str, value: Any, length: int) -> np.ndarray:
     return int_array(f"pages[{group!r}]", value, length=length)
-
-
-def _ready(value: Any, num_tokens: int, low: int) -> int:
-    """``ready`` of a lend (``low`` 0) or an extend (``low``: one past what is lent): an int in
-    ``[low, num_tokens]``; None means final."""
-    if value is None:
-        return num_tokens
-    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= num_tokens:
-        raise PageRangeError(f"ready: must be an int in [{low}, {num_tokens}], got {value!r}")
-    return value
 
 
 def _all_groups(lender: Lender, lease: Lease) -> dict[str, GroupPages]:

@@ -1,0 +1,1 @@
+"""The cluster loopback rank's parts; ``examples/cluster_rank.py`` runs them."""

@@ -1,0 +1,43 @@
+"""Scenario 1: one large contiguous lease read by kvlend, by raw NIXL (one descriptor) and by memcpy."""
+
+from __future__ import annotations
+
+from functools import partial
+
+import numpy as np
+
+from ..lender_process import LenderProcess
+from ..pools import PAGE_BYTES, TPP, descriptor_rows
+from ..reader import Reader
+from ..sizes import Sizes
+from ..timing import ratio, side_by_side, stats
+
+
+def run(lender: LenderProcess, backend, sizes: Sizes, progress) -> dict:
+    pages = sizes.s1_bytes // (2 * PAGE_BYTES)
+    reader = Reader(lender, backend, pages, 1, True, 0)
+    nbytes = pages * 2 * PAGE_BYTES
+    slots = np.arange(pages, dtype=np.int64)
+    try:
+        local, remote = reader.descriptors(slots, slots, pages * TPP)
+        one_l = descriptor_rows(np.array([reader.local.regions[0].address]), np.array([nbytes]))
+        one_r = descriptor_rows(np.array([reader.remote.regions[0].address]), np.array([nbytes]))
+        methods = {"kvlend": lambda: reader.kvlend(slots, slots, pages * TPP),
+                   "raw_nixl": lambda: reader.raw(one_l, one_r),
+                   "memcpy": partial(np.copyto, np.empty(nbytes, np.uint8), np.ones(nbytes, np.uint8))}
+        progress(f"scenario 1: {nbytes >> 20} MiB as one lease: kvlend, raw NIXL (one descriptor), memcpy, "
+                 f"{sizes.reps} rounds")
+        times = side_by_side(methods, sizes.reps, warmup=2)
+        kv, raw, mem = (stats(times[k], nbytes) for k in methods)
+        del methods["memcpy"]  # free its two buffers before verifying
+        kv["descriptors"] = len(local)
+        kv["verified"] = reader.verified(methods["kvlend"], slots, slots)
+        raw["verified"] = reader.verified(methods["raw_nixl"], slots, slots)
+    finally:
+        reader.close()
+    return {
+        "name": "large contiguous read", "bytes": nbytes,
+        "results": {"kvlend": kv, "raw_nixl": raw, "memcpy": mem},
+        "ratios": {"kvlend/raw": ratio(kv, raw), "kvlend/memcpy": ratio(kv, mem)},
+        "targets": {"kvlend/raw >= 0.90": ratio(kv, raw) >= 0.90},
+    }

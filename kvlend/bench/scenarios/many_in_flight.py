@@ -1,0 +1,174 @@
+"""Scenario 5: many requests in flight from two prefill processes, kvlend's DecodeNode against raw NIXL
+at the same concurrency."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import numpy as np
+
+from ...core.layout import PageLayout
+from ...core.lender import Lender
+from ...core.negotiate import negotiate
+from ...core.plan import plan_reads
+from ...protocol.config import NodeConfig
+from ..lender_process import LenderProcess
+from ..pools import GROUP, PAGE_BYTES, TPP, expected_ok, fragmented, make_pools
+from ..sizes import S5_MAX_PAGES, Sizes
+from ..timing import XFER_TIMEOUT, BenchError
+
+
+def run(lender: LenderProcess, backend, sizes: Sizes, progress) -> dict:
+    """Many requests in flight: two prefill processes lend 1..64-page requests, one decode reads them
+    with ``s5_inflight`` in flight (kvlend: DecodeNode over tickets; raw: NIXL READs of the same
+    descriptors at the same concurrency, each with a notification); aggregate GB/s and requests/s."""
+    import tempfile
+
+    from kvlend_nixl import NixlBackend
+
+    from ...runtime import DecodeNode
+    from ...security.certs import Authority, save_rank
+
+    rng = np.random.default_rng(5)
+    pool = 8 * S5_MAX_PAGES
+    lenders = [lender, LenderProcess()]
+    try:
+        remotes = [_Remote(lend, pool) for lend in lenders]
+        n = sizes.s5_requests
+        requests = [(i % 2, fragmented(pool, int(rng.integers(1, S5_MAX_PAGES + 1)), seed=500 + i)) for i in range(n)]
+        local_pages = sizes.s5_inflight * S5_MAX_PAGES * 2
+        arrays, local = make_pools(local_pages, 1, False, fill=False)
+        for a in arrays:  # fault every page in now: the first method would pay for the kernel's zeroing
+            a.fill(1)
+        ca = Authority.create()
+        tickets: list[list[str]] = [[], []]
+        with tempfile.TemporaryDirectory(prefix="kvlend-bench-") as certs:
+            for side, lend in enumerate(lenders):  # each request twice: once per kvlend run
+                tickets[side] = lend.call("tickets", {
+                    "credentials": save_rank(ca.issue(f"bench-prefill-{side}"), certs),
+                    "requests": [src for s_, src in requests if s_ == side] * 2})
+        order = [iter(t) for t in tickets]
+        work = [(side, src, next(order[side])) for side, src in requests]
+        work_ahead = [(side, src, next(order[side])) for side, src in requests]
+        nbytes = sum(len(src) for _, src in requests) * 2 * PAGE_BYTES
+        progress(f"scenario 5: {n} requests of 1..{S5_MAX_PAGES} pages ({nbytes >> 20} MiB) from 2 prefill "
+                 f"processes, {sizes.s5_inflight} in flight: kvlend DecodeNode, then raw NIXL")
+        runs = {}
+        for name, todo, config in (("kvlend", work, NodeConfig()), ("kvlend_read_ahead", work_ahead,
+                                                                     NodeConfig(read_ahead=True))):
+            node_backend = NixlBackend(f"bench-many-{name}-{os.getpid()}", timeout=XFER_TIMEOUT)
+            decode = DecodeNode(local, node_backend, ca.issue(f"bench-decode-{name.replace('_', '-')}"), config=config)
+            try:
+                runs[name] = _many_kvlend(decode, todo, arrays, sizes.s5_inflight)
+            finally:
+                decode.close()
+                node_backend.close()
+        raw = _many_raw(backend, local, arrays, remotes, requests, sizes.s5_inflight)
+    finally:
+        lenders[1].close()
+    results = {**runs, "raw_nixl_notif": raw}
+    for r in results.values():
+        r["gbps"] = nbytes / r["seconds"] / 1e9
+        r["requests_per_s"] = n / r["seconds"]
+    return {"name": "many requests in flight", "count": n, "inflight": sizes.s5_inflight, "bytes": nbytes,
+            "results": results,
+            "ratios": {f"GB/s {k}/raw": results[k]["gbps"] / raw["gbps"] for k in runs},
+            "targets": {f"GB/s {k}/raw >= 0.90": results[k]["gbps"] >= 0.9 * raw["gbps"] for k in runs}}
+
+
+class _Remote:
+    """A lender process's pools, as this side's raw baseline and planner see them."""
+
+    def __init__(self, lender: LenderProcess, pages: int) -> None:
+        encoded, self.metadata, _ = lender.call("pools", {"pages": pages, "layers": 1, "combined": False, "staging": 0})
+        self.layout = PageLayout.decode(encoded)
+
+
+def _slots(free: list[int], n: int) -> np.ndarray:
+    out = np.array(free[:n], dtype=np.int64)
+    del free[:n]
+    return out
+
+
+def _many_kvlend(decode, work: list, arrays: list[np.ndarray], inflight: int) -> dict:
+    """Keep ``inflight`` ticket fetches going, each into pages of its own; check every byte as each ends
+    (the checks are not counted in the time)."""
+    free = list(range(arrays[0].shape[0]))
+    running: dict[int, tuple] = {}
+    pending = list(work)
+    checking, verified = 0.0, True
+    start = time.perf_counter()
+    while pending or running:
+        while pending and len(running) < inflight:
+            side, src, ticket = pending.pop(0)
+            dst = _slots(free, len(src))
+            handle = decode.start_fetch(ticket, {GROUP: dst}, timeout=XFER_TIMEOUT)
+            running[handle.id] = (handle, src, dst)
+        for handle in decode.finished():
+            _, src, dst = running.pop(handle.id)
+            t = time.perf_counter()
+            handle.result()  # raises its error
+            verified &= all(expected_ok(a, r, src, dst) for r, a in enumerate(arrays))
+            checking += time.perf_counter() - t
+            free.extend(dst.tolist())
+        if time.perf_counter() - start > XFER_TIMEOUT * 4:
+            raise BenchError(f"scenario 5: {len(running)} kvlend fetches still running")
+    return {"seconds": time.perf_counter() - start - checking, "verified": verified}
+
+
+def _many_raw(backend, local: PageLayout, arrays: list[np.ndarray], remotes: list[_Remote], requests: list,
+              inflight: int) -> dict:
+    """The same reads straight through NIXL at the same concurrency: request i reads into lane
+    i % inflight's pages once that lane's previous read is done; descriptors are planned beforehand
+    (raw NIXL pays none of kvlend's work)."""
+    backend.deregister()
+    backend.register(local.regions)
+    peers = [backend.add_peer(r.metadata) for r in remotes]
+    agent = backend._agent
+    plans = [negotiate(local, r.layout) for r in remotes]
+    lenders = [Lender(r.layout) for r in remotes]
+    lanes = [np.random.default_rng(900 + k).permutation(np.arange(k * S5_MAX_PAGES, (k + 1) * S5_MAX_PAGES))
+             for k in range(inflight)]
+    posts = []
+    for i, (side, src) in enumerate(requests):
+        lease = lenders[side].lend(f"raw-{i}", len(src) * TPP, {GROUP: src}, local.full_selection(), 0.0, 60.0)
+        dst = lanes[i % inflight][:len(src)]
+        batches = plan_reads(plans[side], lease.pages, {GROUP: dst}, lease.selection)
+        lenders[side].release(lease.id)
+        posts.append((peers[side], np.concatenate([b.local for b in batches]),
+                      np.concatenate([b.remote for b in batches]), src, dst))
+    try:
+        busy: dict[int, object] = {}  # lane -> handle in flight
+        start = time.perf_counter()
+        for i, (peer, local_rows, remote_rows, _, _) in enumerate(posts):
+            lane = i % inflight
+            while lane in busy:
+                for k, h in list(busy.items()):
+                    state = agent.check_xfer_state(h)
+                    if state != "PROC":
+                        h.release()
+                        del busy[k]
+                        if state != "DONE":
+                            raise BenchError(f"scenario 5: raw NIXL read ended in state {state}")
+            h = agent.initialize_xfer("READ", agent.get_xfer_descs(local_rows, "DRAM"),
+                                      agent.get_xfer_descs(remote_rows, "DRAM"), peer, b"bench")
+            if agent.transfer(h) == "DONE":
+                h.release()
+            else:
+                busy[lane] = h
+        deadline = time.monotonic() + XFER_TIMEOUT
+        while busy:
+            for k, h in list(busy.items()):
+                if agent.check_xfer_state(h) != "PROC":
+                    h.release()
+                    del busy[k]
+            if time.monotonic() > deadline:
+                raise BenchError("scenario 5: raw NIXL reads still in flight")
+        seconds = time.perf_counter() - start
+    finally:
+        for peer in peers:
+            backend.remove_peer(peer)
+    # Lanes are reused: the last read of each lane still holds its bytes. Check those.
+    verified = all(expected_ok(a, r, src, dst) for _, _, _, src, dst in posts[-inflight:] for r, a in enumerate(arrays))
+    return {"seconds": seconds, "verified": verified}

@@ -1,0 +1,27 @@
+"""How much each scenario moves and how often: the full run's sizes and ``--quick``'s."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Sizes:
+    s1_bytes: int
+    s2_requests: tuple[tuple[int, int], ...]  # (tokens, layers)
+    s3_layers: int
+    s3_pages: int
+    reps: int
+    s3_reps: int
+    s5_requests: int = 300  # from two prefill processes, 1..S5_MAX_PAGES pages each
+    s5_inflight: int = 32
+    s6_pages: int = 512  # one prompt: 8192 tokens
+    s6_layers: int = 4
+    s6_chunk_pages: int = 64  # chunked prefill: 1024 tokens a chunk
+    s6_compute_s: float = 0.040  # simulated compute per chunk (the prefill's GPU time)
+    s6_rounds: int = 6  # per mode
+
+
+FULL = Sizes(256 << 20, ((1024, 32), (8192, 32), (32768, 8)), 1, 16, 10, 500)
+QUICK = Sizes(8 << 20, ((1024, 4),), 1, 16, 3, 30, 24, 8, 64, 1, 16, 0.005, 2)
+S5_MAX_PAGES = 64
