@@ -41,7 +41,7 @@ _show = show  # kvlend.protocol.wire quotes a peer's values with it
 
 @dataclass(frozen=True)
 class PageLayout:
-    """All KV pools of one rank; see DESIGN.md (PageLayout wire version 3)."""
+    """All KV pools of one rank (PageLayout wire version 3; docs/design.md says how they are used)."""
 
     regions: tuple[MemoryRegion, ...]
     buffers: tuple[BufferDesc, ...]
