@@ -29,7 +29,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, ru
 from memory_transport import ContractError, World
 
 import kvlend.protocol.decode as decode_mod
-from kvlend.errors import KvlendError, PageRangeError, PeerLost, ProtocolError
+from kvlend.errors import KvlendError, PageRangeError, PeerLost, ProtocolError, UsageError
 from kvlend.protocol.config import NodeConfig
 from kvlend.protocol.decode import FetchState
 
@@ -204,7 +204,7 @@ class Sessions(RuleBasedStateMachine):
         resume_from = (offer.num_tokens // TPP // 2) * TPP if resume else 0
         try:
             d.fetch_offer(conn, offer, resume_from=resume_from)
-        except ProtocolError as exc:  # its prefill's engine released it meanwhile
+        except UsageError as exc:  # its prefill's engine released it meanwhile
             assert "no longer offered" in str(exc)
 
     @rule(k=st.integers(0, 7), call=st.integers(1, 3), bad=st.sampled_from(["planner", "dst", "resume"]))
@@ -283,7 +283,7 @@ class Sessions(RuleBasedStateMachine):
         assert fetch.state is FetchState.FAILED and fetch.bound == 0
         event(f"bad ticket table failed later: {type(fetch.error).__name__}")
         if retry and type(fetch.error).__name__ in ("LayoutError", "PageRangeError"):
-            d.fetch_ticket(ticket, seed=seed)  # at once: ProtocolError here would mean the lease is wedged
+            d.fetch_ticket(ticket, seed=seed)  # at once: UsageError here would mean the lease is wedged
             event("bad ticket table retried")
 
     @rule(i=st.integers(0, 1), n=st.integers(1, 72), call=st.integers(1, 3), retry=st.booleans())
@@ -313,7 +313,7 @@ class Sessions(RuleBasedStateMachine):
                 assert not r.tags
                 event("planner bug inside receive failed a fetch")
         if retry and record.finished and "_PlannerBug" in str(record.fetch.error):
-            d.fetch_ticket(ticket, seed=seed)  # at once: ProtocolError here would mean the lease is wedged
+            d.fetch_ticket(ticket, seed=seed)  # at once: UsageError here would mean the lease is wedged
             event("planner bug retried")
 
     @rule(k=st.integers(0, 63))
@@ -325,7 +325,7 @@ class Sessions(RuleBasedStateMachine):
             return
         f = running[k % len(running)].fetch
         before = (f.state, f.bound, len(d.backend.reads), d.session.in_flight)
-        with pytest.raises(ProtocolError if d.session.ready(f.link) else PeerLost):
+        with pytest.raises(UsageError if d.session.ready(f.link) else PeerLost):
             d.session.decline(f.link, f.offer, "engine changes its mind")
         self.world.pump()
         assert (f.state, f.bound, len(d.backend.reads), d.session.in_flight) == before
@@ -461,7 +461,7 @@ class Sessions(RuleBasedStateMachine):
         for end in world.decodes:
             for r in end.finished:
                 event(f"before teardown: {r.fetch.state.value} {type(r.fetch.error).__name__}")
-                if type(r.fetch.error).__name__ == "ProtocolError":
+                if isinstance(r.fetch.error, ProtocolError):
                     event(f"protocol error: {str(r.fetch.error)[:60]}")
             for r in end.records.values():
                 _trust_event(r)

@@ -45,12 +45,13 @@ from ..core.text import printable
 from ..core.reads import ReadBatch
 from ..core.tracker import DeliveryTracker
 from ..errors import (
-    AuthError, ConfigError, IncompleteFetch, QuotaExceeded, KvlendError, LayoutMismatch, LeaseDenied, LeaseExpired,
-    LeaseUnknown, PageRangeError, PeerLost, PromptMismatch, ProtocolError, TransferCancelled, TransferTimeout,
+    AuthError, ConfigError, IncompleteFetch, KvlendError, LayoutMismatch, PageRangeError, PeerLost, PeerProtocolError,
+    PromptMismatch, QuotaExceeded, TransferCancelled, TransferTimeout, UsageError,
 )
 from .actions import (
     AddPeer, Cancel, Close, Connect, FetchFinished, Offered, Outbox, PeerGone, PeerReady, Post, RemovePeer, Send,
 )
+from .codes import Code, code_of, detail_of, lease_error, link_error
 from .config import NodeConfig
 from .connection import Connection
 from .prefill import peer_layout
@@ -63,7 +64,6 @@ log = logging.getLogger("kvlend.session")
 _REASON = 4000
 _PLAN_CACHE = 64
 _BEATS_KEPT = 64  # unanswered heartbeats remembered per link (a prefill that stalls costs no more)
-_REFUSALS = {cls.__name__: cls for cls in (LeaseExpired, LeaseUnknown, LeaseDenied, PromptMismatch)}
 _REFUSED_KEPT = 4096  # early claims' refusals remembered per link
 
 
@@ -162,7 +162,7 @@ class _Link:
     abandoned: set = field(default_factory=set)  # leases whose claim we gave up on: their offer is stale
     early: dict = field(default_factory=dict)  # claimed ahead of a fetch, not yet answered: lease id -> sent at
     claimed: dict = field(default_factory=dict)  # claimed ahead, until fetched or given back: lease id -> its digest
-    refused: OrderedDict = field(default_factory=OrderedDict)  # early claims the prefill refused: id -> reason
+    refused: OrderedDict = field(default_factory=OrderedDict)  # early claims the prefill refused: id -> (code, detail)
     declines: dict = field(default_factory=dict)  # to give back if the prefill refuses our layout: id -> digest
 
 
@@ -245,7 +245,7 @@ class DecodeSession(Outbox):
             return
         try:
             if not link.conn.ready and (messages or error is not None):
-                raise ProtocolError("bytes arrived before the prefill was authenticated")
+                raise PeerProtocolError("bytes arrived before the prefill was authenticated")
             for message in messages:
                 if conn not in self._links:
                     return
@@ -265,14 +265,14 @@ class DecodeSession(Outbox):
         link = self._links.get(conn)
         if link is not None:
             error = AuthError if refused else PeerLost
-            self._fail_link(conn, error(f"{_where(link)}: {why}"), now, send_bye=False)
+            self._fail_link(conn, error(f"{_where(link)}: {why}"), now)
 
     def disconnect(self, conn: int, now: float, reason: str = "decode closing the link") -> None:
         """Close a link in order; its fetches fail with ``PeerLost`` once their reads are quiet."""
         link = self._links.get(conn)
         if link is None:
             return
-        self._fail_link(conn, PeerLost(f"{_where(link)}: {reason}"), now, send_bye=True)
+        self._fail_link(conn, PeerLost(f"{_where(link)}: {reason}"), now, bye=Code.OK)
 
     def plan(self, conn: int) -> TransferPlan | None:
         link = self._links.get(conn)
@@ -308,10 +308,10 @@ class DecodeSession(Outbox):
         timeout = _timeout(timeout, self.config.transfer_timeout)
         link = self._ready_link(conn)
         if not isinstance(offer, LeaseOffer):
-            raise ProtocolError(f"expected a LeaseOffer, got {type(offer).__name__}")
+            raise UsageError(f"expected a LeaseOffer, got {type(offer).__name__}")
         self._check_not_fetching(offer.id)
         if offer.id not in link.offers:
-            raise ProtocolError(f"lease {offer.id.hex()} is no longer offered on this link "
+            raise UsageError(f"lease {offer.id.hex()} is no longer offered on this link "
                                 "(fetched, declined or withdrawn): ask the prefill to lend it again")
         resume_from = _resume_point(resume_from, offer.num_tokens)
         offer = link.offers[offer.id]  # as grown by any extension since it was offered
@@ -333,7 +333,7 @@ class DecodeSession(Outbox):
         timeout = _timeout(timeout, self.config.transfer_timeout)
         digest = check_digest(prompt_digest) or b""
         if not isinstance(ticket, Ticket):
-            raise ProtocolError(f"expected a Ticket, got {type(ticket).__name__}")
+            raise UsageError(f"expected a Ticket, got {type(ticket).__name__}")
         self._check_size(ticket.num_tokens)
         resume_from = _resume_point(resume_from, ticket.num_tokens)
         if not isinstance(dst, Mapping):
@@ -367,12 +367,12 @@ class DecodeSession(Outbox):
                                 FetchState.CLAIMING)
         fetch.ticket, fetch.prompt_digest = ticket, digest
         link.claimed.pop(ticket.lease, None)
-        reason = link.refused.pop(ticket.lease, None)
+        refusal = link.refused.pop(ticket.lease, None)
         sent = link.early.pop(ticket.lease, None)  # None too for a claim queued until the link is ready
-        if reason is not None:
-            kind = _REFUSALS.get(reason.partition(":")[0], LeaseUnknown)
-            self._fail(fetch, kind(f"prefill {link.peer} refused lease {ticket.lease.hex()}: {reason}"), now,
-                       tell_prefill=False)
+        if refusal is not None:
+            code, detail = refusal
+            self._fail(fetch, lease_error(code, f"prefill {link.peer} refused lease {ticket.lease.hex()}: {detail}"),
+                       now, tell_prefill=False)
         elif sent is not None:  # claimed ahead, answer still on its way: wait for it
             fetch.claimed_at = sent
         elif link.state is _LinkState.READY:
@@ -390,7 +390,7 @@ class DecodeSession(Outbox):
         ``prompt_digest``: as in ``fetch_ticket``, which must then pass the same.
         """
         if not isinstance(ticket, Ticket):
-            raise ProtocolError(f"expected a Ticket, got {type(ticket).__name__}")
+            raise UsageError(f"expected a Ticket, got {type(ticket).__name__}")
         digest = check_digest(prompt_digest) or b""
         self._check_size(ticket.num_tokens)
         if any(f.lease == ticket.lease and not f.done for f in self._fetches.values()):
@@ -458,7 +458,7 @@ class DecodeSession(Outbox):
         if ticket.lease in link.early:
             if link.early.pop(ticket.lease) is not None:  # sent: its offer may still come, dropped then
                 link.abandoned.add(ticket.lease)
-                link.conn.send(Abort(ticket.lease, "unclaimed: the decode will not read it"))
+                link.conn.send(Abort(ticket.lease, Code.CANCELLED, "unclaimed: the decode will not read it"))
         elif ticket.lease in link.offers and link.state is _LinkState.READY:
             self.decline(conn, link.offers[ticket.lease], "unclaimed: the decode will not read it")
 
@@ -466,10 +466,10 @@ class DecodeSession(Outbox):
         """Tell the prefill this rank will not read ``offer``: it releases the lease at once."""
         link = self._ready_link(conn)
         if any(f.lease == offer.id and not f.done for f in self._fetches.values()):
-            raise ProtocolError(f"lease {offer.id.hex()} is being fetched: cancel the fetch instead")
+            raise UsageError(f"lease {offer.id.hex()} is being fetched: cancel the fetch instead")
         link.offers.pop(offer.id, None)
         link.sure.pop(offer.id, None)
-        link.conn.send(Abort(offer.id, reason[:_REASON]))
+        link.conn.send(Abort(offer.id, Code.CANCELLED, reason[:_REASON]))
 
     def cancel(self, fetch_id: int, now: float) -> None:
         """Give up on a fetch; it ends ``failed`` (``TransferCancelled``) once its reads are quiet."""
@@ -576,14 +576,13 @@ class DecodeSession(Outbox):
         elif isinstance(message, Abort):
             self._withdrawn(conn, link, message, now)
         elif isinstance(message, Bye):
-            raise PeerLost(f"prefill {link.peer} closed: {message.reason}")
+            raise PeerLost(f"prefill {link.peer} closed: {message.detail}")
         else:
-            raise ProtocolError(f"unexpected {message.TYPE} from prefill {link.peer}")
+            raise PeerProtocolError(f"unexpected {message.TYPE} from prefill {link.peer}")
 
     def _handshake(self, conn: int, link: _Link, message: Message, now: float) -> None:
         if isinstance(message, Bye):
-            kind = AuthError if message.reason.startswith(f"{AuthError.__name__}:") else ProtocolError
-            raise kind(f"prefill {link.peer} refused the handshake: {message.reason}")
+            raise link_error(message.code, f"prefill {link.peer} refused the handshake: {message.detail}")
         remote = peer_layout(message, self._kind)
         # Addresses are not part of a layout id, but the plan holds them: a restarted
         # prefill with the same layout elsewhere in memory needs its own plan.
@@ -601,7 +600,7 @@ class DecodeSession(Outbox):
                 return
             self._plans[key] = plan
         if not message.metadata:
-            raise ProtocolError(f"prefill {link.peer} sent no backend metadata")
+            raise PeerProtocolError(f"prefill {link.peer} sent no backend metadata")
         link.plan = plan
         link.state = _LinkState.READY
         link.handshake_ms = (now - link.started) * 1e3
@@ -630,7 +629,7 @@ class DecodeSession(Outbox):
                     if f in self._fetches] + [(lease, link.claimed.get(lease, b"")) for lease in link.early]
         for lease, digest in dict([*came_for, *link.declines.items()]).items():
             link.conn.send(Claim(lease, digest))  # refused as we are, a claim gives the lease back
-        self._fail_link(conn, refusal, now, send_bye=True)  # the claims go out before the bye
+        self._fail_link(conn, refusal, now, bye=code_of(refusal))  # the claims go out before the bye
 
     def _offer(self, conn: int, link: _Link, offer: LeaseOffer, now: float) -> None:
         if offer.id in link.abandoned:  # the answer to a claim we gave up on (and aborted)
@@ -638,7 +637,7 @@ class DecodeSession(Outbox):
             return
         unknown = sorted(map(repr, set(offer.pages) - set(link.plan.remote.groups)))
         if unknown:
-            raise ProtocolError(f"prefill {link.peer} offered lease {offer.id.hex()} with unknown groups "
+            raise PeerProtocolError(f"prefill {link.peer} offered lease {offer.id.hex()} with unknown groups "
                                 f"[{', '.join(unknown)}]")
         _check_committed(link, offer.id, offer.pages, offer.ready, offer.num_tokens)
         fetch = self._fetch_of(conn, offer.id, FetchState.CLAIMING)
@@ -657,7 +656,7 @@ class DecodeSession(Outbox):
             try:
                 self._check_size(offer.num_tokens)
             except QuotaExceeded as exc:  # tracking it would cost memory in proportion: decline at once
-                link.conn.send(Abort(offer.id, _error_text(exc)))
+                link.conn.send(_abort(offer.id, exc))
                 log.warning("prefill %s offered a lease too large to read: %s", printable(link.peer), exc)
                 return
             link.offers[offer.id] = offer
@@ -665,7 +664,7 @@ class DecodeSession(Outbox):
             self._events.append(Offered(conn, offer))
             return
         if offer.num_tokens != fetch.num_tokens:
-            self._fail(fetch, ProtocolError(f"lease {offer.id.hex()} has {offer.num_tokens} tokens, its ticket "
+            self._fail(fetch, PeerProtocolError(f"lease {offer.id.hex()} has {offer.num_tokens} tokens, its ticket "
                                             f"said {fetch.num_tokens}"), now)
             return
         fetch.request = offer.request
@@ -692,7 +691,7 @@ class DecodeSession(Outbox):
         if fetch is None:
             if any(f.link == conn and f.lease == message.lease and f.state is FetchState.ACKING
                    for f in self._fetches.values()):
-                raise ProtocolError(f"prefill {link.peer} extended lease {message.lease.hex()} after it was final")
+                raise PeerProtocolError(f"prefill {link.peer} extended lease {message.lease.hex()} after it was final")
             return  # a fetch that failed, or a claim given up: nothing to read
         grown = _grown(link, fetch.offer, message)  # a malformed extension fails the link
         try:
@@ -708,12 +707,12 @@ class DecodeSession(Outbox):
         """A heartbeat's answer: its leases were renewed after we sent it, so they hold a TTL from then."""
         if not link.beats:
             if not link.blind:
-                raise ProtocolError(f"prefill {link.peer} answered a heartbeat that was never sent")
+                raise PeerProtocolError(f"prefill {link.peer} answered a heartbeat that was never sent")
             link.blind -= 1  # not remembered: trust nothing from it
             return
         sent, asked = link.beats.popleft()
         if not set(message.leases) <= asked:
-            raise ProtocolError(f"prefill {link.peer} renewed leases the heartbeat did not name")
+            raise PeerProtocolError(f"prefill {link.peer} renewed leases the heartbeat did not name")
         for lease in message.leases:
             offer = link.offers.get(lease)
             if offer is not None:
@@ -734,33 +733,33 @@ class DecodeSession(Outbox):
         if message.lease in link.early or offered:
             link.early.pop(message.lease, None)
             link.claimed.pop(message.lease, None)
-            link.refused[message.lease] = message.reason  # what a later fetch of its ticket fails with
+            link.refused[message.lease] = message.code, message.detail  # what a later fetch of its ticket fails with
             while len(link.refused) > _REFUSED_KEPT:
                 link.refused.popitem(last=False)
         link.offers.pop(message.lease, None)
         link.sure.pop(message.lease, None)
         if offered:
-            link.conn.send(Abort(message.lease, "withdrawn before it was read"))
+            link.conn.send(Abort(message.lease, Code.CANCELLED, "withdrawn before it was read"))
         for fetch in self._fetches.values():
             if fetch.link == conn and fetch.lease == message.lease and not fetch.done:
                 fetch.bound = fetch.resume_from  # its pages may be reused under our reads
-                kind = _REFUSALS.get(message.reason.partition(":")[0], LeaseUnknown)
-                error = kind(f"prefill {link.peer} refused lease {message.lease.hex()}: {message.reason}")
+                error = lease_error(message.code, f"prefill {link.peer} refused lease {message.lease.hex()}: "
+                                                  f"{message.detail}")
                 self._fail(fetch, error, now, tell_prefill=fetch.state is not FetchState.CLAIMING)  # acks if it read
         link.abandoned.discard(message.lease)  # this was the answer: nothing more comes for it
-        log.info("prefill %s withdrew lease %s: %s", printable(link.peer), message.lease.hex(), printable(message.reason))
+        log.info("prefill %s withdrew lease %s: %s", printable(link.peer), message.lease.hex(),
+                 printable(message.detail))
 
     def _acked(self, fetch: Fetch, ack: DoneAck, now: float) -> None:
         if ack.ok and not fetch.confirmed:  # the channel is ordered: the claim's answer comes first
             fetch.bound = fetch.resume_from
-            self._finish(fetch, ProtocolError(f"request {fetch.request or fetch.lease.hex()}: done acknowledged "
+            self._finish(fetch, PeerProtocolError(f"request {fetch.request or fetch.lease.hex()}: done acknowledged "
                                               "before the claim was answered"), now)
             return
         if not ack.ok:
-            kind = LeaseExpired if ack.error.startswith("LeaseExpired") else LeaseUnknown
             fetch.bound = fetch.resume_from  # nothing read under this lease may be used
-            self._finish(fetch, kind(f"request {fetch.request}: prefill refused done ({ack.error}); "
-                                     "discard what was read"), now)
+            self._finish(fetch, lease_error(ack.code, f"request {fetch.request}: prefill refused done ({ack.detail}); "
+                                                      "discard what was read"), now)
             return
         bound = self.tracker.bound(fetch.key)
         fetch.bound = bound
@@ -779,7 +778,7 @@ class DecodeSession(Outbox):
 
     def _check_not_fetching(self, lease: bytes) -> None:
         if any(f.lease == lease and not f.done for f in self._fetches.values()):
-            raise ProtocolError(f"lease {lease.hex()} is already being fetched")
+            raise UsageError(f"lease {lease.hex()} is already being fetched")
 
     def _ready_link(self, conn: int) -> _Link:
         link = self._links.get(conn)
@@ -836,7 +835,7 @@ class DecodeSession(Outbox):
                         and np.array_equal(offer.pages[g].ordinals, ahead.pages[g].ordinals) for g in offer.pages))
         if not same:
             fetch.bound = fetch.resume_from
-            self._fail(fetch, ProtocolError(f"lease {offer.id.hex()}: the claim's answer names other pages than "
+            self._fail(fetch, PeerProtocolError(f"lease {offer.id.hex()}: the claim's answer names other pages than "
                                             "its ticket; what was read from the ticket's is discarded"), now)
             return
         fetch.offer, fetch.request, fetch.confirmed = offer, offer.request, True
@@ -932,7 +931,7 @@ class DecodeSession(Outbox):
         elif fetch.state is FetchState.CANCELLING:
             link = self._links.get(fetch.link)
             if link is not None and link.state is _LinkState.READY and fetch.offer is not None:
-                link.conn.send(Abort(fetch.lease, _error_text(fetch.error)))
+                link.conn.send(_abort(fetch.lease, fetch.error))
             self._finish(fetch, fetch.error, now)
 
     def _fail(self, fetch: Fetch, error: KvlendError, now: float, tell_prefill: bool = True) -> None:
@@ -942,7 +941,7 @@ class DecodeSession(Outbox):
         link = self._links.get(fetch.link)
         if fetch.state is FetchState.CLAIMING:
             if tell_prefill and link is not None and link.state is _LinkState.READY and fetch.claimed_at is not None:
-                link.conn.send(Abort(fetch.lease, _error_text(error)))
+                link.conn.send(_abort(fetch.lease, error))
                 link.abandoned.add(fetch.lease)
             if link is not None and fetch.id in link.waiting:
                 link.waiting.remove(fetch.id)
@@ -984,8 +983,10 @@ class DecodeSession(Outbox):
         except KvlendError:
             pass  # never begun
 
-    def _fail_link(self, conn: int, error: KvlendError, now: float, send_bye: bool = False) -> None:
-        """Drop a link: its fetches fail; its backend peer is removed, which makes their reads terminal."""
+    def _fail_link(self, conn: int, error: KvlendError, now: float, bye: Code | None = None) -> None:
+        """Drop a link: its fetches fail; its backend peer is removed, which makes their reads terminal.
+
+        ``bye``: the code of the ``Bye`` that closes it in order (None: none, the link is broken)."""
         link = self._links.pop(conn)
         busy = any(f.link == conn and not f.done for f in self._fetches.values())
         self._gone[conn] = error
@@ -997,16 +998,16 @@ class DecodeSession(Outbox):
             if fetch.link == conn and not fetch.done:
                 self._fail(fetch, clone_error(error), now, tell_prefill=False)  # one error object each
         if link.conn is not None:
-            if send_bye and link.conn.ready:
-                link.conn.send(Bye(str(error)[:_REASON]))
+            if bye is not None and link.conn.ready:
+                link.conn.send(Bye(bye, str(error)[:_REASON]))
             data = link.conn.data_to_send()
-            if data and send_bye:
+            if data and bye is not None:
                 self._actions.append(Send(conn, data))
         if link.backend_peer:
             self._actions.append(RemovePeer(conn))
         self._actions.append(Close(conn, str(error)))
         self._events.append(PeerGone(conn, link.peer, str(error)))
-        log.log(logging.WARNING if busy and not send_bye else logging.INFO, "link to %s closed: %s",
+        log.log(logging.WARNING if busy and bye is None else logging.INFO, "link to %s closed: %s",
                 printable(_where(link)), printable(error))
 
     def _fetch_of(self, conn: int, lease: bytes, state: FetchState) -> Fetch | None:
@@ -1023,17 +1024,17 @@ class DecodeSession(Outbox):
 
 
 def _grown(link: _Link, offer: LeaseOffer, message: Extend) -> LeaseOffer:
-    """``offer`` with ``message``'s rows; ``ProtocolError`` for an extension no prefill sends."""
+    """``offer`` with ``message``'s rows; ``PeerProtocolError`` for an extension no prefill sends."""
     if not offer.ready < message.ready <= offer.num_tokens:
-        raise ProtocolError(f"prefill {link.peer} extended lease {message.lease.hex()} from {offer.ready} to "
+        raise PeerProtocolError(f"prefill {link.peer} extended lease {message.lease.hex()} from {offer.ready} to "
                             f"{message.ready} tokens (of {offer.num_tokens})")
     unknown = sorted(map(repr, set(message.pages) - set(link.plan.remote.groups)))
     if unknown:
-        raise ProtocolError(f"prefill {link.peer} extended lease {message.lease.hex()} with unknown groups "
+        raise PeerProtocolError(f"prefill {link.peer} extended lease {message.lease.hex()} with unknown groups "
                             f"[{', '.join(unknown)}]")
     _check_committed(link, message.lease, message.pages, message.ready, offer.num_tokens)
     if len(set(offer.meta) | set(message.meta)) > MAX_META:
-        raise ProtocolError(f"prefill {link.peer} grew lease {message.lease.hex()}'s meta past {MAX_META} entries")
+        raise PeerProtocolError(f"prefill {link.peer} grew lease {message.lease.hex()}'s meta past {MAX_META} entries")
     return offer.extended(message.ready, message.pages, message.meta)
 
 
@@ -1047,7 +1048,7 @@ def _check_committed(link: _Link, lease: bytes, pages: Mapping[str, Any], ready:
         if not len(gp):
             continue
         if remote.groups[group].recurrent or (int(gp.token_pages[-1]) + 1) * remote.tokens_per_page > ready:
-            raise ProtocolError(f"prefill {link.peer} lent rows of group {group!r} past the {ready} tokens it has "
+            raise PeerProtocolError(f"prefill {link.peer} lent rows of group {group!r} past the {ready} tokens it has "
                                 f"committed of lease {lease.hex()}")
 
 
@@ -1094,5 +1095,6 @@ def _timeout(value: Any, default: float) -> float:
     return float(value)
 
 
-def _error_text(exc: KvlendError | None) -> str:
-    return f"{type(exc).__name__}: {exc}"[:_REASON]
+def _abort(lease: bytes, error: KvlendError) -> Abort:
+    """The ``Abort`` that tells the prefill why this rank ends ``lease``."""
+    return Abort(lease, code_of(error), detail_of(error))
