@@ -30,7 +30,6 @@ import logging
 import math
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
-from enum import Enum
 from typing import Any, Mapping
 
 import numpy as np
@@ -54,7 +53,9 @@ from .actions import (
 from .codes import Code, code_of, detail_of, lease_error, link_error
 from .config import NodeConfig
 from .connection import Connection
+from . import states
 from .prefill import peer_layout
+from .states import TERMINAL, FetchEvent, FetchState, LinkEvent, LinkState
 from .ticket import Ticket
 from .wire import (
     MAX_META, Abort, Bye, Claim, Done, DoneAck, Extend, Handshake, Heartbeat, LeaseOffer, Message, Offer, Renewed,
@@ -65,18 +66,6 @@ _REASON = 4000
 _PLAN_CACHE = 64
 _BEATS_KEPT = 64  # unanswered heartbeats remembered per link (a prefill that stalls costs no more)
 _REFUSED_KEPT = 4096  # early claims' refusals remembered per link
-
-
-class FetchState(str, Enum):
-    CLAIMING = "claiming"  # waiting for a link, or for the offer a claim asked for
-    READING = "reading"  # chunks posted
-    ACKING = "acking"  # every chunk landed; done sent, waiting for the prefill's ack
-    CANCELLING = "cancelling"  # failed or cancelled; reads still in flight (destination not quiet)
-    DONE = "done"
-    FAILED = "failed"
-
-
-_TERMINAL = (FetchState.DONE, FetchState.FAILED)
 
 
 @dataclass(eq=False)
@@ -91,7 +80,6 @@ class Fetch:
     resume_from: int
     started: float
     deadline: float
-    state: FetchState
     request: str = ""  # known once the offer is
     offer: LeaseOffer | None = None
     bound: int = 0  # safe-resume bound so far, in tokens
@@ -109,10 +97,15 @@ class Fetch:
     ticket: Ticket | None = None  # redeemed from this ticket (its page table lets reads start with the claim)
     confirmed: bool = True  # False while reads posted from the ticket's pages await the claim's answer
     prompt_digest: bytes = b""  # what its claim carries: the digest of the prompt it reads for (empty: none)
+    _state: FetchState | None = field(default=None, repr=False)  # changed only by ``states.transition``'s moves
+
+    @property
+    def state(self) -> FetchState:
+        return self._state
 
     @property
     def done(self) -> bool:
-        return self.state in _TERMINAL
+        return self._state in TERMINAL
 
     @property
     def quiet(self) -> bool:
@@ -133,20 +126,13 @@ class Fetch:
         return f"fetch-{self.id}"
 
 
-class _LinkState(str, Enum):
-    CONNECTING = "connecting"
-    TLS = "tls"  # connected, TLS handshake under way
-    HANDSHAKE = "handshake"
-    READY = "ready"
-
-
 @dataclass(eq=False)
 class _Link:
     id: int
     endpoint: tuple[str, int]
     deadline: float  # for reaching READY
     started: float
-    state: _LinkState = _LinkState.CONNECTING
+    state: LinkState | None = None  # changed only by ``DecodeSession._link_to``
     conn: Connection | None = None
     plan: TransferPlan | None = None
     expect: str | None = None  # the identity tickets for this endpoint name (checked against the certificate's)
@@ -179,7 +165,9 @@ class DecodeSession(Outbox):
         self._metadata = metadata
         self._links: dict[int, _Link] = {}
         self._by_endpoint: dict[tuple[str, int], int] = {}
-        self._fetches: dict[int, Fetch] = {}
+        self._fetches: dict[int, Fetch] = {}  # every fetch not forgotten, by id
+        self._live: dict[bytes, Fetch] = {}  # fetches not finished, by lease (one at most per lease)
+        self._on_link: dict[int, dict[int, Fetch]] = {}  # fetches not finished, by link and id
         self._tags: dict[bytes, tuple[int, int]] = {}  # tag -> (fetch id, chunk)
         self._plans: dict[tuple, TransferPlan] = {}
         self._unreadable: OrderedDict[str, LayoutMismatch] = OrderedDict()  # remote layout id -> why refused
@@ -196,7 +184,8 @@ class DecodeSession(Outbox):
             raise ConfigError(f"prefill endpoint: expected a host and a port in [1, 65535], got {host!r}:{port!r}")
         self._next_conn += 1
         conn = self._next_conn
-        self._links[conn] = _Link(conn, (host, port), now + self.config.handshake_timeout, now)
+        self._links[conn] = link = _Link(conn, (host, port), now + self.config.handshake_timeout, now)
+        self._link_to(link, LinkEvent.OPEN)
         self._by_endpoint[(host, port)] = conn
         self._actions.append(Connect(conn, host, port))
         return conn
@@ -209,14 +198,14 @@ class DecodeSession(Outbox):
     def connected(self, conn: int, now: float) -> None:
         """The shell's connection for ``conn`` is up: its TLS handshake starts."""
         link = self._links.get(conn)
-        if link is not None and link.state is _LinkState.CONNECTING:
+        if link is not None and link.state is LinkState.CONNECTING:
             link.conn = Connection(now)
-            link.state = _LinkState.TLS
+            self._link_to(link, LinkEvent.CONNECTED)
 
     def authenticated(self, conn: int, identity: str, now: float) -> None:
         """TLS verified that the prefill at ``conn`` holds a certificate for ``identity``: hand it our layout."""
         link = self._links.get(conn)
-        if link is None or link.state is not _LinkState.TLS:
+        if link is None or link.state is not LinkState.TLS:
             return
         try:
             link.conn.authenticate(identity)
@@ -229,7 +218,7 @@ class DecodeSession(Outbox):
             return
         link.peer = identity
         link.conn.send(Handshake(self.layout.encode(), self._kind, self._metadata))
-        link.state = _LinkState.HANDSHAKE
+        self._link_to(link, LinkEvent.AUTHENTICATED)
 
     def receive(self, conn: int, data: bytes, now: float) -> None:
         """Received (decrypted) bytes, decoded here; the shell decodes them off its lock and calls ``deliver``."""
@@ -253,7 +242,7 @@ class DecodeSession(Outbox):
             if error is not None and conn in self._links:
                 raise error
         except KvlendError as exc:
-            if link.state is not _LinkState.READY or isinstance(exc, PeerLost):
+            if link.state is not LinkState.READY or isinstance(exc, PeerLost):
                 lost = exc  # a refused handshake says why (LayoutMismatch, AuthError, ...)
             else:
                 lost = PeerLost(f"link to {_where(link)} failed: {exc}")
@@ -280,7 +269,7 @@ class DecodeSession(Outbox):
 
     def ready(self, conn: int) -> bool:
         link = self._links.get(conn)
-        return link is not None and link.state is _LinkState.READY
+        return link is not None and link.state is LinkState.READY
 
     def link_info(self, conn: int) -> dict | None:
         link = self._links.get(conn)
@@ -316,7 +305,7 @@ class DecodeSession(Outbox):
         resume_from = _resume_point(resume_from, offer.num_tokens)
         offer = link.offers[offer.id]  # as grown by any extension since it was offered
         work = self._work(link.plan, offer, dst, resume_from)  # may raise: nothing changed yet
-        fetch = self._new_fetch(conn, offer.id, offer.num_tokens, dst, resume_from, now, timeout, FetchState.READING)
+        fetch = self._new_fetch(conn, offer.id, offer.num_tokens, dst, resume_from, now, timeout, FetchEvent.TAKE)
         fetch.sure_until = link.sure.get(offer.id, -math.inf)
         self._begin(fetch, offer, work, now, created=True)
         link.offers.pop(offer.id, None)
@@ -349,7 +338,7 @@ class DecodeSession(Outbox):
             self._decline(ticket, digest, now)
             conn = self._by_endpoint.get(ticket.endpoint, 0)  # 0: none (declined before): the fetch needs none
             fetch = self._new_fetch(conn, ticket.lease, ticket.num_tokens, dst, resume_from, now, timeout,
-                                    FetchState.CLAIMING)
+                                    FetchEvent.REDEEM)
             self._fail(fetch, clone_error(refusal), now, tell_prefill=False)
             return fetch
         conn = self.link_to(ticket.host, ticket.port, now)
@@ -364,7 +353,7 @@ class DecodeSession(Outbox):
             link.offers.pop(ticket.lease)
             link.sure.pop(ticket.lease, None)
         fetch = self._new_fetch(conn, ticket.lease, ticket.num_tokens, dst, resume_from, now, timeout,
-                                FetchState.CLAIMING)
+                                FetchEvent.REDEEM)
         fetch.ticket, fetch.prompt_digest = ticket, digest
         link.claimed.pop(ticket.lease, None)
         refusal = link.refused.pop(ticket.lease, None)
@@ -375,7 +364,7 @@ class DecodeSession(Outbox):
                        now, tell_prefill=False)
         elif sent is not None:  # claimed ahead, answer still on its way: wait for it
             fetch.claimed_at = sent
-        elif link.state is _LinkState.READY:
+        elif link.state is LinkState.READY:
             self._claim(link, fetch, now)
         else:
             link.waiting.append(fetch.id)
@@ -393,7 +382,7 @@ class DecodeSession(Outbox):
             raise UsageError(f"expected a Ticket, got {type(ticket).__name__}")
         digest = check_digest(prompt_digest) or b""
         self._check_size(ticket.num_tokens)
-        if any(f.lease == ticket.lease and not f.done for f in self._fetches.values()):
+        if ticket.lease in self._live:
             return
         self._check_issuer(ticket)
         if ticket.layout_id in self._unreadable:
@@ -407,7 +396,7 @@ class DecodeSession(Outbox):
             raise QuotaExceeded("max_leases_per_peer", len(link.early) + 1, self.config.quotas.max_leases_per_peer,
                                 "early claims on one link:")
         link.claimed[ticket.lease] = digest
-        if link.state is _LinkState.READY:
+        if link.state is LinkState.READY:
             link.early[ticket.lease] = now
             link.conn.send(Claim(ticket.lease, digest))
         else:
@@ -430,7 +419,7 @@ class DecodeSession(Outbox):
         while len(self._declined) > _REFUSED_KEPT:
             self._declined.popitem(last=False)
         link = self._links[self.link_to(ticket.host, ticket.port, now)]
-        if link.state is _LinkState.READY:
+        if link.state is LinkState.READY:
             return  # its prefill's layout is one we read, not the ticket's: the lease, if any, waits its TTL
         link.expect = ticket.prefill
         if len(link.declines) < self.config.quotas.max_leases_per_peer:  # past that, the lease waits its TTL
@@ -459,13 +448,13 @@ class DecodeSession(Outbox):
             if link.early.pop(ticket.lease) is not None:  # sent: its offer may still come, dropped then
                 link.abandoned.add(ticket.lease)
                 link.conn.send(Abort(ticket.lease, Code.CANCELLED, "unclaimed: the decode will not read it"))
-        elif ticket.lease in link.offers and link.state is _LinkState.READY:
+        elif ticket.lease in link.offers and link.state is LinkState.READY:
             self.decline(conn, link.offers[ticket.lease], "unclaimed: the decode will not read it")
 
     def decline(self, conn: int, offer: LeaseOffer, reason: str) -> None:
         """Tell the prefill this rank will not read ``offer``: it releases the lease at once."""
         link = self._ready_link(conn)
-        if any(f.lease == offer.id and not f.done for f in self._fetches.values()):
+        if offer.id in self._live:
             raise UsageError(f"lease {offer.id.hex()} is being fetched: cancel the fetch instead")
         link.offers.pop(offer.id, None)
         link.sure.pop(offer.id, None)
@@ -489,7 +478,7 @@ class DecodeSession(Outbox):
     @property
     def in_flight(self) -> int:
         """Fetches not yet finished."""
-        return sum(not f.done for f in self._fetches.values())
+        return len(self._live)
 
     # ----------------------------------------------------------- completions
     def completed(self, tag: bytes, error: KvlendError | None, now: float) -> None:
@@ -518,10 +507,10 @@ class DecodeSession(Outbox):
     def tick(self, now: float) -> None:
         """Deadlines, escalation of reads that will not go quiet, and heartbeats."""
         for conn, link in list(self._links.items()):
-            if link.state is not _LinkState.READY and now > link.deadline:
+            if link.state is not LinkState.READY and now > link.deadline:
                 self._fail_link(conn, TransferTimeout(
                     f"{_where(link)}: no handshake within {self.config.handshake_timeout:.3g} s"), now)
-        for fetch in list(self._fetches.values()):
+        for fetch in list(self._live.values()):
             if fetch.state is FetchState.CANCELLING and now > fetch.quiet_by and fetch.link in self._links:
                 self._fail_link(fetch.link, PeerLost(
                     f"reads of request {fetch.request} still in flight {self.config.cancel_grace:.3g} s after "
@@ -532,7 +521,7 @@ class DecodeSession(Outbox):
                     f"request {fetch.request or fetch.lease.hex()}: {what} within "
                     f"{fetch.deadline - fetch.started:.3g} s"), now)
         for link in list(self._links.values()):
-            if link.state is _LinkState.READY and now >= link.next_beat:
+            if link.state is LinkState.READY and now >= link.next_beat:
                 leases = self._renewable(link)
                 if leases:
                     link.conn.send(Heartbeat(tuple(leases)))
@@ -544,10 +533,10 @@ class DecodeSession(Outbox):
 
     def next_deadline(self) -> float | None:
         """When ``tick`` next has work (None: nothing pending)."""
-        times = [link.deadline for link in self._links.values() if link.state is not _LinkState.READY]
+        times = [link.deadline for link in self._links.values() if link.state is not LinkState.READY]
         times += [link.next_beat for link in self._links.values()
-                  if link.state is _LinkState.READY and self._renewable(link)]
-        for f in self._fetches.values():
+                  if link.state is LinkState.READY and self._renewable(link)]
+        for f in self._live.values():
             if f.state is FetchState.CANCELLING:
                 if f.link in self._links:  # once its link is torn down there is nothing left to escalate
                     times.append(f.quiet_by)
@@ -561,7 +550,7 @@ class DecodeSession(Outbox):
 
     # -------------------------------------------------------------- messages
     def _handle(self, conn: int, link: _Link, message: Message, now: float) -> None:
-        if link.state is _LinkState.HANDSHAKE:
+        if link.state is LinkState.HANDSHAKE:
             self._handshake(conn, link, message, now)
         elif isinstance(message, Offer):
             self._offer(conn, link, message.lease, now)
@@ -602,7 +591,7 @@ class DecodeSession(Outbox):
         if not message.metadata:
             raise PeerProtocolError(f"prefill {link.peer} sent no backend metadata")
         link.plan = plan
-        link.state = _LinkState.READY
+        self._link_to(link, LinkEvent.LAYOUT)
         link.handshake_ms = (now - link.started) * 1e3
         link.next_beat = now + self.config.heartbeat
         link.backend_peer = True
@@ -642,9 +631,8 @@ class DecodeSession(Outbox):
         _check_committed(link, offer.id, offer.pages, offer.ready, offer.num_tokens)
         fetch = self._fetch_of(conn, offer.id, FetchState.CLAIMING)
         if fetch is None:
-            ahead = next((f for f in self._fetches.values() if f.link == conn and f.lease == offer.id
-                          and not f.confirmed and not f.done), None)
-            if ahead is not None:  # the answer to a claim whose reads went ahead from the ticket
+            ahead = self._live.get(offer.id)
+            if ahead is not None and ahead.link == conn and not ahead.confirmed:  # the answer to a claim whose reads went ahead from the ticket
                 self._confirm(ahead, offer, now)
                 return
         if fetch is None and offer.id in link.early:  # claimed ahead: held (and heartbeated) for its fetch
@@ -672,12 +660,15 @@ class DecodeSession(Outbox):
         fetch.sure_until = fetch.claimed_at + offer.ttl - self.config.heartbeat
         try:
             work = self._work(link.plan, offer, fetch.dst, fetch.resume_from)
-            fetch.state = FetchState.READING
+            self._move(fetch, FetchEvent.POST)
             self._begin(fetch, offer, work, now, created=False)
         except Exception as exc:  # the engine's bad table, or a bug: this fetch fails, the link and lease stay
+            if isinstance(exc, states.IllegalTransition):
+                raise
             error = exc if isinstance(exc, KvlendError) else KvlendError(
                 f"request {offer.request}: starting the reads failed: {type(exc).__name__}: {exc}")
-            fetch.state = FetchState.CLAIMING
+            if fetch.state is FetchState.READING:
+                self._move(fetch, FetchEvent.UNPOST)
             fetch.claimed_at = None  # nothing was posted: the lease stays ours to claim again, or to expire
             self._fail(fetch, error, now)
 
@@ -689,8 +680,7 @@ class DecodeSession(Outbox):
             return
         fetch = self._fetch_of(conn, message.lease, FetchState.READING)
         if fetch is None:
-            if any(f.link == conn and f.lease == message.lease and f.state is FetchState.ACKING
-                   for f in self._fetches.values()):
+            if self._fetch_of(conn, message.lease, FetchState.ACKING) is not None:
                 raise PeerProtocolError(f"prefill {link.peer} extended lease {message.lease.hex()} after it was final")
             return  # a fetch that failed, or a claim given up: nothing to read
         grown = _grown(link, fetch.offer, message)  # a malformed extension fails the link
@@ -699,6 +689,8 @@ class DecodeSession(Outbox):
             fetch.offer = grown
             self._post_work(fetch, work, now, begin=False)
         except Exception as exc:  # the engine's table, or a bug: this fetch fails, the link stays
+            if isinstance(exc, states.IllegalTransition):
+                raise
             error = exc if isinstance(exc, KvlendError) else KvlendError(
                 f"request {fetch.request}: reading an extension failed: {type(exc).__name__}: {exc}")
             self._fail(fetch, error, now)
@@ -717,9 +709,9 @@ class DecodeSession(Outbox):
             offer = link.offers.get(lease)
             if offer is not None:
                 link.sure[lease] = max(link.sure.get(lease, -math.inf), sent + offer.ttl - self.config.heartbeat)
-        for fetch in self._fetches.values():
-            if fetch.link == conn and fetch.lease in message.leases and fetch.offer is not None and not fetch.done \
-                    and fetch.confirmed:
+        for lease in set(message.leases):
+            fetch = self._live.get(lease)
+            if fetch is not None and fetch.link == conn and fetch.offer is not None and fetch.confirmed:
                 fetch.sure_until = max(fetch.sure_until, sent + fetch.offer.ttl - self.config.heartbeat)
 
     def _withdrawn(self, conn: int, link: _Link, message: Abort, now: float) -> None:
@@ -740,12 +732,12 @@ class DecodeSession(Outbox):
         link.sure.pop(message.lease, None)
         if offered:
             link.conn.send(Abort(message.lease, Code.CANCELLED, "withdrawn before it was read"))
-        for fetch in self._fetches.values():
-            if fetch.link == conn and fetch.lease == message.lease and not fetch.done:
-                fetch.bound = fetch.resume_from  # its pages may be reused under our reads
-                error = lease_error(message.code, f"prefill {link.peer} refused lease {message.lease.hex()}: "
-                                                  f"{message.detail}")
-                self._fail(fetch, error, now, tell_prefill=fetch.state is not FetchState.CLAIMING)  # acks if it read
+        fetch = self._live.get(message.lease)
+        if fetch is not None and fetch.link == conn:
+            fetch.bound = fetch.resume_from  # its pages may be reused under our reads
+            error = lease_error(message.code, f"prefill {link.peer} refused lease {message.lease.hex()}: "
+                                              f"{message.detail}")
+            self._fail(fetch, error, now, tell_prefill=fetch.state is not FetchState.CLAIMING)  # acks if it read
         link.abandoned.discard(message.lease)  # this was the answer: nothing more comes for it
         log.info("prefill %s withdrew lease %s: %s", printable(link.peer), message.lease.hex(),
                  printable(message.detail))
@@ -753,22 +745,22 @@ class DecodeSession(Outbox):
     def _acked(self, fetch: Fetch, ack: DoneAck, now: float) -> None:
         if ack.ok and not fetch.confirmed:  # the channel is ordered: the claim's answer comes first
             fetch.bound = fetch.resume_from
-            self._finish(fetch, PeerProtocolError(f"request {fetch.request or fetch.lease.hex()}: done acknowledged "
-                                              "before the claim was answered"), now)
+            self._finish(fetch, FetchEvent.FAIL, PeerProtocolError(
+                f"request {fetch.request or fetch.lease.hex()}: done acknowledged before the claim was answered"), now)
             return
         if not ack.ok:
             fetch.bound = fetch.resume_from  # nothing read under this lease may be used
-            self._finish(fetch, lease_error(ack.code, f"request {fetch.request}: prefill refused done ({ack.detail}); "
-                                                      "discard what was read"), now)
+            self._finish(fetch, FetchEvent.FAIL, lease_error(
+                ack.code, f"request {fetch.request}: prefill refused done ({ack.detail}); discard what was read"), now)
             return
         bound = self.tracker.bound(fetch.key)
         fetch.bound = bound
         if bound < fetch.num_tokens:
-            self._finish(fetch, IncompleteFetch(
+            self._finish(fetch, FetchEvent.FAIL, IncompleteFetch(
                 f"request {fetch.request}: every read landed but they cover only {bound} of "
                 f"{fetch.num_tokens} tokens (the lease does not hold every page this rank needs)"), now)
         else:
-            self._finish(fetch, None, now)
+            self._finish(fetch, FetchEvent.ACK, None, now)
 
     # -------------------------------------------------------------- internals
     def _check_size(self, num_tokens: int) -> None:
@@ -777,24 +769,47 @@ class DecodeSession(Outbox):
             raise QuotaExceeded("max_num_tokens", num_tokens, cap, "a lease of")
 
     def _check_not_fetching(self, lease: bytes) -> None:
-        if any(f.lease == lease and not f.done for f in self._fetches.values()):
+        if lease in self._live:
             raise UsageError(f"lease {lease.hex()} is already being fetched")
 
     def _ready_link(self, conn: int) -> _Link:
         link = self._links.get(conn)
-        if link is None or link.state is not _LinkState.READY:
+        if link is None or link.state is not LinkState.READY:
             why = self._gone.get(conn) if isinstance(conn, int) else None
             raise PeerLost(f"link {conn!r} is not connected" + (f" (it closed: {why})" if why is not None else
                                                                   f" (open: {sorted(self._links)})"))
         return link
 
     def _new_fetch(self, conn: int, lease: bytes, num_tokens: int, dst, resume_from: int, now: float,
-                   timeout: float, state: FetchState) -> Fetch:
+                   timeout: float, start: FetchEvent) -> Fetch:
         self._next_fetch += 1
-        fetch = Fetch(self._next_fetch, conn, lease, num_tokens, dst, resume_from, now,
-                      now + timeout, state, bound=resume_from)
+        fetch = Fetch(self._next_fetch, conn, lease, num_tokens, dst, resume_from, now, now + timeout,
+                      bound=resume_from)
         self._fetches[fetch.id] = fetch
+        self._live[lease] = fetch
+        self._on_link.setdefault(conn, {})[fetch.id] = fetch
+        self._move(fetch, start)
         return fetch
+
+    def _move(self, fetch: Fetch, event: FetchEvent) -> None:
+        """The one place a fetch's state changes: checked against ``states.FETCH``; a fetch that
+        finishes leaves the indexes of fetches not finished."""
+        fetch._state = states.transition("fetch", fetch._state, event)
+        if fetch._state in TERMINAL:
+            self._unindex(fetch)
+
+    def _unindex(self, fetch: Fetch) -> None:
+        if self._live.get(fetch.lease) is fetch:
+            del self._live[fetch.lease]
+        on_link = self._on_link.get(fetch.link)
+        if on_link is not None:
+            on_link.pop(fetch.id, None)
+            if not on_link:
+                del self._on_link[fetch.link]
+
+    def _link_to(self, link: _Link, event: LinkEvent) -> None:
+        """The one place a link's state changes: checked against ``states.LINK``."""
+        link.state = states.transition("link", link.state, event)
 
     def _claim(self, link: _Link, fetch: Fetch, now: float) -> None:
         fetch.claimed_at = now
@@ -819,10 +834,13 @@ class DecodeSession(Outbox):
                            self.config.ttl)
         try:
             work = self._work(link.plan, offer, fetch.dst, fetch.resume_from)
-            fetch.state, fetch.confirmed = FetchState.READING, False
+            self._move(fetch, FetchEvent.READ_AHEAD)
+            fetch.confirmed = False
             self._begin(fetch, offer, work, now, created=False)
         except KvlendError:  # a bad table is reported when the answer comes, as without a page table
-            fetch.state, fetch.confirmed = FetchState.CLAIMING, True
+            if fetch.state is FetchState.READING:
+                self._move(fetch, FetchEvent.UNPOST)
+            fetch.confirmed = True
 
     def _confirm(self, fetch: Fetch, offer: LeaseOffer, now: float) -> None:
         """The claim's answer for reads posted ahead: the same pages, final, every row, or they are void."""
@@ -878,6 +896,7 @@ class DecodeSession(Outbox):
             fetch.read_rows = {}
             if created:
                 del self._fetches[fetch.id]
+                self._unindex(fetch)
             raise
 
     def _post_work(self, fetch: Fetch, work, now: float, begin: bool) -> None:
@@ -925,14 +944,14 @@ class DecodeSession(Outbox):
         if fetch.state is FetchState.READING:
             if not fetch.offer.final:
                 return  # a progressive lease: the prefill has more to lend (``Extend``)
-            fetch.state = FetchState.ACKING
+            self._move(fetch, FetchEvent.LAND)
             fetch.landed = now
             self._links[fetch.link].conn.send(Done(fetch.lease, self.tracker.bound(fetch.key)))
         elif fetch.state is FetchState.CANCELLING:
             link = self._links.get(fetch.link)
-            if link is not None and link.state is _LinkState.READY and fetch.offer is not None:
+            if link is not None and link.state is LinkState.READY and fetch.offer is not None:
                 link.conn.send(_abort(fetch.lease, fetch.error))
-            self._finish(fetch, fetch.error, now)
+            self._finish(fetch, FetchEvent.QUIET, fetch.error, now)
 
     def _fail(self, fetch: Fetch, error: KvlendError, now: float, tell_prefill: bool = True) -> None:
         """Stop a fetch: cancel what is in flight; it finishes once quiet."""
@@ -940,20 +959,20 @@ class DecodeSession(Outbox):
             return
         link = self._links.get(fetch.link)
         if fetch.state is FetchState.CLAIMING:
-            if tell_prefill and link is not None and link.state is _LinkState.READY and fetch.claimed_at is not None:
+            if tell_prefill and link is not None and link.state is LinkState.READY and fetch.claimed_at is not None:
                 link.conn.send(_abort(fetch.lease, error))
                 link.abandoned.add(fetch.lease)
             if link is not None and fetch.id in link.waiting:
                 link.waiting.remove(fetch.id)
-            self._finish(fetch, error, now)
+            self._finish(fetch, FetchEvent.FAIL, error, now)
             return
         if not fetch.confirmed and link is not None:
             link.abandoned.add(fetch.lease)  # the claim's answer may still come: it is not an offer to us
         if fetch.state is FetchState.ACKING:  # every read is terminal; the prefill releases on our done
-            self._finish(fetch, error, now)
+            self._finish(fetch, FetchEvent.FAIL, error, now)
             return
         fetch.error = error
-        fetch.state = FetchState.CANCELLING
+        self._move(fetch, FetchEvent.FAIL)
         fetch.quiet_by = now + self.config.cancel_grace
         self.tracker.abort(fetch.key)
         for tag in sorted(fetch.tags):
@@ -962,8 +981,8 @@ class DecodeSession(Outbox):
             fetch.offer = None  # the prefill already ended the lease: no Abort
         self._progress(fetch, now)
 
-    def _finish(self, fetch: Fetch, error: KvlendError | None, now: float) -> None:
-        fetch.state = FetchState.FAILED if error is not None else FetchState.DONE
+    def _finish(self, fetch: Fetch, event: FetchEvent, error: KvlendError | None, now: float) -> None:
+        self._move(fetch, event)
         fetch.finished = now
         if error is None:
             fetch.bound = fetch.num_tokens
@@ -988,14 +1007,15 @@ class DecodeSession(Outbox):
 
         ``bye``: the code of the ``Bye`` that closes it in order (None: none, the link is broken)."""
         link = self._links.pop(conn)
-        busy = any(f.link == conn and not f.done for f in self._fetches.values())
+        self._link_to(link, LinkEvent.CLOSE)
+        busy = bool(self._on_link.get(conn))
         self._gone[conn] = error
         while len(self._gone) > _PLAN_CACHE:
             self._gone.popitem(last=False)
         if self._by_endpoint.get(link.endpoint) == conn:
             del self._by_endpoint[link.endpoint]
-        for fetch in list(self._fetches.values()):
-            if fetch.link == conn and not fetch.done:
+        for fetch in list(self._on_link.get(conn, {}).values()):
+            if not fetch.done:
                 self._fail(fetch, clone_error(error), now, tell_prefill=False)  # one error object each
         if link.conn is not None:
             if bye is not None and link.conn.ready:
@@ -1011,16 +1031,16 @@ class DecodeSession(Outbox):
                 printable(_where(link)), printable(error))
 
     def _fetch_of(self, conn: int, lease: bytes, state: FetchState) -> Fetch | None:
-        for fetch in self._fetches.values():
-            if fetch.link == conn and fetch.lease == lease and fetch.state is state:
-                return fetch
-        return None
+        """The fetch of ``lease`` on link ``conn`` if it is in ``state`` (one not finished)."""
+        fetch = self._live.get(lease)
+        return fetch if fetch is not None and fetch.link == conn and fetch.state is state else None
 
     def _renewable(self, link: _Link) -> list[bytes]:
         """Leases on ``link`` that must not expire: fetches not finished, and offers not yet taken."""
-        ids = [f.lease for f in self._fetches.values()
-               if f.link == link.id and not f.done and (f.offer is not None or f.claimed_at is not None)]
-        return ids + [i for i in link.offers if i not in ids]
+        ids = [f.lease for f in self._on_link.get(link.id, {}).values()
+               if f.offer is not None or f.claimed_at is not None]
+        fetched = set(ids)
+        return ids + [i for i in link.offers if i not in fetched]
 
 
 def _grown(link: _Link, offer: LeaseOffer, message: Extend) -> LeaseOffer:
