@@ -18,7 +18,7 @@ from conftest import group_layers, slots
 from memory_transport import KIND, SCRIBBLE, ContractError, World, finish_all
 from test_wire import decode_all
 
-import kvlend.protocol.decode as decode_mod
+import kvlend.protocol.fetch as fetch_mod
 from kvlend.core.layout import RowSelection
 from kvlend.errors import (
     AuthError, BackendError, ConfigError, IncompleteFetch, KvlendError, LayoutMismatch, LeaseDenied, LeaseError,
@@ -1009,7 +1009,7 @@ class Boom(Exception):
 
 
 def _planner_failing_on(monkeypatch, call: int):
-    real, calls = decode_mod.plan_reads, []
+    real, calls = fetch_mod.plan_reads, []
 
     def plan_reads(*args, **kw):
         calls.append(1)
@@ -1017,7 +1017,7 @@ def _planner_failing_on(monkeypatch, call: int):
             raise Boom(f"planner bug on call {call}")
         return real(*args, **kw)
 
-    monkeypatch.setattr(decode_mod, "plan_reads", plan_reads)
+    monkeypatch.setattr(fetch_mod, "plan_reads", plan_reads)
     return calls
 
 

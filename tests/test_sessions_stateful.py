@@ -28,7 +28,7 @@ from hypothesis import HealthCheck, event, settings, strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 from memory_transport import ContractError, World
 
-import kvlend.protocol.decode as decode_mod
+import kvlend.protocol.fetch as fetch_mod
 from kvlend.errors import KvlendError, PageRangeError, PeerLost, ProtocolError, UsageError
 from kvlend.protocol.config import NodeConfig
 from kvlend.protocol.decode import FetchState
@@ -222,7 +222,7 @@ class Sessions(RuleBasedStateMachine):
             dst = {**good, "swa": good["swa"][:-1]}
         elif bad == "resume":
             resume = offer.num_tokens + call
-        real, calls = decode_mod.plan_reads, []
+        real, calls = fetch_mod.plan_reads, []
 
         def plan_reads(*args, **kw):
             calls.append(1)
@@ -231,13 +231,13 @@ class Sessions(RuleBasedStateMachine):
             return real(*args, **kw)
 
         if bad == "planner":
-            decode_mod.plan_reads = plan_reads
+            fetch_mod.plan_reads = plan_reads
         try:
             fetch = d.session.fetch_offer(conn, offer, dst, d.now, resume)
         except (_PlannerBug, KvlendError):
             fetch = None
         finally:
-            decode_mod.plan_reads = real
+            fetch_mod.plan_reads = real
         if fetch is not None:  # fewer chunks than the injection waited for: a real fetch
             assert bad == "planner" and len(calls) < call
             d.offers.remove((conn, offer))
@@ -294,7 +294,7 @@ class Sessions(RuleBasedStateMachine):
             return
         seed = self._next_seed()
         ticket = p.ticket(n, seed)
-        real, calls = decode_mod.plan_reads, []
+        real, calls = fetch_mod.plan_reads, []
 
         def plan_reads(*args, **kw):
             calls.append(1)
@@ -302,11 +302,11 @@ class Sessions(RuleBasedStateMachine):
                 raise _PlannerBug("injected")
             return real(*args, **kw)
 
-        decode_mod.plan_reads = plan_reads
+        fetch_mod.plan_reads = plan_reads
         try:
             record = d.fetch_ticket(ticket, seed=seed)  # any claimed offer started in this pump may be the one hit
         finally:
-            decode_mod.plan_reads = real
+            fetch_mod.plan_reads = real
         for r in d.records.values():
             if r.finished and "_PlannerBug" in str(r.fetch.error):
                 assert type(r.fetch.error) is KvlendError and r.fetch.bound == r.fetch.resume_from

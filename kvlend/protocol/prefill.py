@@ -266,7 +266,7 @@ class PrefillSession(Outbox):
                 self._revoked[lease_id] = reader
             conn = self._by_name.get(lease.peer) if lease.peer is not None else None
             if conn is not None:
-                self._peers[conn].conn.send(_abort(lease_id, LeaseUnknown("released by the prefill")))
+                self._peers[conn].conn.send(Abort.of(lease_id, LeaseUnknown("released by the prefill")))
         return lease
 
     @property
@@ -299,7 +299,7 @@ class PrefillSession(Outbox):
                 break
             del self._waiting[lease_id]
             self._peers[conn].waiting.discard(lease_id)
-            self._peers[conn].conn.send(_abort(lease_id, LeaseUnknown(
+            self._peers[conn].conn.send(Abort.of(lease_id, LeaseUnknown(
                 f"lease {lease_id.hex()} was not lent within claim_wait {self.config.claim_wait:.3g} s")))
         for lease in self.lender.expire(now):
             if self._revoked.pop(lease.id, None) is not None:
@@ -474,7 +474,7 @@ class PrefillSession(Outbox):
             lease = self.lender.claim(lease_id, peer.name, now, self._limits, prompt_digest=digest or None)
         except KvlendError as exc:
             log.info("claim of lease %s by %s refused: %s", lease_id.hex(), printable(peer.name), printable(exc))
-            peer.conn.send(_abort(lease_id, exc))
+            peer.conn.send(Abort.of(lease_id, exc))
             return
         peer.conn.send(Offer(self._offer_of(lease)))
         loaned = self._loans.get(lease_id)
@@ -552,8 +552,3 @@ def peer_layout(message: Message, backend_kind: str) -> PageLayout:
     if message.backend != backend_kind:
         raise PeerProtocolError(f"peer uses transfer backend {message.backend!r}, we use {backend_kind!r}")
     return message.page_layout()
-
-
-def _abort(lease_id: bytes, error: KvlendError) -> Abort:
-    """The ``Abort`` that tells the peer why ``lease_id`` ends."""
-    return Abort(lease_id, code_of(error), detail_of(error))

@@ -30,7 +30,7 @@ from ..core.layout import RowSelection, SelectionMode, _show  # _show: a short, 
 from ..core.lender import LEASE_ID_BYTES
 from ..core.prompt import PROMPT_DIGEST_BYTES
 from ..core.pages import GroupPages
-from .codes import Code
+from .codes import Code, code_of, detail_of
 
 # 2: inside TLS, no MAC or sequence numbers; 3: progressive leases; 4: Claim.digest;
 # 5: Abort, DoneAck and Bye carry a ``Code`` and a detail
@@ -360,6 +360,11 @@ class Abort(Message):
     lease: bytes
     code: Code
     detail: str
+
+    @classmethod
+    def of(cls, lease: bytes, error: BaseException) -> Abort:
+        """The ``Abort`` that tells the peer ``error`` ends ``lease``."""
+        return cls(lease, code_of(error), detail_of(error))
 
 
 @dataclass(frozen=True)
