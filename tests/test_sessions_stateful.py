@@ -14,7 +14,9 @@ declines of offers being read (refused).  After every step:
       fetch's bound names pages that hold them;
 (iii) each prefill's page locks are exactly those of its live leases;
 (iv)  nothing hangs: past ``transfer_timeout + cancel_grace`` every fetch has
-      finished with every read terminal, and one TTL later no lease is left.
+      finished with every read terminal, and one TTL later no lease is left;
+(v)   every fetch's and link's state changed only by moves of ``kvlend.protocol.states``'
+      tables, each made through ``states.transition`` (recorded here).
 
 plus the bookkeeping: the session's fetches in flight, its tracker's
 requests and each fetch's open reads agree with what the backend knows.
@@ -30,6 +32,7 @@ from memory_transport import ContractError, World
 
 import kvlend.protocol.fetch as fetch_mod
 from kvlend.errors import KvlendError, PageRangeError, PeerLost, ProtocolError, UsageError
+from kvlend.protocol import states
 from kvlend.protocol.config import NodeConfig
 from kvlend.protocol.decode import FetchState
 
@@ -71,6 +74,15 @@ class Sessions(RuleBasedStateMachine):
         self.seed = 0
         self.restarts = 0
         self.ahead: list = []  # (decode, ticket, seed) claimed ahead, not yet read or given back
+        self.moves: list = []  # (table, state, event, next state) of each transition since the last check
+        self.seen: dict = {}  # (session, table, id) -> the state last checked
+        self.transition = states.transition
+        states.transition = self._recorded
+
+    def _recorded(self, name, state, event_):
+        after = self.transition(name, state, event_)
+        self.moves.append((name, state, event_, after))
+        return after
 
     # ------------------------------------------------------------- helpers
     def _next_seed(self) -> int:
@@ -441,6 +453,25 @@ class Sessions(RuleBasedStateMachine):
         for d in (self.decode, self.other):
             self._agree(d)
 
+    @invariant()
+    def states_change_only_by_moves_of_the_tables(self):
+        """(v): each state seen now is the last seen one, or reached from it by this step's recorded moves."""
+        made = {}
+        for name, state, event_, after in self.moves:
+            assert states.TABLES[name][state, event_] is after
+            made.setdefault(name, set()).add((state, after))
+            event(f"{name}: {'(new)' if state is None else state.value} -{event_.value}-> {after.value}")
+        self.moves.clear()
+        watched = [(d.session, "fetch", d.session._fetches) for d in self.world.decodes]
+        watched += [(d.session, "link", d.session._links) for d in self.world.decodes]
+        watched += [(p.session, "peer", p.session._peers) for p in self.world.prefills]
+        for session, name, objects in watched:
+            for key, obj in objects.items():
+                before = self.seen.get((session, name, key))
+                assert obj.state is before or _reachable(made.get(name, ()), before, obj.state), \
+                    (name, key, before, obj.state, made.get(name))
+                self.seen[session, name, key] = obj.state
+
     def _agree(self, d):
         s = d.session
         running = d.running()
@@ -457,6 +488,12 @@ class Sessions(RuleBasedStateMachine):
     def teardown(self):
         if not hasattr(self, "world"):
             return
+        try:
+            self._settle()
+        finally:
+            states.transition = self.transition
+
+    def _settle(self):
         world = self.world
         for end in world.decodes:
             for r in end.finished:
@@ -491,6 +528,18 @@ class Sessions(RuleBasedStateMachine):
             if p.alive and p.lender.active_leases:
                 raise ContractError(f"prefill {p.name} still holds {p.lender.active_leases} leases "
                                     f"({p.lender.locks.locked_pages()} pages) with nothing reading them")
+
+
+def _reachable(moves, start, end) -> bool:
+    """Whether ``moves`` (pairs of states) lead from ``start`` to ``end``."""
+    seen, todo = {start}, [start]
+    while todo:
+        state = todo.pop()
+        for a, b in moves:
+            if a is state and b not in seen:
+                seen.add(b)
+                todo.append(b)
+    return end in seen
 
 
 Sessions.TestCase.settings = settings(max_examples=80, stateful_step_count=40, deadline=None,

@@ -46,10 +46,12 @@ from ..errors import (
     AuthError, KvlendError, LayoutMismatch, LeaseDenied, LeaseUnknown, PeerLost, PeerProtocolError, QuotaExceeded,
     UsageError,
 )
+from . import states
 from .actions import Close, LeaseEnded, Outbox, PeerGone, PeerReady, Send
 from .codes import Code, code_of, detail_of
 from .config import NodeConfig
 from .connection import AUTH_TIMEOUT, Connection
+from .states import PeerEvent, PeerState
 from .ticket import Ticket
 from .wire import (
     Abort, Bye, Claim, Done, DoneAck, Extend, Handshake, Heartbeat, LeaseOffer, Message, Offer, Renewed, check_offer,
@@ -73,6 +75,7 @@ class _Peer:
     log_after: float = -math.inf  # its next heartbeat summary line, no earlier
     unlogged: int = 0  # heartbeats with something to say since its last line
     refused_until: float | None = None  # its layout was refused: it may decline leases until then
+    state: PeerState | None = None  # changed only by ``PrefillSession._peer_to``
 
     @property
     def name(self) -> str | None:
@@ -116,14 +119,15 @@ class PrefillSession(Outbox):
         connections costs a bounded few KiB each and cannot crowd out a peer's retry for long."""
         if conn in self._peers:
             raise UsageError(f"connection {conn} is already open")
-        pending = [p for p in self._peers.values() if not p.conn.ready or p.refused_until is not None]
+        pending = [p for p in self._peers.values() if p.state in (PeerState.PENDING, PeerState.REFUSED)]
         from_source = sum(p.source == source for p in pending)
         if len(pending) >= MAX_PENDING or (source is not None and from_source >= MAX_PENDING_PER_SOURCE):
             log.warning("refused a connection from %s: %d connections not yet authenticated (%d from it)",
                         printable(source), len(pending), from_source)
             self._actions.append(Close(conn, "too many connections not yet authenticated"))
             return
-        self._peers[conn] = _Peer(Connection(now, AUTH_TIMEOUT), source)
+        self._peers[conn] = peer = _Peer(Connection(now, AUTH_TIMEOUT), source)
+        self._peer_to(peer, PeerEvent.ACCEPT)
 
     def authenticated(self, conn: int, identity: str, now: float) -> None:
         """The channel verified that connection ``conn``'s peer holds a certificate for ``identity``.
@@ -142,6 +146,7 @@ class PrefillSession(Outbox):
             self._drop(conn, detail_of(exc), code=code_of(exc))  # the bye's code: the decode raises the same
             return
         self._by_name[identity] = conn
+        self._peer_to(peer, PeerEvent.AUTHENTICATED)
         peer.layout_by = now + self.config.handshake_timeout  # or it holds its identity's slot for nothing
         log.info("control: connection %d authenticated as %s", conn, printable(identity))
 
@@ -180,7 +185,7 @@ class PrefillSession(Outbox):
     def shutdown(self, reason: str) -> None:
         """Say goodbye to every peer and close; leases stay until released or expired."""
         for conn, peer in list(self._peers.items()):
-            if peer.layout is not None:  # a peer still in the handshake gets its bye from _drop
+            if peer.state is PeerState.READY:  # a peer still in the handshake gets its bye from _drop
                 peer.conn.send(Bye(Code.OK, reason[:_REASON]))
             self._drop(conn, reason, logging.INFO)
 
@@ -210,7 +215,7 @@ class PrefillSession(Outbox):
               ready: int | None = None) -> Lease:
         """Lend to a connected ``peer`` and push the offer to it."""
         conn = self._by_name.get(peer)
-        if conn is None or self._peers[conn].layout is None:
+        if conn is None or self._peers[conn].state is not PeerState.READY:
             raise PeerLost(f"decode rank {peer!r} is not connected")
         lease = self.lend(request, num_tokens, pages, selection, now, meta=meta, peer=peer, ready=ready)
         offer = self._offer_of(lease)
@@ -272,7 +277,7 @@ class PrefillSession(Outbox):
     @property
     def pending(self) -> int:
         """Connections not yet authenticated."""
-        return sum(not p.conn.ready for p in self._peers.values())
+        return sum(p.state is PeerState.PENDING for p in self._peers.values())
 
     @property
     def peers(self) -> list[str]:
@@ -284,12 +289,12 @@ class PrefillSession(Outbox):
         """Expire leases and waiting claims, and drop connections that did not authenticate or send their
         layout in time."""
         for conn, peer in list(self._peers.items()):
-            if not peer.conn.ready and now > peer.conn.deadline:
+            if peer.state is PeerState.PENDING and now > peer.conn.deadline:
                 self._drop(conn, f"no TLS handshake within {AUTH_TIMEOUT:.3g} s", notify=False)
-            elif peer.refused_until is not None and now > peer.refused_until:
+            elif peer.state is PeerState.REFUSED and now > peer.refused_until:
                 self._drop(conn, f"its layout was refused and it did not leave within {AUTH_TIMEOUT:.3g} s",
                            code=Code.TIMEOUT)
-            elif peer.layout is None and peer.refused_until is None and now > peer.layout_by:
+            elif peer.state is PeerState.AUTHENTICATED and now > peer.layout_by:
                 late = PeerProtocolError(f"no handshake within handshake_timeout "
                                          f"{self.config.handshake_timeout:.3g} s of authenticating")
                 self._drop(conn, detail_of(late), code=code_of(late))
@@ -332,9 +337,9 @@ class PrefillSession(Outbox):
     # -------------------------------------------------------------- handling
     def _handle(self, conn: int, peer: _Peer, message: Message, now: float) -> None:
         name = peer.name
-        if peer.refused_until is not None:
+        if peer.state is PeerState.REFUSED:
             self._declined(peer, message, now)
-        elif peer.layout is None:
+        elif peer.state is PeerState.AUTHENTICATED:
             self._handshake(conn, peer, message, now)
         elif isinstance(message, Heartbeat):
             peer.conn.send(Renewed(self._heartbeat(peer, message.leases, now)))
@@ -432,11 +437,13 @@ class PrefillSession(Outbox):
             # declines the leases it came for; its identity is free for another connection meanwhile.
             peer.conn.send(Handshake(self.layout.encode(), self._kind, b""))
             peer.refused_until = now + AUTH_TIMEOUT
+            self._peer_to(peer, PeerEvent.REFUSE)
             del self._by_name[peer.name]
             log.warning("refused decode rank %s: %s", printable(peer.name), printable(exc, _REASON))
             return
         peer.conn.send(Handshake(self.layout.encode(), self._kind, self._metadata))
         peer.layout = layout
+        self._peer_to(peer, PeerEvent.LAYOUT)
         log.info("handshake with %s: %s", printable(peer.name), plan.summary().splitlines()[0])
         self._events.append(PeerReady(conn, peer.name))
 
@@ -486,6 +493,11 @@ class PrefillSession(Outbox):
         return LeaseOffer(lease.id, lease.request, lease.num_tokens, lease.pages, lease.selection, lease.ttl,
                           loaned.meta if loaned is not None else {}, lease.ready)
 
+    @staticmethod
+    def _peer_to(peer: _Peer, event: PeerEvent) -> None:
+        """The one place a peer's state changes: checked against ``states.PEER``."""
+        peer.state = states.transition("peer", peer.state, event)
+
     def _settle(self, lease_id: bytes, conn: int) -> bool:
         """Whether ``lease_id`` was held for its reader on ``conn``, now quiet: its pages go."""
         if self._revoked.get(lease_id) != conn:
@@ -510,6 +522,7 @@ class PrefillSession(Outbox):
         leases held for it go now, and a later release of one offered on it need not wait.
         """
         peer = self._peers.pop(conn)
+        self._peer_to(peer, PeerEvent.CLOSE)
         if quiet:
             for lease_id in [i for i, c in self._revoked.items() if c == conn]:
                 self._settle(lease_id, conn)
