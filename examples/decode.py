@@ -37,7 +37,7 @@ from prefill import model_config  # noqa: E402
 from workload import add_workload_args, run_rank  # noqa: E402
 
 from kvlend.core.layout import ReplicaRank  # noqa: E402
-from kvlend.errors import ConfigError, KvlendError, PeerLost, ProtocolError, TransferTimeout  # noqa: E402
+from kvlend.errors import ConfigError, KvlendError, PeerLost, PeerProtocolError, TransferTimeout  # noqa: E402
 from kvlend.metrics import METRICS  # noqa: E402
 from kvlend.runtime import DecodeNode, NodeConfig, reload_on_sighup  # noqa: E402
 from kvlend.security.credentials import Credentials  # noqa: E402
@@ -191,15 +191,15 @@ def main(argv=None) -> int:
             """An offer pushed to decode TP rank ``rank``: a request is ready once every rank has one."""
             name = offer.request
             if name not in expected or name in seen or rank in offered.get(name, {}):
-                raise ProtocolError(f"decode rank {rank} was offered request {name!r} "
-                                    f"{'again' if name in expected else 'that is not in the workload'}")
+                raise PeerProtocolError(f"decode rank {rank} was offered request {name!r} "
+                                        f"{'again' if name in expected else 'that is not in the workload'}")
             got = offered.setdefault(name, {})
             if got:
                 other = min(got)
                 other_link, other_offer = got[other]
                 if (by_link[rank][link.id], offer.num_tokens) != (by_link[other][other_link.id], other_offer.num_tokens):
-                    raise ProtocolError(f"the decode ranks were offered request {name!r} by different prefill "
-                                        "ranks or with different lengths")
+                    raise PeerProtocolError(f"the decode ranks were offered request {name!r} by different prefill "
+                                            "ranks or with different lengths")
             got[rank] = (link, offer)
             if len(got) == tp:
                 seen.add(name)

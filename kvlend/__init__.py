@@ -3,7 +3,7 @@
 from .errors import (
     AuthError, BackendError, ConfigError, KvlendError, LayoutError, LayoutMismatch, LeaseDenied, LeaseError,
     LeaseExpired, LeaseUnknown, PageRangeError, PeerLost, ProtocolError, TrackerError, TransferTimeout,
-    IncompleteFetch, LeaseLifetimeExceeded, NegotiationLimit, PromptMismatch, QuotaExceeded, TransferCancelled,
+    IncompleteFetch, PeerProtocolError, UsageError, LeaseLifetimeExceeded, NegotiationLimit, PromptMismatch, QuotaExceeded, TransferCancelled,
 )
 from .core.pages import GroupPages
 from .core.prompt import prompt_digest
@@ -19,7 +19,7 @@ __all__ = [
     "AuthError", "BackendError", "ConfigError", "KvlendError", "LayoutError", "LayoutMismatch", "LeaseDenied", "LeaseError",
     "LeaseExpired", "LeaseUnknown", "PageRangeError", "PeerLost", "ProtocolError", "TrackerError", "TransferTimeout",
     "IncompleteFetch", "LeaseLifetimeExceeded", "NegotiationLimit", "PromptMismatch", "QuotaExceeded",
-    "TransferCancelled", "GroupPages", "prompt_digest",
+    "TransferCancelled", "PeerProtocolError", "UsageError", "GroupPages", "prompt_digest",
     "BufferDesc", "HeadGeometry", "HeadOrder", "LayerGroup", "LayerIdentity", "LayerKind", "MemoryKind",
     "MemoryRegion", "PageLayout", "ReplicaRank", "Role", "RowSelection", "SelectionMode", "Sharding",
     "layout_from_pools",

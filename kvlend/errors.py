@@ -61,11 +61,25 @@ class TrackerError(KvlendError):
 
 
 class ProtocolError(KvlendError):
-    """A peer sent a malformed, oversized, unexpected or hostile message."""
+    """The control protocol was broken: by this rank's caller (``UsageError``) or by its peer
+    (``PeerProtocolError``).  Catch a subclass; this base is never raised itself."""
+
+
+class UsageError(ProtocolError, ValueError):
+    """The caller asked a session for something the protocol does not allow (an unknown or busy lease,
+    a malformed ticket, an argument of the wrong type); nothing changed, and every link stays up."""
+
+
+class PeerProtocolError(ProtocolError):
+    """The peer sent a malformed, oversized, unexpected or hostile message.
+
+    Raised while a link's messages are handled, it closes that link; as a fetch's error, the
+    prefill's answer for that lease broke the protocol (the link stays).
+    """
 
 
 class AuthError(ProtocolError):
-    """A frame failed authentication."""
+    """A peer, or this rank's own credentials, failed authentication (TLS, certificates, identities)."""
 
 
 class BackendError(KvlendError):

@@ -16,7 +16,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 from test_wire import LID, SAMPLES, decode_all, wire_bytes
 
-from kvlend.errors import ProtocolError
+from kvlend.errors import PeerProtocolError, ProtocolError, UsageError
+from kvlend.protocol.codes import Code
 from kvlend.protocol.connection import AUTH_TIMEOUT, Connection
 from kvlend.protocol.wire import MAX_FRAME_BYTES, PROTOCOL_VERSION, Bye, Handshake, Heartbeat, encode_frame
 
@@ -63,38 +64,38 @@ def test_a_new_connection_knows_no_peer_and_has_a_handshake_deadline():
     assert conn.data_to_send() == b""  # nothing of its own to say: TLS opens the channel
 
 
-@pytest.mark.parametrize("data", [b"\x00\x00\x00\x05hello", encode_frame(Bye("early")), b"\x16\x03\x01"],
+@pytest.mark.parametrize("data", [b"\x00\x00\x00\x05hello", encode_frame(Bye(Code.OK, "early")), b"\x16\x03\x01"],
                          ids=["junk", "a-valid-frame", "a-tls-record-header"])
 def test_bytes_before_authenticate_are_refused(data):
     conn = Connection(NOW)
-    with pytest.raises(ProtocolError, match="before the peer was authenticated"):
+    with pytest.raises(PeerProtocolError, match="before the peer was authenticated"):
         conn.receive(data)
     assert not conn.ready and conn.data_to_send() == b""
     conn.authenticate("decode-0")  # nothing of the refused bytes was kept
-    assert conn.receive(encode_frame(Bye("after"))) == [Bye("after")]
+    assert conn.receive(encode_frame(Bye(Code.OK, "after"))) == [Bye(Code.OK, "after")]
 
 
 def test_send_before_authenticate_raises_and_queues_nothing():
     conn = Connection(NOW)
-    with pytest.raises(ProtocolError, match="before the peer is authenticated"):
-        conn.send(Bye("too early"))
+    with pytest.raises(UsageError, match="before the peer is authenticated"):
+        conn.send(Bye(Code.OK, "too early"))
     assert conn.data_to_send() == b""
 
 
 @pytest.mark.parametrize("identity", ["", None, b"decode-0", 7])
 def test_an_empty_or_non_string_identity_is_refused(identity):
     conn = Connection(NOW)
-    with pytest.raises(ProtocolError, match="non-empty string"):
+    with pytest.raises(UsageError, match="non-empty string"):
         conn.authenticate(identity)
     assert not conn.ready and conn.peer is None
-    with pytest.raises(ProtocolError):
-        conn.receive(encode_frame(Bye("still refused")))
+    with pytest.raises(PeerProtocolError):
+        conn.receive(encode_frame(Bye(Code.OK, "still refused")))
 
 
 @pytest.mark.parametrize("again", ["decode-0", "decode-1"], ids=["same", "other"])
 def test_authenticate_twice_is_refused_and_keeps_the_first_identity(again):
     conn = authenticated("decode-0")
-    with pytest.raises(ProtocolError, match="already authenticated as 'decode-0'"):
+    with pytest.raises(UsageError, match="already authenticated as 'decode-0'"):
         conn.authenticate(again)
     assert conn.ready and conn.peer == "decode-0"
 
@@ -120,18 +121,18 @@ def test_every_message_crosses_both_ways_in_order():
 
 def test_what_is_sent_is_exactly_the_frames_of_the_messages():
     a, _ = pair()
-    a.send(Bye("one"))
+    a.send(Bye(Code.OK, "one"))
     a.send(Heartbeat((LID,)))
-    assert a.data_to_send() == encode_frame(Bye("one")) + encode_frame(Heartbeat((LID,)))
+    assert a.data_to_send() == encode_frame(Bye(Code.OK, "one")) + encode_frame(Heartbeat((LID,)))
 
 
 def test_many_queued_messages_come_out_in_order_from_one_receive():
     a, b = pair()
     for i in range(200):
-        a.send(Bye(str(i)))
+        a.send(Bye(Code.OK, str(i)))
     data = a.data_to_send()
     assert a.data_to_send() == b""  # taken once
-    assert [m.reason for m in b.receive(data)] == [str(i) for i in range(200)]
+    assert [m.detail for m in b.receive(data)] == [str(i) for i in range(200)]
 
 
 BIG = Handshake(bytes(range(256)) * 8000, "nixl", b"m" * 1000)  # ~2 MB: many TLS records' worth
@@ -141,7 +142,7 @@ BIG = Handshake(bytes(range(256)) * 8000, "nixl", b"m" * 1000)  # ~2 MB: many TL
 @given(data=st.data())
 def test_any_split_of_either_byte_stream_yields_the_same_messages(data):
     a, b = pair()
-    sent = [Bye("a"), BIG, Heartbeat((LID,)), Bye("b")]
+    sent = [Bye(Code.OK, "a"), BIG, Heartbeat((LID,)), Bye(Code.OK, "b")]
     for src, dst in ((a, b), (b, a)):
         for m in sent:
             src.send(m)
@@ -155,12 +156,12 @@ def test_any_split_of_either_byte_stream_yields_the_same_messages(data):
 
 def test_a_stream_fed_one_byte_at_a_time_yields_the_same_messages():
     a, b = pair()
-    a.send(Bye("slowly"))
+    a.send(Bye(Code.OK, "slowly"))
     a.send(Heartbeat((LID,)))
     got = []
     for byte in a.data_to_send():
         got += b.receive(bytes([byte]))
-    assert got == [Bye("slowly"), Heartbeat((LID,))]
+    assert got == [Bye(Code.OK, "slowly"), Heartbeat((LID,))]
     assert b.receive(b"") == []
 
 
@@ -189,11 +190,11 @@ def test_a_length_at_the_cap_is_buffered_not_refused():
 
 def test_a_message_too_large_to_frame_is_refused_and_queues_nothing():
     a, b = pair()
-    a.send(Bye("before"))
-    with pytest.raises(ProtocolError, match="exceeds the cap"):
+    a.send(Bye(Code.OK, "before"))
+    with pytest.raises(UsageError, match="exceeds the cap"):
         a.send(Handshake(b"\x00" * MAX_FRAME_BYTES, "nixl", b""))
-    a.send(Bye("after"))
-    assert b.receive(a.data_to_send()) == [Bye("before"), Bye("after")]
+    a.send(Bye(Code.OK, "after"))
+    assert b.receive(a.data_to_send()) == [Bye(Code.OK, "before"), Bye(Code.OK, "after")]
 
 
 # ------------------------------------------------------------ hostile bytes
@@ -226,6 +227,6 @@ def test_random_bytes_are_refused_or_wait_never_garbage_messages(junk):
 
 def test_a_frame_of_another_protocol_version_is_refused():
     _, b = pair()
-    payload = msgpack.packb([PROTOCOL_VERSION - 1, 0, Bye("v1").to_wire()], use_bin_type=True)
+    payload = msgpack.packb([PROTOCOL_VERSION - 1, 0, Bye(Code.OK, "v1").to_wire()], use_bin_type=True)
     with pytest.raises(ProtocolError, match=r"\[version, message\]"):
         b.receive(struct.pack(">I", len(payload)) + payload)

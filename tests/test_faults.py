@@ -33,6 +33,7 @@ from test_node import (
 )
 
 from kvlend.errors import AuthError, KvlendError, PeerLost, TransferTimeout
+from kvlend.protocol.codes import Code
 from kvlend.protocol.wire import Done, DoneAck, Heartbeat
 from kvlend.runtime import DecodeNode, NodeConfig
 from kvlend.security.certs import Authority, save_rank
@@ -413,7 +414,7 @@ def test_a_foreign_certificate_a_replayed_session_and_another_decodes_lease_are_
             b.send(Done(lease.id, 50))
             ack = b.recv(DEADLINE)
             assert isinstance(ack, DoneAck) and ack.lease == lease.id
-            assert not ack.ok and ack.error.startswith("LeaseDenied")
+            assert ack.code is Code.LEASE_DENIED and ack.detail.startswith("LeaseDenied")
             assert "decode-b" in r.prefill.ready_peers()  # a done refused, not dropped
             b.send(Heartbeat((lease.id,)))  # a lease it was never given: dropped (issue 22, 3)
             with pytest.raises(PeerLost):

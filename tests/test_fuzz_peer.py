@@ -37,7 +37,7 @@ from test_connection_nodes import read_until_eof, wait_until
 from test_node import DEADLINE, DST_PAGES, SRC_PAGES, fetch_and_verify, free_lists, rig
 
 import kvlend.protocol.prefill
-from kvlend.errors import AuthError, KvlendError, LayoutError, PeerLost, ProtocolError, TransferTimeout
+from kvlend.errors import AuthError, KvlendError, LayoutError, PeerLost, PeerProtocolError, TransferTimeout
 from kvlend.core.layout import PageLayout
 from kvlend.protocol.wire import (
     PROTOCOL_VERSION, Abort, Claim, Done, FrameDecoder, Handshake, Heartbeat, LeaseOffer, Offer, encode_frame,
@@ -124,8 +124,8 @@ def test_frame_decoder_40k_fed_in_random_pieces():
     with lf.hang_guard(GUARD_S):
         for i in range(40_000):
             _expect_kvlend(run, hostile_frames(rng, i), counts, i)
-    assert set(counts) <= {"ok", "ProtocolError"}, counts
-    assert counts["ProtocolError"] > 25_000 and counts["ok"] > 1_000, counts
+    assert set(counts) <= {"ok", "PeerProtocolError"}, counts
+    assert counts["PeerProtocolError"] > 25_000 and counts["ok"] > 1_000, counts
 
 
 # ------------------------------------------------------ messages and offers
@@ -141,8 +141,8 @@ def test_message_from_wire_20k():
                 if isinstance(obj, dict) and rng.random() < 0.7:
                     obj["t"] = rng.choice(sorted(tw.MESSAGES))
             _expect_kvlend(message_from_wire, obj, counts, i)
-    assert set(counts) <= {"ok", "ProtocolError"}, counts
-    assert counts["ProtocolError"] > 15_000, counts
+    assert set(counts) <= {"ok", "PeerProtocolError"}, counts
+    assert counts["PeerProtocolError"] > 15_000, counts
 
 
 def _i64(values) -> bytes:
@@ -195,8 +195,8 @@ def test_lease_offer_from_wire_20k():
             if offer is not None:  # whatever is accepted round-trips through a real frame
                 (msg,) = tw.decode_all(encode_frame(Offer(offer)))
                 assert msg.lease.id == offer.id and set(msg.lease.pages) == set(offer.pages)
-    assert set(counts) <= {"ok", "ProtocolError"}, counts
-    assert counts["ProtocolError"] > 15_000 and counts["ok"] > 0, counts
+    assert set(counts) <= {"ok", "PeerProtocolError"}, counts
+    assert counts["PeerProtocolError"] > 15_000 and counts["ok"] > 0, counts
 
 
 # ----------------------------------------------------------- huge claims
@@ -230,11 +230,11 @@ def test_huge_claims_allocate_nothing_like_their_claim(claim):
         dec = FrameDecoder()
         dec.feed(near_cap)
         assert dec.next_message() is None
-        with pytest.raises(ProtocolError):
+        with pytest.raises(PeerProtocolError):
             tw.decode_all(in_frame)
-        with pytest.raises(ProtocolError):
+        with pytest.raises(PeerProtocolError):
             message_from_wire(MANY_IDS)
-        with pytest.raises(ProtocolError):
+        with pytest.raises(PeerProtocolError):
             LeaseOffer.from_wire(BIG_PAGES)
 
     assert _peak(every_decoder) < PEAK_LIMIT
@@ -467,7 +467,7 @@ def frames_in_tls(rng: random.Random, i: int) -> bytes:
 
 def _probe(raw: RawDecode, data: bytes, answers) -> str:
     """Send ``data``; whether the prefill ``answered`` the probe in it, ``dropped`` the connection or
-    stayed ``silent``.  A malformed frame from the prefill fails the test (``ProtocolError``)."""
+    stayed ``silent``.  A malformed frame from the prefill fails the test (``PeerProtocolError``)."""
     try:
         raw.send_bytes(data)
         while not answers(raw.recv(SILENCE)):

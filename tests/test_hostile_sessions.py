@@ -12,15 +12,20 @@ from __future__ import annotations
 
 import logging
 import secrets
+import struct
 
+import msgpack
 import pytest
 from memory_transport import KIND, World
 
 from kvlend.protocol.actions import Close, Send
+from kvlend.protocol.codes import Code
 from kvlend.protocol.config import NodeConfig, Quotas
 from kvlend.protocol.connection import FrameReader
 from kvlend.protocol.prefill import LOG_EVERY
-from kvlend.protocol.wire import Abort, Bye, Claim, Done, DoneAck, Handshake, Heartbeat, Offer, Renewed, encode_frame
+from kvlend.protocol.wire import (
+    PROTOCOL_VERSION, Abort, Bye, Claim, Done, DoneAck, Handshake, Heartbeat, Offer, Renewed, encode_frame,
+)
 
 CFG = NodeConfig(ttl=5.0, heartbeat=1.0, handshake_timeout=3.0, claim_wait=1.0)
 
@@ -88,7 +93,8 @@ def test_a_peer_that_never_sends_its_layout_is_dropped_and_frees_its_identity():
     assert silent.closed is None
     at(world, p, world.now + 0.02)
     bye = silent.next()
-    assert isinstance(bye, Bye) and "ProtocolError: no handshake within handshake_timeout 3 s" in bye.reason
+    assert isinstance(bye, Bye) and bye.code is Code.PROTOCOL
+    assert "no handshake within handshake_timeout 3 s" in bye.detail
     assert silent.closed is not None
     again = Peer(p, 2, "decode-a")  # the identity's slot is free again
     assert p.session.peers == ["decode-a"] and again.closed is None
@@ -156,8 +162,8 @@ def test_only_the_holder_of_a_tickets_lease_renews_or_ends_it():
     lease = p.lend(16, seed=1)
     other.send(Done(lease.id, 16))
     ack = other.next()
-    assert isinstance(ack, DoneAck) and not ack.ok and ack.error.startswith("LeaseDenied: "), ack
-    other.send(Abort(lease.id, "not mine"))
+    assert isinstance(ack, DoneAck) and ack.code is Code.LEASE_DENIED and ack.detail.startswith("LeaseDenied: "), ack
+    other.send(Abort(lease.id, Code.CANCELLED, "not mine"))
     world.now += 1.0
     other.send(Heartbeat((lease.id,)))
     collect(p, holder, other)
@@ -166,7 +172,7 @@ def test_only_the_holder_of_a_tickets_lease_renews_or_ends_it():
     holder.send(Claim(lease.id))
     assert isinstance(holder.next(), Offer)
     holder.send(Done(lease.id, 16))
-    assert holder.next() == DoneAck(lease.id, True, "")
+    assert holder.next() == DoneAck(lease.id, Code.OK, "")
     assert p.lender.active_leases == 0
 
 
@@ -184,7 +190,21 @@ def test_claims_waiting_for_their_lend_are_capped_per_connection_and_expire_in_o
     assert isinstance(a.next(), Offer)
     at(world, p, world.now + 0.51 + 1e-6)  # a's other two expire, b's has 0.5 s left
     assert [m.lease for m in (a.next(), a.next())] == [ids[0], ids[2]] and not b.inbox
-    b.send(Bye("leaving"))
+    b.send(Bye(Code.OK, "leaving"))
     collect(p, a, b)
     at(world, p, world.now + 1.0)  # its claim left with it: nothing to answer
     assert not b.inbox
+
+
+# ---------------------------------------------------------------- versions
+def test_a_decode_of_an_older_release_is_refused_naming_both_versions():
+    """Its first frame is refused before its fields are read; the bye (which it cannot read either, and
+    refuses naming both versions in turn) and the drop say which versions differ."""
+    world, p = prefill()
+    old = Peer(p, 1, "decode-old", layout=False)
+    payload = msgpack.packb([PROTOCOL_VERSION - 1, {"t": "bye", "reason": "hello"}], use_bin_type=True)
+    p.session.receive(1, struct.pack(">I", len(payload)) + payload, p.now)
+    bye = old.next()
+    why = f"peer speaks kvlend protocol version {PROTOCOL_VERSION - 1}, this rank speaks {PROTOCOL_VERSION}"
+    assert isinstance(bye, Bye) and bye.code is Code.PROTOCOL and why in bye.detail, bye
+    assert why in old.closed and p.session.peers == []

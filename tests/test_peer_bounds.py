@@ -84,7 +84,7 @@ def test_an_authenticated_peer_that_never_sends_its_layout_is_dropped_and_frees_
     with rig(NodeConfig(handshake_timeout=1.0)) as r:
         with RawDecode(r.prefill.address, creds("decode-silent")) as silent:
             bye = silent.recv(DEADLINE)
-            assert isinstance(bye, Bye) and "no handshake within handshake_timeout 1 s" in bye.reason, bye
+            assert isinstance(bye, Bye) and "no handshake within handshake_timeout 1 s" in bye.detail, bye
             with pytest.raises(PeerLost):
                 silent.recv(DEADLINE)
         with RawDecode(r.prefill.address, creds("decode-silent")) as again:

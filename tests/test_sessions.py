@@ -18,7 +18,7 @@ from conftest import group_layers, slots
 from memory_transport import KIND, SCRIBBLE, ContractError, World, finish_all
 from test_wire import decode_all
 
-import kvlend.protocol.decode as decode_mod
+import kvlend.protocol.fetch as fetch_mod
 from kvlend.core.layout import RowSelection
 from kvlend.errors import (
     AuthError, BackendError, ConfigError, IncompleteFetch, KvlendError, LayoutMismatch, LeaseDenied, LeaseError,
@@ -27,8 +27,9 @@ from kvlend.errors import (
 )
 from kvlend.core.prompt import prompt_digest
 from kvlend.protocol.actions import Close, LeaseEnded, Offered, RemovePeer, Send
-from kvlend.protocol.connection import AUTH_TIMEOUT
+from kvlend.protocol.codes import Code
 from kvlend.protocol.config import NodeConfig
+from kvlend.protocol.connection import AUTH_TIMEOUT
 from kvlend.protocol.decode import DecodeSession, FetchState
 from kvlend.protocol.ticket import Ticket
 from kvlend.protocol.wire import Abort, Bye, Claim, Handshake, Renewed, encode_frame
@@ -457,10 +458,11 @@ def test_a_refused_decode_may_only_decline_its_leases_and_leave_within_the_auth_
     assert [a.conn for a in sent] == [1, 2, 3] and s.peers == []
     (reply,) = decode_all(sent[0].data)
     assert isinstance(reply, Handshake) and reply.metadata == b""  # ours, to name every difference by
-    s.receive(1, b"".join(encode_frame(m) for m in (Claim(others.id), Claim(theirs.lease), Bye("refused"))), now)
+    s.receive(1, b"".join(encode_frame(m) for m in (Claim(others.id), Claim(theirs.lease), Bye(Code.OK, "refused"))),
+              now)
     ended = [(e.lease.id, e.reason) for e in s.take_events() if isinstance(e, LeaseEnded)]
     assert ended == [(theirs.lease, "aborted")]  # a claim gives it back; another peer's lease stays
-    s.receive(2, encode_frame(Abort(others.id, "x")), now)
+    s.receive(2, encode_frame(Abort(others.id, Code.CANCELLED, "x")), now)
     s.tick(now + AUTH_TIMEOUT + 1)
     closed = {a.conn: a.reason for a in s.take_actions() if isinstance(a, Close)}
     assert "said bye" in closed[1] and "unexpected abort" in closed[2] and "did not leave" in closed[3]
@@ -1007,7 +1009,7 @@ class Boom(Exception):
 
 
 def _planner_failing_on(monkeypatch, call: int):
-    real, calls = decode_mod.plan_reads, []
+    real, calls = fetch_mod.plan_reads, []
 
     def plan_reads(*args, **kw):
         calls.append(1)
@@ -1015,7 +1017,7 @@ def _planner_failing_on(monkeypatch, call: int):
             raise Boom(f"planner bug on call {call}")
         return real(*args, **kw)
 
-    monkeypatch.setattr(decode_mod, "plan_reads", plan_reads)
+    monkeypatch.setattr(fetch_mod, "plan_reads", plan_reads)
     return calls
 
 

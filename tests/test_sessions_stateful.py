@@ -14,7 +14,9 @@ declines of offers being read (refused).  After every step:
       fetch's bound names pages that hold them;
 (iii) each prefill's page locks are exactly those of its live leases;
 (iv)  nothing hangs: past ``transfer_timeout + cancel_grace`` every fetch has
-      finished with every read terminal, and one TTL later no lease is left.
+      finished with every read terminal, and one TTL later no lease is left;
+(v)   every fetch's and link's state changed only by moves of ``kvlend.protocol.states``'
+      tables, each made through ``states.transition`` (recorded here).
 
 plus the bookkeeping: the session's fetches in flight, its tracker's
 requests and each fetch's open reads agree with what the backend knows.
@@ -28,8 +30,9 @@ from hypothesis import HealthCheck, event, settings, strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 from memory_transport import ContractError, World
 
-import kvlend.protocol.decode as decode_mod
-from kvlend.errors import KvlendError, PageRangeError, PeerLost, ProtocolError
+import kvlend.protocol.fetch as fetch_mod
+from kvlend.errors import KvlendError, PageRangeError, PeerLost, ProtocolError, UsageError
+from kvlend.protocol import states
 from kvlend.protocol.config import NodeConfig
 from kvlend.protocol.decode import FetchState
 
@@ -71,6 +74,15 @@ class Sessions(RuleBasedStateMachine):
         self.seed = 0
         self.restarts = 0
         self.ahead: list = []  # (decode, ticket, seed) claimed ahead, not yet read or given back
+        self.moves: list = []  # (table, state, event, next state) of each transition since the last check
+        self.seen: dict = {}  # (session, table, id) -> the state last checked
+        self.transition = states.transition
+        states.transition = self._recorded
+
+    def _recorded(self, name, state, event_):
+        after = self.transition(name, state, event_)
+        self.moves.append((name, state, event_, after))
+        return after
 
     # ------------------------------------------------------------- helpers
     def _next_seed(self) -> int:
@@ -204,7 +216,7 @@ class Sessions(RuleBasedStateMachine):
         resume_from = (offer.num_tokens // TPP // 2) * TPP if resume else 0
         try:
             d.fetch_offer(conn, offer, resume_from=resume_from)
-        except ProtocolError as exc:  # its prefill's engine released it meanwhile
+        except UsageError as exc:  # its prefill's engine released it meanwhile
             assert "no longer offered" in str(exc)
 
     @rule(k=st.integers(0, 7), call=st.integers(1, 3), bad=st.sampled_from(["planner", "dst", "resume"]))
@@ -222,7 +234,7 @@ class Sessions(RuleBasedStateMachine):
             dst = {**good, "swa": good["swa"][:-1]}
         elif bad == "resume":
             resume = offer.num_tokens + call
-        real, calls = decode_mod.plan_reads, []
+        real, calls = fetch_mod.plan_reads, []
 
         def plan_reads(*args, **kw):
             calls.append(1)
@@ -231,13 +243,13 @@ class Sessions(RuleBasedStateMachine):
             return real(*args, **kw)
 
         if bad == "planner":
-            decode_mod.plan_reads = plan_reads
+            fetch_mod.plan_reads = plan_reads
         try:
             fetch = d.session.fetch_offer(conn, offer, dst, d.now, resume)
         except (_PlannerBug, KvlendError):
             fetch = None
         finally:
-            decode_mod.plan_reads = real
+            fetch_mod.plan_reads = real
         if fetch is not None:  # fewer chunks than the injection waited for: a real fetch
             assert bad == "planner" and len(calls) < call
             d.offers.remove((conn, offer))
@@ -283,7 +295,7 @@ class Sessions(RuleBasedStateMachine):
         assert fetch.state is FetchState.FAILED and fetch.bound == 0
         event(f"bad ticket table failed later: {type(fetch.error).__name__}")
         if retry and type(fetch.error).__name__ in ("LayoutError", "PageRangeError"):
-            d.fetch_ticket(ticket, seed=seed)  # at once: ProtocolError here would mean the lease is wedged
+            d.fetch_ticket(ticket, seed=seed)  # at once: UsageError here would mean the lease is wedged
             event("bad ticket table retried")
 
     @rule(i=st.integers(0, 1), n=st.integers(1, 72), call=st.integers(1, 3), retry=st.booleans())
@@ -294,7 +306,7 @@ class Sessions(RuleBasedStateMachine):
             return
         seed = self._next_seed()
         ticket = p.ticket(n, seed)
-        real, calls = decode_mod.plan_reads, []
+        real, calls = fetch_mod.plan_reads, []
 
         def plan_reads(*args, **kw):
             calls.append(1)
@@ -302,18 +314,18 @@ class Sessions(RuleBasedStateMachine):
                 raise _PlannerBug("injected")
             return real(*args, **kw)
 
-        decode_mod.plan_reads = plan_reads
+        fetch_mod.plan_reads = plan_reads
         try:
             record = d.fetch_ticket(ticket, seed=seed)  # any claimed offer started in this pump may be the one hit
         finally:
-            decode_mod.plan_reads = real
+            fetch_mod.plan_reads = real
         for r in d.records.values():
             if r.finished and "_PlannerBug" in str(r.fetch.error):
                 assert type(r.fetch.error) is KvlendError and r.fetch.bound == r.fetch.resume_from
                 assert not r.tags
                 event("planner bug inside receive failed a fetch")
         if retry and record.finished and "_PlannerBug" in str(record.fetch.error):
-            d.fetch_ticket(ticket, seed=seed)  # at once: ProtocolError here would mean the lease is wedged
+            d.fetch_ticket(ticket, seed=seed)  # at once: UsageError here would mean the lease is wedged
             event("planner bug retried")
 
     @rule(k=st.integers(0, 63))
@@ -325,7 +337,7 @@ class Sessions(RuleBasedStateMachine):
             return
         f = running[k % len(running)].fetch
         before = (f.state, f.bound, len(d.backend.reads), d.session.in_flight)
-        with pytest.raises(ProtocolError if d.session.ready(f.link) else PeerLost):
+        with pytest.raises(UsageError if d.session.ready(f.link) else PeerLost):
             d.session.decline(f.link, f.offer, "engine changes its mind")
         self.world.pump()
         assert (f.state, f.bound, len(d.backend.reads), d.session.in_flight) == before
@@ -441,6 +453,25 @@ class Sessions(RuleBasedStateMachine):
         for d in (self.decode, self.other):
             self._agree(d)
 
+    @invariant()
+    def states_change_only_by_moves_of_the_tables(self):
+        """(v): each state seen now is the last seen one, or reached from it by this step's recorded moves."""
+        made = {}
+        for name, state, event_, after in self.moves:
+            assert states.TABLES[name][state, event_] is after
+            made.setdefault(name, set()).add((state, after))
+            event(f"{name}: {'(new)' if state is None else state.value} -{event_.value}-> {after.value}")
+        self.moves.clear()
+        watched = [(d.session, "fetch", d.session._fetches) for d in self.world.decodes]
+        watched += [(d.session, "link", d.session._links) for d in self.world.decodes]
+        watched += [(p.session, "peer", p.session._peers) for p in self.world.prefills]
+        for session, name, objects in watched:
+            for key, obj in objects.items():
+                before = self.seen.get((session, name, key))
+                assert obj.state is before or _reachable(made.get(name, ()), before, obj.state), \
+                    (name, key, before, obj.state, made.get(name))
+                self.seen[session, name, key] = obj.state
+
     def _agree(self, d):
         s = d.session
         running = d.running()
@@ -457,11 +488,17 @@ class Sessions(RuleBasedStateMachine):
     def teardown(self):
         if not hasattr(self, "world"):
             return
+        try:
+            self._settle()
+        finally:
+            states.transition = self.transition
+
+    def _settle(self):
         world = self.world
         for end in world.decodes:
             for r in end.finished:
                 event(f"before teardown: {r.fetch.state.value} {type(r.fetch.error).__name__}")
-                if type(r.fetch.error).__name__ == "ProtocolError":
+                if isinstance(r.fetch.error, ProtocolError):
                     event(f"protocol error: {str(r.fetch.error)[:60]}")
             for r in end.records.values():
                 _trust_event(r)
@@ -491,6 +528,18 @@ class Sessions(RuleBasedStateMachine):
             if p.alive and p.lender.active_leases:
                 raise ContractError(f"prefill {p.name} still holds {p.lender.active_leases} leases "
                                     f"({p.lender.locks.locked_pages()} pages) with nothing reading them")
+
+
+def _reachable(moves, start, end) -> bool:
+    """Whether ``moves`` (pairs of states) lead from ``start`` to ``end``."""
+    seen, todo = {start}, [start]
+    while todo:
+        state = todo.pop()
+        for a, b in moves:
+            if a is state and b not in seen:
+                seen.add(b)
+                todo.append(b)
+    return end in seen
 
 
 Sessions.TestCase.settings = settings(max_examples=80, stateful_step_count=40, deadline=None,

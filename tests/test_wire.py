@@ -16,9 +16,10 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from kvlend.errors import ProtocolError
+from kvlend.errors import PeerProtocolError, ProtocolError
 from kvlend.core.layout import RowSelection
 from kvlend.core.pages import GroupPages
+from kvlend.protocol.codes import Code
 from kvlend.protocol.wire import (
     MAX_FRAME_BYTES, MAX_FRAME_CONTAINERS, MAX_FRAME_DEPTH, MESSAGES, PROTOCOL_VERSION, Abort, Bye, Claim, Renewed,
     Done, DoneAck, Extend, FrameDecoder, Handshake, Heartbeat, LeaseOffer, Offer, encode_frame, message_from_wire,
@@ -52,12 +53,12 @@ SAMPLES = [
     Heartbeat(()),
     Renewed((LID,)),
     Done(LID, 300),
-    DoneAck(LID, True, ""),
-    DoneAck(LID2, False, "LeaseExpired: gone"),
-    Abort(LID, "decode gave up"),
+    DoneAck(LID, Code.OK, ""),
+    DoneAck(LID2, Code.LEASE_EXPIRED, "LeaseExpired: gone"),
+    Abort(LID, Code.CANCELLED, "decode gave up"),
     Claim(LID2),
     Claim(LID, bytes(range(32))),  # bound to the claimer's prompt
-    Bye("shutdown"),
+    Bye(Code.OK, "shutdown"),
     Offer(LeaseOffer(LID2, "req-2", 300, {"full": GroupPages(np.arange(2), np.array([5, 9]))}, RowSelection.all(),
                      2.5, ready=40)),  # progressive: 2 pages of 16 tokens committed so far
     Extend(LID2, 72, {"full": GroupPages(np.array([2, 3]), np.array([1, 0]))}),
@@ -147,9 +148,9 @@ def test_offer_arrays_selection_and_meta_survive():
 
 
 def test_a_frame_is_a_length_then_msgpack_version_and_message():
-    frame = encode_frame(Bye("x"))
-    assert frame == framed(msgpack.packb([PROTOCOL_VERSION, {"t": "bye", "reason": "x"}], use_bin_type=True))
-    assert PROTOCOL_VERSION == 4
+    frame = encode_frame(Bye(Code.OK, "x"))
+    assert frame == framed(msgpack.packb([PROTOCOL_VERSION, {"t": "bye", "code": 0, "detail": "x"}], use_bin_type=True))
+    assert PROTOCOL_VERSION == 5
 
 
 # ------------------------------------------------------------ malformed bits
@@ -188,18 +189,23 @@ def test_a_flipped_payload_bit_is_refused_or_decodes_to_a_valid_message():
         assert outcomes["refused"] > 0, (m.TYPE, outcomes)
 
 
-@pytest.mark.parametrize("version", [1, 2, 3, 5, 0, True, 4.0, "4", None, -1, 2**64 - 1])
-def test_the_version_must_be_exactly_four(version):
+@pytest.mark.parametrize("version", [1, 2, 3, 4, 6, 0, True, 5.0, "5", None, -1, 2**64 - 1])
+def test_the_version_must_be_exactly_five(version):
     with pytest.raises(ProtocolError, match="protocol version"):
-        decode_all(framed(msgpack.packb([version, Bye("x").to_wire()], use_bin_type=True)))
-    assert decode_all(framed(msgpack.packb([PROTOCOL_VERSION, Bye("x").to_wire()]))) == [Bye("x")]
+        decode_all(framed(msgpack.packb([version, Bye(Code.OK, "x").to_wire()], use_bin_type=True)))
+    assert decode_all(framed(msgpack.packb([PROTOCOL_VERSION, Bye(Code.OK, "x").to_wire()]))) == [Bye(Code.OK, "x")]
 
 
-def test_a_version_3_claim_without_a_prompt_digest_is_refused_naming_both_versions():
-    """Version 4 added ``Claim.digest``: a version 3 peer is told which versions differ, not a field error."""
-    payload = msgpack.packb([3, {"t": "claim", "lease": LID}], use_bin_type=True)
-    with pytest.raises(ProtocolError, match="peer speaks kvlend protocol version 3, this rank speaks 4"):
-        decode_all(framed(payload))
+@pytest.mark.parametrize("old", [
+    [3, {"t": "claim", "lease": LID}],  # version 4 added Claim.digest
+    [4, {"t": "abort", "lease": LID, "reason": "LeaseExpired: gone"}],  # version 5: codes, not reason strings
+    [4, {"t": "bye", "reason": "shutdown"}],
+])
+def test_an_older_peers_frame_is_refused_naming_both_versions(old):
+    """A peer of an older release is told which versions differ, not a field error."""
+    with pytest.raises(PeerProtocolError, match=f"peer speaks kvlend protocol version {old[0]}, this rank speaks 5: "
+                                                "run the same kvlend release on both sides"):
+        decode_all(framed(msgpack.packb(old, use_bin_type=True)))
 
 
 @pytest.mark.parametrize("digest", [b"\x00" * 31, b"\x00" * 33, "ab" * 16, None, 7])
@@ -212,7 +218,7 @@ def test_a_claims_digest_is_32_bytes_or_empty(digest):
 
 def test_a_version_1_frame_is_refused():
     """Version 1 framed ``[1, sequence, message]`` and appended a MAC: neither fits version 3."""
-    payload = msgpack.packb([1, 0, Bye("x").to_wire()], use_bin_type=True)
+    payload = msgpack.packb([1, 0, Bye(Code.OK, "x").to_wire()], use_bin_type=True)
     with pytest.raises(ProtocolError, match=r"\[version, message\]"):
         decode_all(framed(payload))
     with pytest.raises(ProtocolError, match="not valid msgpack"):
@@ -247,10 +253,10 @@ def test_a_one_byte_frame_is_refused_as_msgpack_not_waited_on():
 
 
 def test_decoder_honours_a_smaller_cap():
-    frame = encode_frame(Bye("x" * 200))
+    frame = encode_frame(Bye(Code.OK, "x" * 200))
     with pytest.raises(ProtocolError, match="outside"):
         FrameDecoder(max_frame=100).feed(frame)
-    assert decode_all(frame) == [Bye("x" * 200)]
+    assert decode_all(frame) == [Bye(Code.OK, "x" * 200)]
 
 
 def test_the_cap_is_exact():
@@ -298,15 +304,22 @@ BAD_MESSAGES = [
     ({"t": 3}, "unknown type 3"),
     ({"t": DEEP}, "unknown type"),
     ({"t": "bye"}, "bye: fields"),
-    ({"t": "bye", "reason": "x", "extra": 1}, "bye: fields"),
-    ({"t": "bye", "reason": b"x"}, "bye.reason: expected str"),
-    ({"t": "bye", "reason": "x" * 4097}, "bye.reason: 4097 exceeds"),
+    ({"t": "bye", "reason": "x"}, "bye: fields"),  # version 4's
+    ({"t": "bye", "code": 0, "detail": "x", "extra": 1}, "bye: fields"),
+    ({"t": "bye", "code": 0, "detail": b"x"}, "bye.detail: expected str"),
+    ({"t": "bye", "code": 0, "detail": "x" * 4097}, "bye.detail: 4097 exceeds"),
+    ({"t": "bye", "code": max(Code) + 1, "detail": "x"}, "bye.code: expected a code in"),
+    ({"t": "bye", "code": -1, "detail": "x"}, "bye.code: expected a code in"),
+    ({"t": "bye", "code": True, "detail": "x"}, "bye.code: expected a code in"),
+    ({"t": "bye", "code": "lease_expired", "detail": "x"}, "bye.code: expected a code in"),
     ({"t": "hello", "peer": "p", "nonce": b"\x00" * 16}, "unknown type 'hello'"),  # version 1's, gone with TLS
     ({"t": "hello_confirm"}, "unknown type 'hello_confirm'"),
     ({"t": "done", "lease": LID, "bound": True}, "done.bound: expected int"),
     ({"t": "done", "lease": LID, "bound": 2**63}, "done.bound: integer"),
     ({"t": "done", "lease": LID, "bound": 1.0}, "done.bound: expected int"),
-    ({"t": "done_ack", "lease": LID, "ok": 1, "error": ""}, "done_ack.ok: expected bool"),
+    ({"t": "done_ack", "lease": LID, "ok": True, "error": ""}, "done_ack: fields"),  # version 4's
+    ({"t": "done_ack", "lease": LID, "code": 0.0, "detail": ""}, "done_ack.code: expected a code in"),
+    ({"t": "abort", "lease": LID, "reason": "x"}, "abort: fields"),  # version 4's
     ({"t": "heartbeat", "leases": LID}, "heartbeat.leases: expected a list"),
     ({"t": "heartbeat", "leases": [LID, b"short"]}, "heartbeat.leases[]"),
     ({"t": "heartbeat", "leases": [LID] * 65537}, "heartbeat.leases: expected a list"),
@@ -365,7 +378,7 @@ def test_deeply_nested_values_in_a_frame_are_protocol_errors():
     bodies = [
         HEAD + b"\x81\xa1t" + deep,  # message type
         b"\x92" + deep + b"\x81\xa1t\xa3bye",  # version
-        HEAD + b"\x82\xa1t\xa3bye\xa6reason" + deep,  # field value
+        HEAD + b"\x82\xa1t\xa3bye\xa6detail" + deep,  # field value
         HEAD + b"\x91" * 5000 + b"\xc0",  # past msgpack's own depth limit
     ]
     for payload in bodies:
@@ -401,7 +414,7 @@ def huge_claim_payloads(claim: bytes) -> tuple[bytes, ...]:
     """Frame payloads carrying ``claim`` where the version, the message and its fields go."""
     return (
         claim, b"\x92" + claim + b"\x81\xa1t\xa3bye", HEAD + claim, HEAD + _raw_map([("t", claim)]),
-        HEAD + _raw_map([("t", msgpack.packb("bye")), ("reason", claim)]),
+        HEAD + _raw_map([("t", msgpack.packb("bye")), ("detail", claim)]),
         HEAD + _raw_map([("t", msgpack.packb("offer")), ("lease", claim)]),
         HEAD + _raw_map([("t", msgpack.packb("heartbeat")), ("leases", claim)]),
         HEAD + _raw_map([("t", msgpack.packb("offer")), ("lease", _raw_map(
@@ -420,7 +433,7 @@ def _random_value(rng: random.Random, depth: int = 0):
         ])
     if r < 0.75:
         return [_random_value(rng, depth + 1) for _ in range(rng.randrange(4))]
-    keys = ["t", "id", "lease", "pages", "x", "meta", "selection", "reason"]
+    keys = ["t", "id", "lease", "pages", "x", "meta", "selection", "code", "detail"]
     return {rng.choice(keys): _random_value(rng, depth + 1) for _ in range(rng.randrange(4))}
 
 
@@ -599,8 +612,9 @@ valid_messages = st.one_of(
     st.builds(Offer, lease_offers()), st.builds(Heartbeat, st.lists(ids16, max_size=5).map(tuple)),
     st.builds(Renewed, st.lists(ids16, max_size=5).map(tuple)),
     st.builds(Claim, ids16, st.sampled_from([b"", bytes(32)])),
-    st.builds(Done, ids16, int64), st.builds(DoneAck, ids16, st.booleans(), st.text(max_size=40)),
-    st.builds(Abort, ids16, st.text(max_size=40)), st.builds(Bye, st.text(max_size=40)),
+    st.builds(Done, ids16, int64), st.builds(DoneAck, ids16, st.sampled_from(Code), st.text(max_size=40)),
+    st.builds(Abort, ids16, st.sampled_from(Code), st.text(max_size=40)),
+    st.builds(Bye, st.sampled_from(Code), st.text(max_size=40)),
 )
 
 

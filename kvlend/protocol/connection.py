@@ -13,7 +13,7 @@ messages (``deliver``); in memory, ``Connection.read`` runs it in place.
 
 from __future__ import annotations
 
-from ..errors import KvlendError, ProtocolError
+from ..errors import KvlendError, PeerProtocolError, UsageError
 from .wire import FrameDecoder, Handshake, Message, encode_frame
 
 AUTH_TIMEOUT = 5.0  # seconds a connection may take to complete the TLS handshake
@@ -32,15 +32,15 @@ class Connection:
     def authenticate(self, identity: str) -> None:
         """The channel proved the peer holds a certificate for ``identity``."""
         if self.ready:
-            raise ProtocolError(f"connection already authenticated as {self.peer!r}")
+            raise UsageError(f"connection already authenticated as {self.peer!r}")
         if not isinstance(identity, str) or not identity:
-            raise ProtocolError(f"peer identity must be a non-empty string, got {identity!r}")
+            raise UsageError(f"peer identity must be a non-empty string, got {identity!r}")
         self.peer, self.ready = identity, True
 
     def send(self, message: Message) -> None:
         """Queue ``message`` (only once ready)."""
         if not self.ready:
-            raise ProtocolError(f"cannot send {message.TYPE} before the peer is authenticated")
+            raise UsageError(f"cannot send {message.TYPE} before the peer is authenticated")
         self._out += encode_frame(message)
 
     def data_to_send(self) -> bytes:
@@ -49,7 +49,7 @@ class Connection:
         return out
 
     def receive(self, data: bytes) -> list[Message]:
-        """Feed received (decrypted) bytes; the messages they complete (``ProtocolError`` for a bad frame)."""
+        """Feed received (decrypted) bytes; the messages they complete (``PeerProtocolError`` for a bad frame)."""
         messages, error = self.read(data)
         if error is not None:
             raise error
@@ -58,7 +58,7 @@ class Connection:
     def read(self, data: bytes) -> tuple[list[Message], KvlendError | None]:
         """Feed received (decrypted) bytes: the messages they complete, then the error that ended the stream."""
         if not self.ready:
-            return [], ProtocolError(f"{len(data)} bytes arrived before the peer was authenticated")
+            return [], PeerProtocolError(f"{len(data)} bytes arrived before the peer was authenticated")
         return self._reader.read(data)
 
 

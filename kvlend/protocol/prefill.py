@@ -42,10 +42,16 @@ from ..core.layout import PageLayout, RowSelection
 from ..core.lender import Lease, Lender
 from ..core.negotiate import negotiate
 from ..core.text import printable
-from ..errors import AuthError, KvlendError, LayoutMismatch, LeaseDenied, PeerLost, ProtocolError, QuotaExceeded
+from ..errors import (
+    AuthError, KvlendError, LayoutMismatch, LeaseDenied, LeaseUnknown, PeerLost, PeerProtocolError, QuotaExceeded,
+    UsageError,
+)
+from . import states
 from .actions import Close, LeaseEnded, Outbox, PeerGone, PeerReady, Send
+from .codes import Code, code_of, detail_of
 from .config import NodeConfig
 from .connection import AUTH_TIMEOUT, Connection
+from .states import PeerEvent, PeerState
 from .ticket import Ticket
 from .wire import (
     Abort, Bye, Claim, Done, DoneAck, Extend, Handshake, Heartbeat, LeaseOffer, Message, Offer, Renewed, check_offer,
@@ -69,6 +75,7 @@ class _Peer:
     log_after: float = -math.inf  # its next heartbeat summary line, no earlier
     unlogged: int = 0  # heartbeats with something to say since its last line
     refused_until: float | None = None  # its layout was refused: it may decline leases until then
+    state: PeerState | None = None  # changed only by ``PrefillSession._peer_to``
 
     @property
     def name(self) -> str | None:
@@ -111,15 +118,16 @@ class PrefillSession(Outbox):
         address, or ``MAX_PENDING`` in all, a new one is closed at once: a flood of half-open
         connections costs a bounded few KiB each and cannot crowd out a peer's retry for long."""
         if conn in self._peers:
-            raise ProtocolError(f"connection {conn} is already open")
-        pending = [p for p in self._peers.values() if not p.conn.ready or p.refused_until is not None]
+            raise UsageError(f"connection {conn} is already open")
+        pending = [p for p in self._peers.values() if p.state in (PeerState.PENDING, PeerState.REFUSED)]
         from_source = sum(p.source == source for p in pending)
         if len(pending) >= MAX_PENDING or (source is not None and from_source >= MAX_PENDING_PER_SOURCE):
             log.warning("refused a connection from %s: %d connections not yet authenticated (%d from it)",
                         printable(source), len(pending), from_source)
             self._actions.append(Close(conn, "too many connections not yet authenticated"))
             return
-        self._peers[conn] = _Peer(Connection(now, AUTH_TIMEOUT), source)
+        self._peers[conn] = peer = _Peer(Connection(now, AUTH_TIMEOUT), source)
+        self._peer_to(peer, PeerEvent.ACCEPT)
 
     def authenticated(self, conn: int, identity: str, now: float) -> None:
         """The channel verified that connection ``conn``'s peer holds a certificate for ``identity``.
@@ -135,9 +143,10 @@ class PrefillSession(Outbox):
             if identity in self._by_name:
                 raise AuthError(f"a decode rank with identity {identity!r} is already connected")
         except KvlendError as exc:
-            self._drop(conn, _error_text(exc))  # the bye names the error type: the decode raises the same
+            self._drop(conn, detail_of(exc), code=code_of(exc))  # the bye's code: the decode raises the same
             return
         self._by_name[identity] = conn
+        self._peer_to(peer, PeerEvent.AUTHENTICATED)
         peer.layout_by = now + self.config.handshake_timeout  # or it holds its identity's slot for nothing
         log.info("control: connection %d authenticated as %s", conn, printable(identity))
 
@@ -155,7 +164,7 @@ class PrefillSession(Outbox):
             return  # closed meanwhile; the shell may still hold bytes read before
         try:
             if not peer.conn.ready and (messages or error is not None):
-                raise ProtocolError("bytes arrived before the peer was authenticated")
+                raise PeerProtocolError("bytes arrived before the peer was authenticated")
             for message in messages:
                 if conn not in self._peers:
                     return
@@ -165,7 +174,7 @@ class PrefillSession(Outbox):
         except _Goodbye as bye:
             self._drop(conn, f"said bye: {bye}", logging.INFO, quiet=True)
         except KvlendError as exc:
-            self._drop(conn, _error_text(exc))
+            self._drop(conn, detail_of(exc), code=code_of(exc))
 
     def closed(self, conn: int, now: float, why: str = "connection closed", refused: bool = False) -> None:
         """The shell saw the connection end (``refused``: its TLS authentication failed); its leases
@@ -176,8 +185,8 @@ class PrefillSession(Outbox):
     def shutdown(self, reason: str) -> None:
         """Say goodbye to every peer and close; leases stay until released or expired."""
         for conn, peer in list(self._peers.items()):
-            if peer.layout is not None:  # a peer still in the handshake gets its bye from _drop
-                peer.conn.send(Bye(reason[:_REASON]))
+            if peer.state is PeerState.READY:  # a peer still in the handshake gets its bye from _drop
+                peer.conn.send(Bye(Code.OK, reason[:_REASON]))
             self._drop(conn, reason, logging.INFO)
 
     # ---------------------------------------------------------------- engine
@@ -206,13 +215,13 @@ class PrefillSession(Outbox):
               ready: int | None = None) -> Lease:
         """Lend to a connected ``peer`` and push the offer to it."""
         conn = self._by_name.get(peer)
-        if conn is None or self._peers[conn].layout is None:
+        if conn is None or self._peers[conn].state is not PeerState.READY:
             raise PeerLost(f"decode rank {peer!r} is not connected")
         lease = self.lend(request, num_tokens, pages, selection, now, meta=meta, peer=peer, ready=ready)
         offer = self._offer_of(lease)
         try:
             self._peers[conn].conn.send(Offer(offer))
-        except ProtocolError:  # too large to frame: nothing was queued
+        except UsageError:  # too large to frame: nothing was queued
             self._end(lease.id, "aborted")
             raise
         self._loans[lease.id].offered_on = conn
@@ -262,13 +271,13 @@ class PrefillSession(Outbox):
                 self._revoked[lease_id] = reader
             conn = self._by_name.get(lease.peer) if lease.peer is not None else None
             if conn is not None:
-                self._peers[conn].conn.send(Abort(lease_id, "LeaseUnknown: released by the prefill"))
+                self._peers[conn].conn.send(Abort.of(lease_id, LeaseUnknown("released by the prefill")))
         return lease
 
     @property
     def pending(self) -> int:
         """Connections not yet authenticated."""
-        return sum(not p.conn.ready for p in self._peers.values())
+        return sum(p.state is PeerState.PENDING for p in self._peers.values())
 
     @property
     def peers(self) -> list[str]:
@@ -280,21 +289,23 @@ class PrefillSession(Outbox):
         """Expire leases and waiting claims, and drop connections that did not authenticate or send their
         layout in time."""
         for conn, peer in list(self._peers.items()):
-            if not peer.conn.ready and now > peer.conn.deadline:
+            if peer.state is PeerState.PENDING and now > peer.conn.deadline:
                 self._drop(conn, f"no TLS handshake within {AUTH_TIMEOUT:.3g} s", notify=False)
-            elif peer.refused_until is not None and now > peer.refused_until:
-                self._drop(conn, f"its layout was refused and it did not leave within {AUTH_TIMEOUT:.3g} s")
-            elif peer.layout is None and peer.refused_until is None and now > peer.layout_by:
-                self._drop(conn, f"ProtocolError: no handshake within handshake_timeout "
-                                 f"{self.config.handshake_timeout:.3g} s of authenticating")
+            elif peer.state is PeerState.REFUSED and now > peer.refused_until:
+                self._drop(conn, f"its layout was refused and it did not leave within {AUTH_TIMEOUT:.3g} s",
+                           code=Code.TIMEOUT)
+            elif peer.state is PeerState.AUTHENTICATED and now > peer.layout_by:
+                late = PeerProtocolError(f"no handshake within handshake_timeout "
+                                         f"{self.config.handshake_timeout:.3g} s of authenticating")
+                self._drop(conn, detail_of(late), code=code_of(late))
         while self._waiting:
             lease_id, (conn, deadline, _) = next(iter(self._waiting.items()))
             if now <= deadline:
                 break
             del self._waiting[lease_id]
             self._peers[conn].waiting.discard(lease_id)
-            self._peers[conn].conn.send(Abort(lease_id, f"LeaseUnknown: lease {lease_id.hex()} was not lent "
-                                                        f"within claim_wait {self.config.claim_wait:.3g} s"))
+            self._peers[conn].conn.send(Abort.of(lease_id, LeaseUnknown(
+                f"lease {lease_id.hex()} was not lent within claim_wait {self.config.claim_wait:.3g} s")))
         for lease in self.lender.expire(now):
             if self._revoked.pop(lease.id, None) is not None:
                 log.info("lease %s of request %s released: its pages go at its expiry, its reader %s never "
@@ -326,9 +337,9 @@ class PrefillSession(Outbox):
     # -------------------------------------------------------------- handling
     def _handle(self, conn: int, peer: _Peer, message: Message, now: float) -> None:
         name = peer.name
-        if peer.refused_until is not None:
+        if peer.state is PeerState.REFUSED:
             self._declined(peer, message, now)
-        elif peer.layout is None:
+        elif peer.state is PeerState.AUTHENTICATED:
             self._handshake(conn, peer, message, now)
         elif isinstance(message, Heartbeat):
             peer.conn.send(Renewed(self._heartbeat(peer, message.leases, now)))
@@ -339,10 +350,10 @@ class PrefillSession(Outbox):
             try:
                 self._held(message.lease, name, now)
             except KvlendError as exc:
-                peer.conn.send(DoneAck(message.lease, False, _error_text(exc)))
+                peer.conn.send(DoneAck(message.lease, code_of(exc), detail_of(exc)))
                 return
             self._end(message.lease, "done")
-            peer.conn.send(DoneAck(message.lease, True, ""))
+            peer.conn.send(DoneAck(message.lease, Code.OK, ""))
         elif isinstance(message, Abort):
             if self._settle(message.lease, conn):
                 return
@@ -350,12 +361,12 @@ class PrefillSession(Outbox):
                 self._held(message.lease, name, now)
             except KvlendError:
                 return
-            log.info("lease %s aborted by %s: %s", message.lease.hex(), printable(name), printable(message.reason))
+            log.info("lease %s aborted by %s: %s", message.lease.hex(), printable(name), printable(message.detail))
             self._end(message.lease, "aborted")
         elif isinstance(message, Bye):
-            raise _Goodbye(message.reason)
+            raise _Goodbye(message.detail)
         else:
-            raise ProtocolError(f"unexpected {message.TYPE} from decode rank {name}")
+            raise PeerProtocolError(f"unexpected {message.TYPE} from decode rank {name}")
 
     def _heartbeat(self, peer: _Peer, leases: tuple[bytes, ...], now: float) -> tuple[bytes, ...]:
         """Renew what ``peer`` holds of ``leases``; nothing if it names more than ``max_heartbeat_ids``.
@@ -426,11 +437,13 @@ class PrefillSession(Outbox):
             # declines the leases it came for; its identity is free for another connection meanwhile.
             peer.conn.send(Handshake(self.layout.encode(), self._kind, b""))
             peer.refused_until = now + AUTH_TIMEOUT
+            self._peer_to(peer, PeerEvent.REFUSE)
             del self._by_name[peer.name]
             log.warning("refused decode rank %s: %s", printable(peer.name), printable(exc, _REASON))
             return
         peer.conn.send(Handshake(self.layout.encode(), self._kind, self._metadata))
         peer.layout = layout
+        self._peer_to(peer, PeerEvent.LAYOUT)
         log.info("handshake with %s: %s", printable(peer.name), plan.summary().splitlines()[0])
         self._events.append(PeerReady(conn, peer.name))
 
@@ -440,9 +453,9 @@ class PrefillSession(Outbox):
         Checked as any claim (a lease offered to another peer stays); granted, it ends the lease at once.
         """
         if isinstance(message, Bye):
-            raise _Goodbye(message.reason)
+            raise _Goodbye(message.detail)
         if not isinstance(message, Claim):
-            raise ProtocolError(f"unexpected {message.TYPE} from decode rank {peer.name}, whose layout was refused")
+            raise PeerProtocolError(f"unexpected {message.TYPE} from decode rank {peer.name}, whose layout was refused")
         try:
             self.lender.claim(message.lease, peer.name, now, self._limits, prompt_digest=message.digest or None)
         except KvlendError as exc:
@@ -468,7 +481,7 @@ class PrefillSession(Outbox):
             lease = self.lender.claim(lease_id, peer.name, now, self._limits, prompt_digest=digest or None)
         except KvlendError as exc:
             log.info("claim of lease %s by %s refused: %s", lease_id.hex(), printable(peer.name), printable(exc))
-            peer.conn.send(Abort(lease_id, _error_text(exc)))
+            peer.conn.send(Abort.of(lease_id, exc))
             return
         peer.conn.send(Offer(self._offer_of(lease)))
         loaned = self._loans.get(lease_id)
@@ -479,6 +492,11 @@ class PrefillSession(Outbox):
         loaned = self._loans.get(lease.id)  # a lease lent through a shared lender has no meta of ours
         return LeaseOffer(lease.id, lease.request, lease.num_tokens, lease.pages, lease.selection, lease.ttl,
                           loaned.meta if loaned is not None else {}, lease.ready)
+
+    @staticmethod
+    def _peer_to(peer: _Peer, event: PeerEvent) -> None:
+        """The one place a peer's state changes: checked against ``states.PEER``."""
+        peer.state = states.transition("peer", peer.state, event)
 
     def _settle(self, lease_id: bytes, conn: int) -> bool:
         """Whether ``lease_id`` was held for its reader on ``conn``, now quiet: its pages go."""
@@ -495,13 +513,16 @@ class PrefillSession(Outbox):
             self._events.append(LeaseEnded(lease, reason))
 
     def _drop(self, conn: int, why: str, level: int = logging.WARNING, notify: bool = True,
-              quiet: bool = False) -> None:
+              quiet: bool = False, code: Code = Code.OK) -> None:
         """Forget a connection; its leases stay until they expire (its reads may still land).
+
+        ``code``: what the ``Bye`` says, to a peer still in the handshake (others got theirs, or need none).
 
         ``quiet``: the peer said goodbye, so it counts no read made over this connection any more:
         leases held for it go now, and a later release of one offered on it need not wait.
         """
         peer = self._peers.pop(conn)
+        self._peer_to(peer, PeerEvent.CLOSE)
         if quiet:
             for lease_id in [i for i, c in self._revoked.items() if c == conn]:
                 self._settle(lease_id, conn)
@@ -516,7 +537,7 @@ class PrefillSession(Outbox):
         log.log(level, "dropped decode rank %s: %s", printable(name) if name is not None else f"connection {conn}",
                 printable(why, _REASON))
         if notify and peer.conn.ready and peer.layout is None:
-            peer.conn.send(Bye(why[:_REASON]))  # tell a refused peer why (shutdown said bye already)
+            peer.conn.send(Bye(code, why[:_REASON]))  # tell a refused peer why (shutdown said bye already)
         data = peer.conn.data_to_send()
         if data and notify:
             self._actions.append(Send(conn, data))
@@ -540,11 +561,7 @@ class _Goodbye(KvlendError):
 def peer_layout(message: Message, backend_kind: str) -> PageLayout:
     """The layout a peer's handshake carries, after checking it is one and the backends match."""
     if not isinstance(message, Handshake):
-        raise ProtocolError(f"expected handshake, got {message.TYPE}")
+        raise PeerProtocolError(f"expected handshake, got {message.TYPE}")
     if message.backend != backend_kind:
-        raise ProtocolError(f"peer uses transfer backend {message.backend!r}, we use {backend_kind!r}")
+        raise PeerProtocolError(f"peer uses transfer backend {message.backend!r}, we use {backend_kind!r}")
     return message.page_layout()
-
-
-def _error_text(exc: KvlendError) -> str:
-    return f"{type(exc).__name__}: {exc}"[:_REASON]

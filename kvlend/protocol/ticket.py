@@ -32,7 +32,7 @@ import numpy as np
 from ..core.lender import LEASE_ID_BYTES
 from ..core.pages import GroupPages
 from ..core.text import printable
-from ..errors import ProtocolError
+from ..errors import UsageError
 
 TICKET_VERSION = 2  # 2: the page table of a small lease
 TEXT_PREFIX = "kvl1."
@@ -56,16 +56,16 @@ class Ticket:
 
     def __post_init__(self) -> None:
         if not isinstance(self.lease, bytes) or len(self.lease) != LEASE_ID_BYTES:
-            raise ProtocolError(f"ticket.lease: expected {LEASE_ID_BYTES} bytes")
+            raise UsageError(f"ticket.lease: expected {LEASE_ID_BYTES} bytes")
         for name, value, cap in (("prefill", self.prefill, _MAX_NAME), ("layout_id", self.layout_id, 64)):
             if not isinstance(value, str) or not 0 < len(value) <= cap:
-                raise ProtocolError(f"ticket.{name}: expected a str of 1..{cap} characters")
+                raise UsageError(f"ticket.{name}: expected a str of 1..{cap} characters")
         problem = host_problem(self.host)
         if problem is not None:
-            raise ProtocolError(f"ticket.host: expected an IP address or a DNS name: {problem}")
+            raise UsageError(f"ticket.host: expected an IP address or a DNS name: {problem}")
         for name, value, low, high in (("port", self.port, 1, 65535), ("num_tokens", self.num_tokens, 1, 1 << 40)):
             if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
-                raise ProtocolError(f"ticket.{name}: expected an int in [{low}, {high}]")
+                raise UsageError(f"ticket.{name}: expected an int in [{low}, {high}]")
         if self.pages is not None:
             pages = self.pages
             ok = isinstance(pages, Mapping) and 0 < len(pages) <= _MAX_GROUPS and all(
@@ -74,7 +74,7 @@ class Ticket:
             if not ok or sum(len(gp) for gp in pages.values()) > MAX_TICKET_ROWS or not all(
                     gp.ordinals.max(initial=0) < 1 << 31 and gp.token_pages.max(initial=0) < 1 << 31
                     for gp in pages.values()):
-                raise ProtocolError(f"ticket.pages: expected 1..{_MAX_GROUPS} named groups of GroupPages, "
+                raise UsageError(f"ticket.pages: expected 1..{_MAX_GROUPS} named groups of GroupPages, "
                                     f"{MAX_TICKET_ROWS} rows at most, each below 2**31")
 
     @property
@@ -91,14 +91,14 @@ class Ticket:
     @classmethod
     def decode(cls, data: bytes) -> Ticket:
         if not isinstance(data, (bytes, bytearray)) or not 0 < len(data) <= MAX_TICKET_BYTES:
-            raise ProtocolError(f"ticket: expected 1..{MAX_TICKET_BYTES} bytes")
+            raise UsageError(f"ticket: expected 1..{MAX_TICKET_BYTES} bytes")
         try:
             obj = msgpack.unpackb(bytes(data), raw=False, max_str_len=_MAX_NAME, max_bin_len=8 * MAX_TICKET_ROWS,
                                   max_array_len=16, max_map_len=_MAX_GROUPS, max_ext_len=0)
         except Exception as exc:
-            raise ProtocolError(f"ticket: not valid msgpack ({type(exc).__name__})") from None
+            raise UsageError(f"ticket: not valid msgpack ({type(exc).__name__})") from None
         if not isinstance(obj, list) or len(obj) != 8 or obj[0] != TICKET_VERSION or type(obj[0]) is not int:
-            raise ProtocolError(f"ticket: expected [version {TICKET_VERSION}, lease, host, port, prefill, "
+            raise UsageError(f"ticket: expected [version {TICKET_VERSION}, lease, host, port, prefill, "
                                 "num_tokens, layout_id, pages]")
         return cls(*obj[1:7], pages=None if obj[7] is None else _pages(obj[7]))
 
@@ -106,7 +106,7 @@ class Ticket:
         """This ticket carrying ``pages`` when they are few enough (``MAX_TICKET_ROWS``), else as it is."""
         try:
             return replace(self, pages=dict(pages))
-        except ProtocolError:  # too many rows (or slots past int32): the claim's answer brings them
+        except UsageError:  # too many rows (or slots past int32): the claim's answer brings them
             return self
 
     def to_text(self) -> str:
@@ -115,12 +115,12 @@ class Ticket:
     @classmethod
     def from_text(cls, text: str) -> Ticket:
         if not isinstance(text, str) or not text.startswith(TEXT_PREFIX) or len(text) > 2 * MAX_TICKET_BYTES:
-            raise ProtocolError(f"ticket text: expected {TEXT_PREFIX!r} followed by base64url")
+            raise UsageError(f"ticket text: expected {TEXT_PREFIX!r} followed by base64url")
         body = text[len(TEXT_PREFIX):]
         try:
             data = base64.urlsafe_b64decode(body + "=" * (-len(body) % 4))
         except (binascii.Error, ValueError):
-            raise ProtocolError("ticket text: not base64url") from None
+            raise UsageError("ticket text: not base64url") from None
         return cls.decode(data)
 
 
@@ -152,14 +152,14 @@ def host_problem(host) -> str | None:
 def _pages(v) -> dict[str, GroupPages]:
     """A ticket's ``{group: [token_pages, ordinals]}`` (little-endian int32), checked like an offer's."""
     if not isinstance(v, dict) or not 0 < len(v) <= _MAX_GROUPS:
-        raise ProtocolError(f"ticket.pages: expected a map of 1..{_MAX_GROUPS} groups")
+        raise UsageError(f"ticket.pages: expected a map of 1..{_MAX_GROUPS} groups")
     out = {}
     for g, arrays in v.items():
         if not isinstance(g, str) or not isinstance(arrays, list) or len(arrays) != 2 \
                 or not all(isinstance(a, bytes) and len(a) % 4 == 0 for a in arrays):
-            raise ProtocolError("ticket.pages: expected group -> [token_pages, ordinals] as int32 bytes")
+            raise UsageError("ticket.pages: expected group -> [token_pages, ordinals] as int32 bytes")
         try:
             out[g] = GroupPages(*(np.frombuffer(a, dtype="<i4").astype(np.int64) for a in arrays))
         except Exception as exc:
-            raise ProtocolError(f"ticket.pages[{g!r}]: {exc}") from None
+            raise UsageError(f"ticket.pages[{g!r}]: {exc}") from None
     return out

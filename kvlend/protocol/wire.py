@@ -10,7 +10,7 @@ allocates for a claimed length before checking it against the cap, walks a
 payload's structure against ``MAX_FRAME_DEPTH``, ``MAX_FRAME_CONTAINERS`` and
 ``MAX_FRAME_ELEMENTS`` before msgpack builds any object of it (so a frame
 costs memory and time a small multiple of its size, whatever it nests), and
-any malformed input is a ``ProtocolError``.
+any malformed input is a ``PeerProtocolError``.
 """
 
 from __future__ import annotations
@@ -24,14 +24,17 @@ from typing import Any, ClassVar, Mapping
 import msgpack
 import numpy as np
 
-from ..errors import KvlendError, ProtocolError
+from ..errors import KvlendError, PeerProtocolError, UsageError
 from ..core.layout import PageLayout
 from ..core.layout import RowSelection, SelectionMode, _show  # _show: a short, non-recursive repr of a peer's value
 from ..core.lender import LEASE_ID_BYTES
 from ..core.prompt import PROMPT_DIGEST_BYTES
 from ..core.pages import GroupPages
+from .codes import Code, code_of, detail_of
 
-PROTOCOL_VERSION = 4  # 2: inside TLS, no MAC or sequence numbers; 3: progressive leases; 4: Claim.digest
+# 2: inside TLS, no MAC or sequence numbers; 3: progressive leases; 4: Claim.digest;
+# 5: Abort, DoneAck and Bye carry a ``Code`` and a detail
+PROTOCOL_VERSION = 5
 MAX_FRAME_BYTES = 16 << 20
 MAX_GROUP_PAGES = 1 << 22
 # What one frame's payload may hold, checked as it is walked: far above any message (an offer nests 5 deep and
@@ -59,6 +62,8 @@ class Message:
 def _to_wire_value(v: Any) -> Any:
     if isinstance(v, LeaseOffer):
         return v.to_wire()
+    if isinstance(v, Code):
+        return int(v)
     if isinstance(v, tuple):
         return list(v)
     return v
@@ -67,29 +72,34 @@ def _to_wire_value(v: Any) -> Any:
 def _typed(kind, name: str, max_len: int | None = None, exact_len: int | None = None):
     def check(v: Any, where: str):
         if isinstance(v, bool) and kind is not bool or not isinstance(v, kind):
-            raise ProtocolError(f"{where}: expected {name}, got {type(v).__name__}")
+            raise PeerProtocolError(f"{where}: expected {name}, got {type(v).__name__}")
         if exact_len is not None and len(v) != exact_len:
-            raise ProtocolError(f"{where}: expected {exact_len} bytes, got {len(v)}")
+            raise PeerProtocolError(f"{where}: expected {exact_len} bytes, got {len(v)}")
         if max_len is not None and len(v) > max_len:
-            raise ProtocolError(f"{where}: {len(v)} exceeds the cap of {max_len}")
+            raise PeerProtocolError(f"{where}: {len(v)} exceeds the cap of {max_len}")
         if kind is int and not _INT64[0] <= v < _INT64[1]:
-            raise ProtocolError(f"{where}: integer {v} out of range")
+            raise PeerProtocolError(f"{where}: integer {v} out of range")
         return v
     return check
 
 
 _str = _typed(str, "str", 4096)
 _int = _typed(int, "int")
-_bool = _typed(bool, "bool")
 _bytes = _typed(bytes, "bytes", MAX_FRAME_BYTES)
 _lease_id = _typed(bytes, "lease id", exact_len=LEASE_ID_BYTES)
+
+
+def _code(v: Any, where: str) -> Code:
+    if not _is_int64(v) or not 0 <= v <= max(Code):
+        raise PeerProtocolError(f"{where}: expected a code in [0, {int(max(Code))}], got {_show(v)}")
+    return Code(v)
 
 
 def _float(v: Any, where: str) -> float:
     ok = isinstance(v, float) and math.isfinite(v) or (
         isinstance(v, int) and not isinstance(v, bool) and _INT64[0] <= v < _INT64[1])
     if not ok:
-        raise ProtocolError(f"{where}: expected a finite number, got {_show(v)}")
+        raise PeerProtocolError(f"{where}: expected a finite number, got {_show(v)}")
     return float(v)
 
 
@@ -99,13 +109,13 @@ def _is_int64(x: Any) -> bool:
 
 def _digest(v: Any, where: str) -> bytes:
     if not isinstance(v, bytes) or len(v) not in (0, PROMPT_DIGEST_BYTES):
-        raise ProtocolError(f"{where}: expected {PROMPT_DIGEST_BYTES} bytes, or none")
+        raise PeerProtocolError(f"{where}: expected {PROMPT_DIGEST_BYTES} bytes, or none")
     return v
 
 
 def _lease_ids(v: Any, where: str) -> tuple[bytes, ...]:
     if not isinstance(v, list) or len(v) > 65536:
-        raise ProtocolError(f"{where}: expected a list of lease ids")
+        raise PeerProtocolError(f"{where}: expected a list of lease ids")
     return tuple(_lease_id(x, f"{where}[]") for x in v)
 
 
@@ -114,12 +124,12 @@ MAX_META = 64  # entries in an offer's meta (an extension's included)
 
 def _map(v: Any, where: str) -> dict:
     if not isinstance(v, dict) or len(v) > MAX_META:
-        raise ProtocolError(f"{where}: expected a map of at most {MAX_META} entries")
+        raise PeerProtocolError(f"{where}: expected a map of at most {MAX_META} entries")
     for k, x in v.items():
         _str(k, f"{where} key")
         scalar = isinstance(x, (str, float, bool, bytes, type(None))) or _is_int64(x)
         if not scalar and not (isinstance(x, list) and len(x) <= 1 << 20 and all(map(_is_int64, x))):
-            raise ProtocolError(f"{where}[{_show(k)}]: values must be scalars or lists of int64")
+            raise PeerProtocolError(f"{where}[{_show(k)}]: values must be scalars or lists of int64")
     return v
 
 
@@ -171,18 +181,18 @@ class LeaseOffer:
         pages = _group_pages(d["pages"], f"{where}.pages", allow_empty=False)
         sel = d["selection"]
         if not isinstance(sel, list) or len(sel) != 2 or not isinstance(sel[1], list) or len(sel[1]) > 65536:
-            raise ProtocolError(f"{where}.selection: expected [mode, names]")
+            raise PeerProtocolError(f"{where}.selection: expected [mode, names]")
         try:
             selection = RowSelection(SelectionMode(sel[0]), tuple(sel[1]))
         except Exception as exc:
-            raise ProtocolError(f"{where}.selection: {exc}") from None
+            raise PeerProtocolError(f"{where}.selection: {exc}") from None
         num_tokens = _int(d["num_tokens"], f"{where}.num_tokens")
         ttl = _float(d["ttl"], f"{where}.ttl")
         if num_tokens <= 0 or ttl <= 0:
-            raise ProtocolError(f"{where}: num_tokens and ttl must be positive")
+            raise PeerProtocolError(f"{where}: num_tokens and ttl must be positive")
         ready = _int(d["ready"], f"{where}.ready")
         if not 0 <= ready <= num_tokens:
-            raise ProtocolError(f"{where}.ready: {ready} is outside [0, num_tokens {num_tokens}]")
+            raise PeerProtocolError(f"{where}.ready: {ready} is outside [0, num_tokens {num_tokens}]")
         return cls(
             id=_lease_id(d["id"], f"{where}.id"), request=_str(d["request"], f"{where}.request"),
             num_tokens=num_tokens, pages=pages, selection=selection, ttl=ttl,
@@ -197,41 +207,44 @@ def _pages_to_wire(pages: Mapping[str, GroupPages]) -> dict:
 def _group_pages(v: Any, where: str, allow_empty: bool = True) -> dict[str, GroupPages]:
     """A peer's ``{group: [token_pages, ordinals]}``, each pair checked as ``GroupPages`` checks it."""
     if not isinstance(v, dict) or not (0 if allow_empty else 1) <= len(v) <= 256:
-        raise ProtocolError(f"{where}: expected a map of {0 if allow_empty else 1}..256 groups")
+        raise PeerProtocolError(f"{where}: expected a map of {0 if allow_empty else 1}..256 groups")
     pages = {}
     for g, arrays in v.items():
         _str(g, f"{where} key")
         if not isinstance(arrays, list) or len(arrays) != 2:
-            raise ProtocolError(f"{where}[{g!r}]: expected [token_pages, ordinals]")
+            raise PeerProtocolError(f"{where}[{g!r}]: expected [token_pages, ordinals]")
         tp, od = (_int64_array(a, f"{where}[{g!r}]") for a in arrays)
         try:
             pages[g] = GroupPages(tp, od)
         except Exception as exc:
-            raise ProtocolError(f"{where}[{g!r}]: {exc}") from None
+            raise PeerProtocolError(f"{where}[{g!r}]: {exc}") from None
     return pages
 
 
 def merge_pages(a: GroupPages, b: GroupPages) -> GroupPages:
-    """Rows of ``a`` and then ``b``; ``ProtocolError`` unless ``b`` only adds token pages ``a`` lacks."""
+    """Rows of ``a`` and then ``b``; ``PeerProtocolError`` unless ``b`` only adds token pages ``a`` lacks."""
     tokens = np.concatenate([a.token_pages, b.token_pages])
     order = np.argsort(tokens, kind="stable")
     try:
         return GroupPages(tokens[order], np.concatenate([a.ordinals, b.ordinals])[order])
     except Exception as exc:  # a token page given twice
-        raise ProtocolError(f"extension repeats rows already lent: {exc}") from None
+        raise PeerProtocolError(f"extension repeats rows already lent: {exc}") from None
 
 
 def _int64_array(v: Any, where: str) -> np.ndarray:
     if not isinstance(v, bytes) or len(v) % 8 or len(v) > 8 * MAX_GROUP_PAGES:
-        raise ProtocolError(f"{where}: expected little-endian int64 bytes")
+        raise PeerProtocolError(f"{where}: expected little-endian int64 bytes")
     return np.frombuffer(v, dtype="<i8").astype(np.int64)
 
 
 def check_offer(request: Any, meta: Any) -> dict:
     """The checks the decode side applies to an offer's request id and meta, for the lender
-    to apply before it lends: an offer the peer would refuse must not take page locks."""
-    _str(request, "offer.request")
-    return _map(dict(meta) if isinstance(meta, Mapping) else meta, "offer.meta")
+    to apply before it lends: an offer the peer would refuse must not take page locks (``UsageError``)."""
+    try:
+        _str(request, "offer.request")
+        return _map(dict(meta) if isinstance(meta, Mapping) else meta, "offer.meta")
+    except PeerProtocolError as exc:
+        raise UsageError(str(exc)) from None
 
 
 def _offer(v: Any, where: str) -> LeaseOffer:
@@ -323,25 +336,35 @@ class Done(Message):
 
 @dataclass(frozen=True)
 class DoneAck(Message):
-    """Prefill -> decode: whether the lease was still valid when released.
+    """Prefill -> decode: whether the lease was still valid when released (``code`` ``OK``), or why not.
 
     Only an ``ok`` ack lets decode use what it read: a lease that expired may
     have had its pages reused under the reader.
     """
     TYPE: ClassVar[str] = "done_ack"
-    SCHEMA: ClassVar = {"lease": _lease_id, "ok": _bool, "error": _str}
+    SCHEMA: ClassVar = {"lease": _lease_id, "code": _code, "detail": _str}
     lease: bytes
-    ok: bool
-    error: str
+    code: Code
+    detail: str
+
+    @property
+    def ok(self) -> bool:
+        return self.code is Code.OK
 
 
 @dataclass(frozen=True)
 class Abort(Message):
-    """Either side: stop this lease (decode gives up, or prefill withdraws it)."""
+    """Either side: stop this lease (decode gives up, or prefill withdraws it or refuses its claim)."""
     TYPE: ClassVar[str] = "abort"
-    SCHEMA: ClassVar = {"lease": _lease_id, "reason": _str}
+    SCHEMA: ClassVar = {"lease": _lease_id, "code": _code, "detail": _str}
     lease: bytes
-    reason: str
+    code: Code
+    detail: str
+
+    @classmethod
+    def of(cls, lease: bytes, error: BaseException) -> Abort:
+        """The ``Abort`` that tells the peer ``error`` ends ``lease``."""
+        return cls(lease, code_of(error), detail_of(error))
 
 
 @dataclass(frozen=True)
@@ -361,10 +384,11 @@ class Claim(Message):
 
 @dataclass(frozen=True)
 class Bye(Message):
-    """Orderly close."""
+    """Closing the link: in order (``OK``), or refusing the peer (the handshake's refusals)."""
     TYPE: ClassVar[str] = "bye"
-    SCHEMA: ClassVar = {"reason": _str}
-    reason: str
+    SCHEMA: ClassVar = {"code": _code, "detail": _str}
+    code: Code
+    detail: str
 
 
 MESSAGES: dict[str, type[Message]] = {
@@ -374,18 +398,18 @@ MESSAGES: dict[str, type[Message]] = {
 
 def _exact(v: Any, where: str, keys: set[str]) -> dict:
     if not isinstance(v, dict):
-        raise ProtocolError(f"{where}: expected a map, got {type(v).__name__}")
+        raise PeerProtocolError(f"{where}: expected a map, got {type(v).__name__}")
     if set(v) != keys:
-        raise ProtocolError(f"{where}: fields {_show(sorted(map(str, v)))} != expected {sorted(keys)}")
+        raise PeerProtocolError(f"{where}: fields {_show(sorted(map(str, v)))} != expected {sorted(keys)}")
     return v
 
 
 def message_from_wire(obj: Any) -> Message:
     if not isinstance(obj, dict) or "t" not in obj:
-        raise ProtocolError("message: expected a map with a type field 't'")
+        raise PeerProtocolError("message: expected a map with a type field 't'")
     cls = MESSAGES.get(obj["t"]) if isinstance(obj["t"], str) else None
     if cls is None:
-        raise ProtocolError(f"message: unknown type {_show(obj['t'])}")
+        raise PeerProtocolError(f"message: unknown type {_show(obj['t'])}")
     body = _exact(obj, cls.TYPE, set(cls.SCHEMA) | {"t"})
     return cls(**{k: check(body[k], f"{cls.TYPE}.{k}") for k, check in cls.SCHEMA.items()})
 
@@ -394,7 +418,7 @@ def message_from_wire(obj: Any) -> Message:
 def encode_frame(message: Message) -> bytes:
     payload = msgpack.packb([PROTOCOL_VERSION, message.to_wire()], use_bin_type=True)
     if len(payload) > MAX_FRAME_BYTES:
-        raise ProtocolError(f"{message.TYPE} frame of {len(payload)} bytes exceeds the cap of {MAX_FRAME_BYTES}")
+        raise UsageError(f"{message.TYPE} frame of {len(payload)} bytes exceeds the cap of {MAX_FRAME_BYTES}")
     return _LEN.pack(len(payload)) + payload
 
 
@@ -413,7 +437,7 @@ class FrameDecoder:
     def _check_length(self) -> int:
         (n,) = _LEN.unpack_from(self._buf)
         if n < 1 or n > self.max_frame:
-            raise ProtocolError(f"frame length {n} outside [1, {self.max_frame}]")
+            raise PeerProtocolError(f"frame length {n} outside [1, {self.max_frame}]")
         return n
 
     def need(self) -> int:
@@ -437,12 +461,12 @@ class FrameDecoder:
                 max_map_len=1 << 10, max_ext_len=0,
             )
         except Exception as exc:
-            raise ProtocolError(f"frame payload is not valid msgpack: {type(exc).__name__}") from None
+            raise PeerProtocolError(f"frame payload is not valid msgpack: {type(exc).__name__}") from None
         if not isinstance(obj, list) or len(obj) != 2:
-            raise ProtocolError("frame payload must be [version, message]")
+            raise PeerProtocolError("frame payload must be [version, message]")
         version, body = obj
         if type(version) is not int or version != PROTOCOL_VERSION:
-            raise ProtocolError(f"peer speaks kvlend protocol version {_show(version)}, this rank speaks "
+            raise PeerProtocolError(f"peer speaks kvlend protocol version {_show(version)}, this rank speaks "
                                 f"{PROTOCOL_VERSION}: run the same kvlend release on both sides")
         return message_from_wire(body)
 
@@ -470,7 +494,7 @@ _CONTAINER = {**{b: (b & 0x0F, 1) for b in range(0x90, 0xA0)}, **{b: (b & 0x0F, 
 
 
 def check_structure(payload: bytes) -> None:
-    """Walk ``payload``'s msgpack structure without building it; ``ProtocolError`` naming the limit as soon as
+    """Walk ``payload``'s msgpack structure without building it; ``PeerProtocolError`` naming the limit as soon as
     it nests deeper than ``MAX_FRAME_DEPTH``, opens more than ``MAX_FRAME_CONTAINERS`` containers or declares
     more than ``MAX_FRAME_ELEMENTS`` items, or holds a type no message uses (ext, reserved).
 
@@ -486,7 +510,7 @@ def check_structure(payload: bytes) -> None:
                 return  # trailing bytes, if any, are msgpack's to refuse
             left, fresh = stack.pop(), False
         if pos >= end:
-            raise ProtocolError("frame payload is not valid msgpack: truncated")
+            raise PeerProtocolError("frame payload is not valid msgpack: truncated")
         b = payload[pos]
         size = _FIXED[b]
         if size or _LENGTH[b]:
@@ -502,7 +526,7 @@ def check_structure(payload: bytes) -> None:
             continue
         shape = _CONTAINER.get(b)
         if shape is None:
-            raise ProtocolError(f"frame payload holds msgpack type 0x{b:02x}, which no message uses")
+            raise PeerProtocolError(f"frame payload holds msgpack type 0x{b:02x}, which no message uses")
         count, per = shape
         pos += 1
         if count < 0:
@@ -510,11 +534,12 @@ def check_structure(payload: bytes) -> None:
         containers += 1
         elements += count * per
         if len(stack) >= MAX_FRAME_DEPTH:
-            raise ProtocolError(f"frame nests containers deeper than MAX_FRAME_DEPTH {MAX_FRAME_DEPTH}")
+            raise PeerProtocolError(f"frame nests containers deeper than MAX_FRAME_DEPTH {MAX_FRAME_DEPTH}")
         if containers > MAX_FRAME_CONTAINERS:
-            raise ProtocolError(f"frame holds more than MAX_FRAME_CONTAINERS {MAX_FRAME_CONTAINERS} arrays and maps")
+            raise PeerProtocolError(
+                f"frame holds more than MAX_FRAME_CONTAINERS {MAX_FRAME_CONTAINERS} arrays and maps")
         if elements > MAX_FRAME_ELEMENTS:
-            raise ProtocolError(f"frame holds more than MAX_FRAME_ELEMENTS {MAX_FRAME_ELEMENTS} items")
+            raise PeerProtocolError(f"frame holds more than MAX_FRAME_ELEMENTS {MAX_FRAME_ELEMENTS} items")
         stack.append(left - 1)
         left, fresh = count * per, True
 

@@ -34,7 +34,7 @@ from ..cluster.records import RankRecord
 from ..cluster.view import LEFT, Change
 from ..core.negotiate import TransferPlan
 from ..core.text import printable
-from ..errors import ConfigError, KvlendError, PeerLost, ProtocolError, TransferTimeout
+from ..errors import ConfigError, KvlendError, PeerLost, TransferTimeout, UsageError
 from ..metrics import METRICS
 from ..protocol.actions import FetchFinished, Offered, PeerReady
 from ..protocol.config import NodeConfig
@@ -181,7 +181,7 @@ class DecodeNode(Shell):
         """The link to ``host:port`` once it is ready: authenticated, layouts exchanged, plan made.
 
         Reuses an open link; raises ``AuthError`` (TLS refused either side's certificate),
-        ``PeerLost``, ``LayoutMismatch``, ``ProtocolError`` or ``TransferTimeout`` (after ``timeout``, default the config's ``handshake_timeout``).
+        ``PeerLost``, ``LayoutMismatch``, ``PeerProtocolError`` or ``TransferTimeout`` (after ``timeout``, default the config's ``handshake_timeout``).
         """
         with self._lock:
             conn = self.session.link_to(host, port, self.clock())
@@ -232,9 +232,9 @@ class DecodeNode(Shell):
             now = self.clock()
             if isinstance(source, LeaseOffer) or link is not None:
                 if link is None:
-                    raise ProtocolError("a pushed offer needs the link it came over")
+                    raise UsageError("a pushed offer needs the link it came over")
                 if prompt_digest is not None:
-                    raise ProtocolError("a pushed offer was lent to this rank by name: it takes no prompt_digest")
+                    raise UsageError("a pushed offer was lent to this rank by name: it takes no prompt_digest")
                 fetch = self.session.fetch_offer(link.id, source, dst, now, resume_from, timeout)
             else:
                 fetch = self.session.fetch_ticket(self._registered(_ticket(source), resume_from), dst, now,
@@ -449,7 +449,7 @@ def _ticket(source) -> Ticket:
         return Ticket.from_text(source)
     if isinstance(source, (bytes, bytearray)):
         return Ticket.decode(bytes(source))
-    raise ProtocolError(f"expected a Ticket (object, bytes or text) or a LeaseOffer, got {type(source).__name__}")
+    raise UsageError(f"expected a Ticket (object, bytes or text) or a LeaseOffer, got {type(source).__name__}")
 
 
 def _record(handle: FetchHandle) -> None:

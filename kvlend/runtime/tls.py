@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import ssl
 
-from ..errors import AuthError, ProtocolError
+from ..errors import AuthError, UsageError
 from ..security.credentials import peer_identity
 
 READ_CHUNK = 1 << 16
@@ -59,7 +59,7 @@ class TlsChannel:
     def send(self, plaintext: bytes) -> None:
         """Encrypt ``plaintext`` into ``data_to_send`` (the session sends nothing before the handshake)."""
         if self.identity is None:
-            raise ProtocolError("cannot send before the TLS handshake completed")
+            raise UsageError("cannot send before the TLS handshake completed")
         try:
             self._tls.write(plaintext)
         except ssl.SSLError as exc:

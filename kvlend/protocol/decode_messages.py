@@ -1,0 +1,239 @@
+"""The prefill's messages, for ``DecodeSession``: its handshake, offers, extensions, renewals,
+withdrawals and done acks, each checked before it changes anything (``PeerProtocolError`` closes the link)."""
+
+from __future__ import annotations
+
+import logging
+import math
+
+from ..core.layout import PageLayout
+from ..core.negotiate import negotiate
+from ..core.text import printable
+from ..errors import IncompleteFetch, KvlendError, LayoutMismatch, PeerLost, PeerProtocolError, QuotaExceeded
+from .actions import AddPeer, Offered, PeerReady
+from .codes import Code, code_of, lease_error, link_error
+from .decode_link import PLAN_CACHE, REFUSED_KEPT, PrefillLink, check_committed, grown_offer
+from .fetch import Fetch
+from .prefill import peer_layout
+from .states import FetchEvent, FetchState, IllegalTransition, LinkEvent, LinkState
+from .wire import Abort, Bye, Claim, DoneAck, Extend, LeaseOffer, Message, Offer, Renewed
+
+log = logging.getLogger("kvlend.session")
+
+
+class PrefillMessages:
+    """``DecodeSession``'s handlers of what a prefill sends (a mixin: it uses the session's links and fetches)."""
+
+    def _handle(self, conn: int, link: PrefillLink, message: Message, now: float) -> None:
+        if link.state is LinkState.HANDSHAKE:
+            self._handshake(conn, link, message, now)
+        elif isinstance(message, Offer):
+            self._offer(conn, link, message.lease, now)
+        elif isinstance(message, Extend):
+            self._extended(conn, link, message, now)
+        elif isinstance(message, Renewed):
+            self._renewed(conn, link, message)
+        elif isinstance(message, DoneAck):
+            fetch = self._fetch_of(conn, message.lease, FetchState.ACKING)
+            if fetch is not None:
+                self._acked(fetch, message, now)
+        elif isinstance(message, Abort):
+            self._withdrawn(conn, link, message, now)
+        elif isinstance(message, Bye):
+            raise PeerLost(f"prefill {link.peer} closed: {message.detail}")
+        else:
+            raise PeerProtocolError(f"unexpected {message.TYPE} from prefill {link.peer}")
+
+    def _handshake(self, conn: int, link: PrefillLink, message: Message, now: float) -> None:
+        if isinstance(message, Bye):
+            raise link_error(message.code, f"prefill {link.peer} refused the handshake: {message.detail}")
+        remote = peer_layout(message, self._kind)
+        # Addresses are not part of a layout id, but the plan holds them: a restarted
+        # prefill with the same layout elsewhere in memory needs its own plan.
+        key = (self.layout.layout_id, remote.layout_id, tuple((r.name, r.address) for r in remote.regions))
+        plan = self._plans.get(key)
+        if plan is None:
+            if len(self._plans) >= PLAN_CACHE:
+                self._plans.clear()
+            quotas = self.config.quotas
+            try:
+                plan = negotiate(self.layout, remote, max_page_ratio=quotas.max_page_ratio,
+                                 max_pieces=quotas.max_pieces)
+            except LayoutMismatch as exc:
+                self._unreadable_layout(conn, link, remote, exc, now)
+                return
+            self._plans[key] = plan
+        if not message.metadata:
+            raise PeerProtocolError(f"prefill {link.peer} sent no backend metadata")
+        link.plan = plan
+        self._link_to(link, LinkEvent.LAYOUT)
+        link.handshake_ms = (now - link.started) * 1e3
+        link.next_beat = now + self.config.heartbeat
+        link.backend_peer = True
+        self._actions.append(AddPeer(conn, message.metadata))
+        self._events.append(PeerReady(conn, link.peer))
+        log.info("handshake with %s: %s", printable(link.peer), plan.summary().splitlines()[0])
+        waiting, link.waiting = link.waiting, []
+        for fid in waiting:
+            fetch = self._fetches.get(fid)
+            if fetch is not None and fetch.state is FetchState.CLAIMING:
+                self._claim(link, fetch, now)
+        for lease in [i for i, sent in link.early.items() if sent is None]:
+            link.early[lease] = now
+            link.conn.send(Claim(lease, link.claimed.get(lease, b"")))
+        link.declines.clear()  # a layout we read after all: nothing to give back
+
+    def _unreadable_layout(self, conn: int, link: PrefillLink, remote: PageLayout, refusal: LayoutMismatch,
+                           now: float) -> None:
+        """No plan reads ``remote``: remember it, decline every lease we came for, and close the link."""
+        self._unreadable[remote.layout_id] = refusal
+        while len(self._unreadable) > PLAN_CACHE:
+            self._unreadable.popitem(last=False)
+        came_for = [(self._fetches[f].lease, self._fetches[f].prompt_digest) for f in link.waiting
+                    if f in self._fetches] + [(lease, link.claimed.get(lease, b"")) for lease in link.early]
+        for lease, digest in dict([*came_for, *link.declines.items()]).items():
+            link.conn.send(Claim(lease, digest))  # refused as we are, a claim gives the lease back
+        self._fail_link(conn, refusal, now, bye=code_of(refusal))  # the claims go out before the bye
+
+    def _offer(self, conn: int, link: PrefillLink, offer: LeaseOffer, now: float) -> None:
+        if offer.id in link.abandoned:  # the answer to a claim we gave up on (and aborted)
+            link.abandoned.discard(offer.id)
+            return
+        unknown = sorted(map(repr, set(offer.pages) - set(link.plan.remote.groups)))
+        if unknown:
+            raise PeerProtocolError(f"prefill {link.peer} offered lease {offer.id.hex()} with unknown groups "
+                                f"[{', '.join(unknown)}]")
+        check_committed(link, offer.id, offer.pages, offer.ready, offer.num_tokens)
+        fetch = self._fetch_of(conn, offer.id, FetchState.CLAIMING)
+        if fetch is None:
+            ahead = self._live.get(offer.id)
+            if ahead is not None and ahead.link == conn and not ahead.confirmed:
+                # the answer to a claim whose reads went ahead from the ticket
+                self._confirm(ahead, offer, now)
+                return
+        if fetch is None and offer.id in link.early:  # claimed ahead: held (and heartbeated) for its fetch
+            sent = link.early.pop(offer.id)
+            link.offers[offer.id] = offer
+            link.sure[offer.id] = sent + offer.ttl - self.config.heartbeat  # renewed when our claim arrived
+            return
+        if fetch is None:  # pushed: trusted once a heartbeat renewal confirms it, which we ask for now
+            try:
+                self._check_size(offer.num_tokens)
+            except QuotaExceeded as exc:  # tracking it would cost memory in proportion: decline at once
+                link.conn.send(Abort.of(offer.id, exc))
+                log.warning("prefill %s offered a lease too large to read: %s", printable(link.peer), exc)
+                return
+            link.offers[offer.id] = offer
+            link.next_beat = now
+            self._events.append(Offered(conn, offer))
+            return
+        if offer.num_tokens != fetch.num_tokens:
+            self._fail(fetch, PeerProtocolError(f"lease {offer.id.hex()} has {offer.num_tokens} tokens, its ticket "
+                                            f"said {fetch.num_tokens}"), now)
+            return
+        fetch.request = offer.request
+        # The prefill renewed the lease when the claim arrived, which was after we sent it.
+        fetch.sure_until = fetch.claimed_at + offer.ttl - self.config.heartbeat
+        try:
+            work = self._work(link.plan, offer, fetch.dst, fetch.resume_from)
+            self._move(fetch, FetchEvent.POST)
+            self._begin(fetch, offer, work, now, created=False)
+        except Exception as exc:  # the engine's bad table, or a bug: this fetch fails, the link and lease stay
+            if isinstance(exc, IllegalTransition):
+                raise
+            error = exc if isinstance(exc, KvlendError) else KvlendError(
+                f"request {offer.request}: starting the reads failed: {type(exc).__name__}: {exc}")
+            if fetch.state is FetchState.READING:
+                self._move(fetch, FetchEvent.UNPOST)
+            fetch.claimed_at = None  # nothing was posted: the lease stays ours to claim again, or to expire
+            self._fail(fetch, error, now)
+
+    def _extended(self, conn: int, link: PrefillLink, message: Extend, now: float) -> None:
+        """A progressive lease grew: an offer not yet fetched grows; a fetch reading it posts the new pages."""
+        offer = link.offers.get(message.lease)
+        if offer is not None:
+            link.offers[message.lease] = grown_offer(link, offer, message)
+            return
+        fetch = self._fetch_of(conn, message.lease, FetchState.READING)
+        if fetch is None:
+            if self._fetch_of(conn, message.lease, FetchState.ACKING) is not None:
+                raise PeerProtocolError(f"prefill {link.peer} extended lease {message.lease.hex()} after it was final")
+            return  # a fetch that failed, or a claim given up: nothing to read
+        grown = grown_offer(link, fetch.offer, message)  # a malformed extension fails the link
+        try:
+            work = self._work(link.plan, grown, fetch.dst, fetch.resume_from, fetch.read_rows)
+            fetch.offer = grown
+            self._post_work(fetch, work, now, begin=False)
+        except Exception as exc:  # the engine's table, or a bug: this fetch fails, the link stays
+            if isinstance(exc, IllegalTransition):
+                raise
+            error = exc if isinstance(exc, KvlendError) else KvlendError(
+                f"request {fetch.request}: reading an extension failed: {type(exc).__name__}: {exc}")
+            self._fail(fetch, error, now)
+
+    def _renewed(self, conn: int, link: PrefillLink, message: Renewed) -> None:
+        """A heartbeat's answer: its leases were renewed after we sent it, so they hold a TTL from then."""
+        if not link.beats:
+            if not link.blind:
+                raise PeerProtocolError(f"prefill {link.peer} answered a heartbeat that was never sent")
+            link.blind -= 1  # not remembered: trust nothing from it
+            return
+        sent, asked = link.beats.popleft()
+        if not set(message.leases) <= asked:
+            raise PeerProtocolError(f"prefill {link.peer} renewed leases the heartbeat did not name")
+        for lease in message.leases:
+            offer = link.offers.get(lease)
+            if offer is not None:
+                link.sure[lease] = max(link.sure.get(lease, -math.inf), sent + offer.ttl - self.config.heartbeat)
+        for lease in set(message.leases):
+            fetch = self._live.get(lease)
+            if fetch is not None and fetch.link == conn and fetch.offer is not None and fetch.confirmed:
+                fetch.sure_until = max(fetch.sure_until, sent + fetch.offer.ttl - self.config.heartbeat)
+
+    def _withdrawn(self, conn: int, link: PrefillLink, message: Abort, now: float) -> None:
+        """The prefill refused a claim or ended the lease: nothing read under it may be used.
+
+        A lease it ended after its offer came keeps its pages locked until we say we are quiet:
+        an ``Abort`` back, at once for an offer nobody reads, once its reads are terminal for a
+        fetch (a fetch that sent its done has said so already).
+        """
+        offered = message.lease in link.offers
+        if message.lease in link.early or offered:
+            link.early.pop(message.lease, None)
+            link.claimed.pop(message.lease, None)
+            link.refused[message.lease] = message.code, message.detail  # what a later fetch of its ticket fails with
+            while len(link.refused) > REFUSED_KEPT:
+                link.refused.popitem(last=False)
+        link.offers.pop(message.lease, None)
+        link.sure.pop(message.lease, None)
+        if offered:
+            link.conn.send(Abort(message.lease, Code.CANCELLED, "withdrawn before it was read"))
+        fetch = self._live.get(message.lease)
+        if fetch is not None and fetch.link == conn:
+            fetch.bound = fetch.resume_from  # its pages may be reused under our reads
+            error = lease_error(message.code, f"prefill {link.peer} refused lease {message.lease.hex()}: "
+                                              f"{message.detail}")
+            self._fail(fetch, error, now, tell_prefill=fetch.state is not FetchState.CLAIMING)  # acks if it read
+        link.abandoned.discard(message.lease)  # this was the answer: nothing more comes for it
+        log.info("prefill %s withdrew lease %s: %s", printable(link.peer), message.lease.hex(),
+                 printable(message.detail))
+
+    def _acked(self, fetch: Fetch, ack: DoneAck, now: float) -> None:
+        if ack.ok and not fetch.confirmed:  # the channel is ordered: the claim's answer comes first
+            fetch.bound = fetch.resume_from
+            self._finish(fetch, FetchEvent.FAIL, PeerProtocolError(
+                f"request {fetch.request or fetch.lease.hex()}: done acknowledged before the claim was answered"), now)
+            return
+        if not ack.ok:
+            fetch.bound = fetch.resume_from  # nothing read under this lease may be used
+            self._finish(fetch, FetchEvent.FAIL, lease_error(
+                ack.code, f"request {fetch.request}: prefill refused done ({ack.detail}); discard what was read"), now)
+            return
+        bound = self.tracker.bound(fetch.key)
+        fetch.bound = bound
+        if bound < fetch.num_tokens:
+            self._finish(fetch, FetchEvent.FAIL, IncompleteFetch(
+                f"request {fetch.request}: every read landed but they cover only {bound} of "
+                f"{fetch.num_tokens} tokens (the lease does not hold every page this rank needs)"), now)
+        else:
+            self._finish(fetch, FetchEvent.ACK, None, now)

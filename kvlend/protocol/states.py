@@ -1,0 +1,151 @@
+"""The sessions' state machines: one state field per object, one table of legal moves each.
+
+As h11's ``_state.py``: each table maps ``(state, event)`` to the next state, and
+every change of a state field goes through ``transition``, which refuses a pair
+the table lacks (``IllegalTransition``: a bug in the session, never a peer's doing;
+peers' mistakes are ``PeerProtocolError`` before any transition is tried).
+``None`` as a state is "not yet created": the events from it are the ways an object
+begins.  ``markdown()`` renders every table for docs/design.md.
+
+A fetch (``DecodeSession``): claim a ticket's lease (or take a pushed offer), read,
+send ``Done``, take the ack.  A failure cancels the reads still in flight and the
+fetch ends ``failed`` only once they are terminal (``CANCELLING`` -> ``QUIET``), so no
+late read writes into a destination the engine reuses.
+
+A link (``DecodeSession``, one per prefill endpoint) and a peer connection
+(``PrefillSession``, one per decode rank) go through TLS and the layout handshake
+before any lease moves; a refused peer may only give its leases back and leave.
+"""
+
+from __future__ import annotations
+
+from enum import Enum
+from typing import Mapping
+
+
+class IllegalTransition(RuntimeError):
+    """A session tried a move its table does not have: a bug in kvlend (not a ``KvlendError``, so no
+    handler mistakes it for a peer's failure)."""
+
+
+class FetchState(str, Enum):
+    CLAIMING = "claiming"  # waiting for a link, or for the offer a claim asked for
+    READING = "reading"  # chunks posted
+    ACKING = "acking"  # every chunk landed; done sent, waiting for the prefill's ack
+    CANCELLING = "cancelling"  # failed or cancelled; reads still in flight (destination not quiet)
+    DONE = "done"
+    FAILED = "failed"
+
+
+TERMINAL = frozenset((FetchState.DONE, FetchState.FAILED))
+
+
+class FetchEvent(str, Enum):
+    TAKE = "take"  # the engine fetches a pushed offer: its reads are posted at once
+    REDEEM = "redeem"  # the engine fetches a ticket: its lease is claimed (once the link is ready)
+    READ_AHEAD = "read_ahead"  # the ticket's page table is read while the claim is on its way
+    POST = "post"  # the claim's answer came: its reads are posted
+    UNPOST = "unpost"  # posting failed and was undone: nothing is in flight
+    LAND = "land"  # every read of the final lease landed: Done is sent
+    FAIL = "fail"  # failed, cancelled, refused, timed out, or its link died
+    QUIET = "quiet"  # every read of a failed fetch is terminal: Abort is sent
+    ACK = "ack"  # the prefill acknowledged Done, and the reads cover the lease
+
+
+S, E = FetchState, FetchEvent
+FETCH: Mapping[tuple[FetchState | None, FetchEvent], FetchState] = {
+    (None, E.TAKE): S.READING,
+    (None, E.REDEEM): S.CLAIMING,
+    (S.CLAIMING, E.READ_AHEAD): S.READING,
+    (S.CLAIMING, E.POST): S.READING,
+    (S.CLAIMING, E.FAIL): S.FAILED,  # nothing posted: over at once
+    (S.READING, E.UNPOST): S.CLAIMING,
+    (S.READING, E.LAND): S.ACKING,
+    (S.READING, E.FAIL): S.CANCELLING,
+    (S.ACKING, E.ACK): S.DONE,
+    (S.ACKING, E.FAIL): S.FAILED,  # every read is terminal already; the prefill releases on our Done
+    (S.CANCELLING, E.QUIET): S.FAILED,
+}
+del S, E
+
+
+class LinkState(str, Enum):
+    """A decode rank's link to one prefill endpoint."""
+
+    CONNECTING = "connecting"
+    TLS = "tls"  # connected, TLS handshake under way
+    HANDSHAKE = "handshake"  # authenticated, our layout sent, the prefill's awaited
+    READY = "ready"
+    CLOSED = "closed"
+
+
+class LinkEvent(str, Enum):
+    OPEN = "open"
+    CONNECTED = "connected"
+    AUTHENTICATED = "authenticated"
+    LAYOUT = "layout"  # the prefill's layout came and a plan reads it
+    CLOSE = "close"  # closed in order, refused, timed out or broken
+
+
+S, E = LinkState, LinkEvent
+LINK: Mapping[tuple[LinkState | None, LinkEvent], LinkState] = {
+    (None, E.OPEN): S.CONNECTING,
+    (S.CONNECTING, E.CONNECTED): S.TLS,
+    (S.TLS, E.AUTHENTICATED): S.HANDSHAKE,
+    (S.HANDSHAKE, E.LAYOUT): S.READY,
+    **{(state, E.CLOSE): S.CLOSED for state in (S.CONNECTING, S.TLS, S.HANDSHAKE, S.READY)},
+}
+del S, E
+
+
+class PeerState(str, Enum):
+    """A prefill rank's connection from one decode rank."""
+
+    PENDING = "pending"  # accepted, TLS under way (AUTH_TIMEOUT)
+    AUTHENTICATED = "authenticated"  # its identity known, its layout awaited (handshake_timeout)
+    READY = "ready"  # layouts exchanged: it may claim, read, renew and end leases
+    REFUSED = "refused"  # its layout was refused: it may only give leases back and leave (AUTH_TIMEOUT)
+    CLOSED = "closed"
+
+
+class PeerEvent(str, Enum):
+    ACCEPT = "accept"
+    AUTHENTICATED = "authenticated"
+    LAYOUT = "layout"  # its layout came and we serve it
+    REFUSE = "refuse"  # its layout came and we cannot serve it
+    CLOSE = "close"
+
+
+S, E = PeerState, PeerEvent
+PEER: Mapping[tuple[PeerState | None, PeerEvent], PeerState] = {
+    (None, E.ACCEPT): S.PENDING,
+    (S.PENDING, E.AUTHENTICATED): S.AUTHENTICATED,
+    (S.AUTHENTICATED, E.LAYOUT): S.READY,
+    (S.AUTHENTICATED, E.REFUSE): S.REFUSED,
+    **{(state, E.CLOSE): S.CLOSED for state in (S.PENDING, S.AUTHENTICATED, S.READY, S.REFUSED)},
+}
+del S, E
+
+TABLES: dict[str, Mapping] = {"fetch": FETCH, "link": LINK, "peer": PEER}
+
+
+def transition(name: str, state, event):
+    """The state ``event`` moves an object of table ``name`` to from ``state``; ``IllegalTransition``
+    if the table has no such move."""
+    try:
+        return TABLES[name][state, event]
+    except KeyError:
+        raise IllegalTransition(f"{name}: no transition from {_label(state)} on {_label(event)}") from None
+
+
+def markdown() -> str:
+    """Every table as Markdown: one section per table, one row per legal move."""
+    parts = []
+    for name, table in TABLES.items():
+        rows = [f"| {_label(state)} | {_label(event)} | {_label(after)} |" for (state, event), after in table.items()]
+        parts.append("\n".join([f"### {name}", "", "| state | event | next state |", "|---|---|---|", *rows]))
+    return "\n\n".join(parts) + "\n"
+
+
+def _label(value) -> str:
+    return "(new)" if value is None else f"`{value.value}`"
