@@ -25,7 +25,9 @@ from pathlib import Path
 from typing import Iterator
 
 ROOT = Path(__file__).resolve().parents[1]
+TABLES_START, TABLES_END = "<!-- state tables: generated -->", "<!-- end of state tables -->"
 OUTPUT = ROOT / "docs" / "reference.md"
+DESIGN = ROOT / "docs" / "design.md"
 COMMAND = "python -m kvlend.docs_reference"
 
 # Entry points whose parsers are built inside ``main()``: (how it is run, file under ROOT).
@@ -423,18 +425,29 @@ def render() -> str:
     return "\n".join(lines) + "\n"
 
 
+def with_state_tables(design: str) -> str:
+    """``docs/design.md`` with the sessions' transition tables rendered between its two markers."""
+    from kvlend.protocol import states
+
+    start, end = design.index(TABLES_START) + len(TABLES_START), design.index(TABLES_END)
+    return design[:start] + "\n\n" + states.markdown().strip() + "\n\n" + design[end:]
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog=COMMAND, description="Write docs/reference.md from the code.")
-    parser.add_argument("--check", action="store_true", help="exit 1 if docs/reference.md is out of date")
+    parser = argparse.ArgumentParser(prog=COMMAND, description="Write docs/reference.md and the state tables "
+                                     "of docs/design.md from the code.")
+    parser.add_argument("--check", action="store_true", help="exit 1 if either is out of date")
     args = parser.parse_args(argv)
-    text = render()
+    design = DESIGN.read_text() if DESIGN.is_file() else ""
+    wanted = {OUTPUT: render(), DESIGN: with_state_tables(design)}
+    stale = [path for path, text in wanted.items() if not path.is_file() or path.read_text() != text]
     if args.check:
-        if not OUTPUT.is_file() or OUTPUT.read_text() != text:
-            print(f"{OUTPUT.relative_to(ROOT)} is out of date: run {COMMAND}", file=sys.stderr)
-            return 1
-        return 0
-    OUTPUT.write_text(text)
-    print(f"wrote {OUTPUT.relative_to(ROOT)}")
+        for path in stale:
+            print(f"{path.relative_to(ROOT)} is out of date: run {COMMAND}", file=sys.stderr)
+        return 1 if stale else 0
+    for path in stale:
+        path.write_text(wanted[path])
+        print(f"wrote {path.relative_to(ROOT)}")
     return 0
 
 

@@ -30,6 +30,15 @@ def test_the_reference_is_what_the_code_generates(rendered):
         "docs/reference.md is out of date: run python -m kvlend.docs_reference"
 
 
+def test_design_md_shows_the_sessions_tables_as_the_code_has_them():
+    from kvlend.protocol import states
+
+    design = (ROOT / "docs" / "design.md").read_text()
+    assert design == docs_reference.with_state_tables(design), \
+        "docs/design.md's state tables are out of date: run python -m kvlend.docs_reference"
+    assert states.markdown().strip() in design
+
+
 def test_the_check_mode_says_so(capsys, tmp_path, monkeypatch, rendered):
     monkeypatch.setattr(docs_reference, "render", lambda: rendered)
     assert docs_reference.main(["--check"]) == 0

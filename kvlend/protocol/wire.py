@@ -32,9 +32,8 @@ from ..core.prompt import PROMPT_DIGEST_BYTES
 from ..core.pages import GroupPages
 from .codes import Code, code_of, detail_of
 
-# 2: inside TLS, no MAC or sequence numbers; 3: progressive leases; 4: Claim.digest;
-# 5: Abort, DoneAck and Bye carry a ``Code`` and a detail
-PROTOCOL_VERSION = 5
+# 2: inside TLS, no MAC or sequence numbers; 3: progressive leases; 4: Claim.digest
+PROTOCOL_VERSION = 5  # 5: Abort, DoneAck and Bye carry a refusal code and a detail
 MAX_FRAME_BYTES = 16 << 20
 MAX_GROUP_PAGES = 1 << 22
 # What one frame's payload may hold, checked as it is walked: far above any message (an offer nests 5 deep and
