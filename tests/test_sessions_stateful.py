@@ -15,8 +15,8 @@ declines of offers being read (refused).  After every step:
 (iii) each prefill's page locks are exactly those of its live leases;
 (iv)  nothing hangs: past ``transfer_timeout + cancel_grace`` every fetch has
       finished with every read terminal, and one TTL later no lease is left;
-(v)   every fetch's and link's state changed only by moves of ``kvlend.protocol.states``'
-      tables, each made through ``states.transition`` (recorded here).
+(v)   every fetch's, link's, peer's and lease's state changed only by moves of
+      ``kvlend.protocol.states``' tables, each made through ``states.transition`` (recorded here).
 
 plus the bookkeeping: the session's fetches in flight, its tracker's
 requests and each fetch's open reads agree with what the backend knows.
@@ -465,12 +465,20 @@ class Sessions(RuleBasedStateMachine):
         watched = [(d.session, "fetch", d.session._fetches) for d in self.world.decodes]
         watched += [(d.session, "link", d.session._links) for d in self.world.decodes]
         watched += [(p.session, "peer", p.session._peers) for p in self.world.prefills]
+        watched += [(d.session, "lease", _link_leases(d.session)) for d in self.world.decodes]
+        # a lease forgotten (``gone``) may begin again from nothing
+        made.setdefault("lease", set()).add((states.LeaseState.GONE, None))
         for session, name, objects in watched:
             for key, obj in objects.items():
                 before = self.seen.get((session, name, key))
                 assert obj.state is before or _reachable(made.get(name, ()), before, obj.state), \
                     (name, key, before, obj.state, made.get(name))
                 self.seen[session, name, key] = obj.state
+            if name == "lease":  # a lease forgotten on a link still open went there by moves to ``gone``
+                for key in [k for k in self.seen if k[:2] == (session, name) and k[2] not in objects]:
+                    before = self.seen.pop(key)
+                    assert key[2][0] not in session._links or \
+                        _reachable(made[name], before, states.LeaseState.GONE), (key, before, made[name])
 
     def _agree(self, d):
         s = d.session
@@ -528,6 +536,11 @@ class Sessions(RuleBasedStateMachine):
             if p.alive and p.lender.active_leases:
                 raise ContractError(f"prefill {p.name} still holds {p.lender.active_leases} leases "
                                     f"({p.lender.locks.locked_pages()} pages) with nothing reading them")
+
+
+def _link_leases(session) -> dict:
+    """Every lease each of ``session``'s links knows, by (link id, lease id)."""
+    return {(conn, lease): known for conn, link in session._links.items() for lease, known in link.leases.items()}
 
 
 def _reachable(moves, start, end) -> bool:

@@ -15,6 +15,9 @@ late read writes into a destination the engine reuses.
 A link (``DecodeSession``, one per prefill endpoint) and a peer connection
 (``PrefillSession``, one per decode rank) go through TLS and the layout handshake
 before any lease moves; a refused peer may only give its leases back and leave.
+
+A lease on a link (``DecodeSession``, apart from a fetch reading it): claimed ahead of
+its fetch, held once answered, pushed, refused, or given back; ``gone`` is forgotten.
 """
 
 from __future__ import annotations
@@ -126,7 +129,68 @@ PEER: Mapping[tuple[PeerState | None, PeerEvent], PeerState] = {
 }
 del S, E
 
-TABLES: dict[str, Mapping] = {"fetch": FETCH, "link": LINK, "peer": PEER}
+class LeaseState(str, Enum):
+    """A lease as a decode's link knows it apart from a fetch reading it (claims ahead, offers, refusals)."""
+
+    QUEUED = "queued"  # claimed ahead before the link is ready: the claim goes out once it is
+    CLAIMED = "claimed"  # claimed ahead: the claim went out, its answer is on its way
+    HELD = "held"  # claimed ahead and answered: its offer is kept (heartbeated) for its fetch
+    OFFERED = "offered"  # pushed by the prefill: the engine may fetch or decline it
+    REFUSED = "refused"  # the prefill refused the claim or ended the lease: a later fetch of it fails so
+    ABANDONED = "abandoned"  # a claim we gave up (and aborted): its answer is dropped when it comes
+    RECLAIMED = "reclaimed"  # claimed ahead again while an abandoned claim's answer is still owed
+    DECLINING = "declining"  # of a layout we cannot read: a claim gives it back if the prefill refuses ours
+    GONE = "gone"  # forgotten: fetched, given back, answered, or the oldest of too many refusals
+
+
+class LeaseEvent(str, Enum):
+    QUEUE = "queue"  # the engine claims it ahead while the link is not ready
+    CLAIM = "claim"  # a claim ahead goes out
+    OFFER = "offer"  # an offer for it came: a claim's answer, or pushed
+    WITHDRAW = "withdraw"  # the prefill refused the claim or ended the lease (its Abort)
+    FETCH = "fetch"  # a fetch takes it over: its offer, claim or refusal
+    DECLINE = "decline"  # we decline its offer: the prefill releases it
+    UNCLAIM = "unclaim"  # the engine gives back a lease claimed ahead
+    ABANDON = "abandon"  # a fetch gave up its claim before the answer came
+    GIVE_BACK = "give_back"  # its ticket names a layout we cannot read: give it back over a link opened for it
+    LAYOUT = "layout"  # the link's layout is one we read after all: nothing to give back
+    FORGET = "forget"  # too many refusals remembered: the oldest goes
+
+
+S, E = LeaseState, LeaseEvent
+LEASE: Mapping[tuple[LeaseState | None, LeaseEvent], LeaseState] = {
+    (None, E.QUEUE): S.QUEUED,
+    (S.DECLINING, E.QUEUE): S.QUEUED,  # its claim gives it back as well
+    (None, E.CLAIM): S.CLAIMED,
+    (S.QUEUED, E.CLAIM): S.CLAIMED,
+    (S.ABANDONED, E.CLAIM): S.RECLAIMED,
+    (S.CLAIMED, E.OFFER): S.HELD,
+    (None, E.OFFER): S.OFFERED,  # pushed
+    (S.OFFERED, E.OFFER): S.OFFERED,  # pushed again: the newer offer
+    (S.HELD, E.OFFER): S.OFFERED,  # pushed over one held: the engine hears of it
+    (S.REFUSED, E.OFFER): S.OFFERED,
+    (S.ABANDONED, E.OFFER): S.GONE,  # the abandoned claim's answer, dropped
+    (S.RECLAIMED, E.OFFER): S.CLAIMED,  # the abandoned claim's answer, dropped: the new claim's is still owed
+    **{(state, E.WITHDRAW): S.REFUSED for state in (S.CLAIMED, S.RECLAIMED, S.HELD, S.OFFERED)},
+    (S.ABANDONED, E.WITHDRAW): S.GONE,  # the abandoned claim's answer
+    **{(state, E.FETCH): S.GONE for state in (S.QUEUED, S.CLAIMED, S.HELD, S.OFFERED, S.REFUSED)},
+    (S.RECLAIMED, E.FETCH): S.ABANDONED,  # the fetch waits for the new claim's answer; the old one's is dropped
+    (S.HELD, E.DECLINE): S.GONE,
+    (S.OFFERED, E.DECLINE): S.GONE,
+    (S.QUEUED, E.UNCLAIM): S.GONE,  # never sent
+    (S.REFUSED, E.UNCLAIM): S.GONE,
+    (S.CLAIMED, E.UNCLAIM): S.ABANDONED,  # aborted: its answer may still come
+    (S.RECLAIMED, E.UNCLAIM): S.ABANDONED,
+    (None, E.ABANDON): S.ABANDONED,
+    (S.ABANDONED, E.ABANDON): S.ABANDONED,
+    (None, E.GIVE_BACK): S.DECLINING,
+    (S.DECLINING, E.GIVE_BACK): S.DECLINING,
+    (S.DECLINING, E.LAYOUT): S.GONE,
+    (S.REFUSED, E.FORGET): S.GONE,
+}
+del S, E
+
+TABLES: dict[str, Mapping] = {"fetch": FETCH, "link": LINK, "peer": PEER, "lease": LEASE}
 
 
 def transition(name: str, state, event):
