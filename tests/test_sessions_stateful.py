@@ -15,7 +15,7 @@ declines of offers being read (refused).  After every step:
 (iii) each prefill's page locks are exactly those of its live leases;
 (iv)  nothing hangs: past ``transfer_timeout + cancel_grace`` every fetch has
       finished with every read terminal, and one TTL later no lease is left;
-(v)   every fetch's, link's, peer's and lease's state changed only by moves of
+(v)   every fetch's, link's, peer's, lease's and loan's state changed only by moves of
       ``kvlend.protocol.states``' tables, each made through ``states.transition`` (recorded here).
 
 plus the bookkeeping: the session's fetches in flight, its tracker's
@@ -466,19 +466,21 @@ class Sessions(RuleBasedStateMachine):
         watched += [(d.session, "link", d.session._links) for d in self.world.decodes]
         watched += [(p.session, "peer", p.session._peers) for p in self.world.prefills]
         watched += [(d.session, "lease", _link_leases(d.session)) for d in self.world.decodes]
-        # a lease forgotten (``gone``) may begin again from nothing
-        made.setdefault("lease", set()).add((states.LeaseState.GONE, None))
+        watched += [(p.session, "loan", p.session._loans.all) for p in self.world.prefills]
+        gone = {"lease": states.LeaseState.GONE, "loan": states.LoanState.GONE}
+        for name, state in gone.items():  # forgotten, an id may begin again from nothing
+            made.setdefault(name, set()).add((state, None))
         for session, name, objects in watched:
             for key, obj in objects.items():
                 before = self.seen.get((session, name, key))
                 assert obj.state is before or _reachable(made.get(name, ()), before, obj.state), \
                     (name, key, before, obj.state, made.get(name))
                 self.seen[session, name, key] = obj.state
-            if name == "lease":  # a lease forgotten on a link still open went there by moves to ``gone``
+            if name in gone:  # one forgotten (its link still open) went there by moves to ``gone``
                 for key in [k for k in self.seen if k[:2] == (session, name) and k[2] not in objects]:
                     before = self.seen.pop(key)
-                    assert key[2][0] not in session._links or \
-                        _reachable(made[name], before, states.LeaseState.GONE), (key, before, made[name])
+                    assert name == "lease" and key[2][0] not in session._links or \
+                        _reachable(made[name], before, gone[name]), (key, before, made[name])
 
     def _agree(self, d):
         s = d.session

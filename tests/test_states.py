@@ -8,7 +8,8 @@ from memory_transport import World, finish_all
 from kvlend.errors import KvlendError
 from kvlend.protocol import states
 from kvlend.protocol.states import (
-    FETCH, LEASE, FetchEvent, FetchState, IllegalTransition, LeaseEvent, LeaseState, LinkEvent, LinkState,
+    FETCH, LEASE, LOAN, FetchEvent, FetchState, IllegalTransition, LeaseEvent, LeaseState, LinkEvent, LinkState,
+    LoanEvent, LoanState,
 )
 
 
@@ -72,3 +73,17 @@ def test_a_planted_bad_lease_transition_is_caught(monkeypatch):
     assert d.session._links[conn].state_of(ticket.lease) is LeaseState.CLAIMED
     with pytest.raises(IllegalTransition, match="lease: no transition from `claimed` on `offer`"):
         world.pump()
+
+
+def test_a_planted_bad_loan_transition_is_caught(monkeypatch):
+    """With ``offered -release-> held`` taken out of the table, releasing a lease under its reader raises."""
+    monkeypatch.setitem(states.TABLES, "loan", {k: v for k, v in LOAN.items()
+                                                if k != (LoanState.OFFERED, LoanEvent.RELEASE)})
+    world = World(0)
+    p = world.add_prefill()
+    d = world.add_decode()
+    world.connect(d, p)
+    record = d.fetch_ticket(p.ticket(8, seed=1), seed=1)
+    assert p.session._loans.state_of(record.fetch.lease) is LoanState.OFFERED
+    with pytest.raises(IllegalTransition, match="loan: no transition from `offered` on `release`"):
+        p.session.release(record.fetch.lease)

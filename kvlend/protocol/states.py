@@ -18,6 +18,8 @@ before any lease moves; a refused peer may only give its leases back and leave.
 
 A lease on a link (``DecodeSession``, apart from a fetch reading it): claimed ahead of
 its fetch, held once answered, pushed, refused, or given back; ``gone`` is forgotten.
+A loan (``PrefillSession``, beside the lender's record): a claim waiting for its lend,
+lent, offered on a connection, or released but held until that reader is quiet.
 """
 
 from __future__ import annotations
@@ -190,7 +192,48 @@ LEASE: Mapping[tuple[LeaseState | None, LeaseEvent], LeaseState] = {
 }
 del S, E
 
-TABLES: dict[str, Mapping] = {"fetch": FETCH, "link": LINK, "peer": PEER, "lease": LEASE}
+class LoanState(str, Enum):
+    """A lease as a prefill's session knows it beside the lender's record."""
+
+    WAITING = "waiting"  # a claim came before the lend: it waits up to claim_wait
+    LENT = "lent"  # lent; no reader has its offer
+    OFFERED = "offered"  # its offer went out on a connection: extensions follow it, a release waits for that reader
+    HELD = "held"  # released under its reader: its pages stay locked until that reader is quiet or it expires
+    GONE = "gone"  # forgotten: ended, expired, or its waiting claim timed out or left
+
+
+class LoanEvent(str, Enum):
+    WAIT = "wait"  # a claim of an id not lent yet
+    LEND = "lend"  # the engine lends it (answering a waiting claim, if any)
+    OFFER = "offer"  # its offer goes out: pushed, or a claim's answer
+    BYE = "bye"  # its reader said goodbye: it counts no read made over that connection
+    RELEASE = "release"  # the engine releases it
+    SETTLE = "settle"  # its reader is quiet (its Done, Abort or Bye)
+    END = "end"  # done, aborted, declined, or its offer could not be sent
+    EXPIRE = "expire"
+    TIMEOUT = "timeout"  # claim_wait ran out before the lend
+    CLOSE = "close"  # the waiting claim's connection closed
+
+
+S, E = LoanState, LoanEvent
+LOAN: Mapping[tuple[LoanState | None, LoanEvent], LoanState] = {
+    (None, E.WAIT): S.WAITING,
+    (None, E.LEND): S.LENT,
+    (S.WAITING, E.LEND): S.LENT,
+    (S.WAITING, E.TIMEOUT): S.GONE,
+    (S.WAITING, E.CLOSE): S.GONE,
+    (S.LENT, E.OFFER): S.OFFERED,
+    (S.OFFERED, E.OFFER): S.OFFERED,  # claimed again: extensions follow the newest offer
+    (S.OFFERED, E.BYE): S.LENT,
+    (S.LENT, E.RELEASE): S.GONE,  # no reader: its pages go at once
+    (S.OFFERED, E.RELEASE): S.HELD,
+    (S.HELD, E.SETTLE): S.GONE,
+    (S.HELD, E.EXPIRE): S.GONE,
+    **{(state, event): S.GONE for state in (S.LENT, S.OFFERED) for event in (E.END, E.EXPIRE)},
+}
+del S, E
+
+TABLES: dict[str, Mapping] = {"fetch": FETCH, "link": LINK, "peer": PEER, "lease": LEASE, "loan": LOAN}
 
 
 def transition(name: str, state, event):
