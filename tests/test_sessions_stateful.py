@@ -15,8 +15,8 @@ declines of offers being read (refused).  After every step:
 (iii) each prefill's page locks are exactly those of its live leases;
 (iv)  nothing hangs: past ``transfer_timeout + cancel_grace`` every fetch has
       finished with every read terminal, and one TTL later no lease is left;
-(v)   every fetch's and link's state changed only by moves of ``kvlend.protocol.states``'
-      tables, each made through ``states.transition`` (recorded here).
+(v)   every fetch's, link's, peer's, lease's and loan's state changed only by moves of
+      ``kvlend.protocol.states``' tables, each made through ``states.transition`` (recorded here).
 
 plus the bookkeeping: the session's fetches in flight, its tracker's
 requests and each fetch's open reads agree with what the backend knows.
@@ -465,12 +465,22 @@ class Sessions(RuleBasedStateMachine):
         watched = [(d.session, "fetch", d.session._fetches) for d in self.world.decodes]
         watched += [(d.session, "link", d.session._links) for d in self.world.decodes]
         watched += [(p.session, "peer", p.session._peers) for p in self.world.prefills]
+        watched += [(d.session, "lease", _link_leases(d.session)) for d in self.world.decodes]
+        watched += [(p.session, "loan", p.session._loans.all) for p in self.world.prefills]
+        gone = {"lease": states.LeaseState.GONE, "loan": states.LoanState.GONE}
+        for name, state in gone.items():  # forgotten, an id may begin again from nothing
+            made.setdefault(name, set()).add((state, None))
         for session, name, objects in watched:
             for key, obj in objects.items():
                 before = self.seen.get((session, name, key))
                 assert obj.state is before or _reachable(made.get(name, ()), before, obj.state), \
                     (name, key, before, obj.state, made.get(name))
                 self.seen[session, name, key] = obj.state
+            if name in gone:  # one forgotten (its link still open) went there by moves to ``gone``
+                for key in [k for k in self.seen if k[:2] == (session, name) and k[2] not in objects]:
+                    before = self.seen.pop(key)
+                    assert name == "lease" and key[2][0] not in session._links or \
+                        _reachable(made[name], before, gone[name]), (key, before, made[name])
 
     def _agree(self, d):
         s = d.session
@@ -528,6 +538,11 @@ class Sessions(RuleBasedStateMachine):
             if p.alive and p.lender.active_leases:
                 raise ContractError(f"prefill {p.name} still holds {p.lender.active_leases} leases "
                                     f"({p.lender.locks.locked_pages()} pages) with nothing reading them")
+
+
+def _link_leases(session) -> dict:
+    """Every lease each of ``session``'s links knows, by (link id, lease id)."""
+    return {(conn, lease): known for conn, link in session._links.items() for lease, known in link.leases.items()}
 
 
 def _reachable(moves, start, end) -> bool:

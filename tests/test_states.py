@@ -7,7 +7,10 @@ from memory_transport import World, finish_all
 
 from kvlend.errors import KvlendError
 from kvlend.protocol import states
-from kvlend.protocol.states import FETCH, FetchEvent, FetchState, IllegalTransition, LinkEvent, LinkState
+from kvlend.protocol.states import (
+    FETCH, LEASE, LOAN, FetchEvent, FetchState, IllegalTransition, LeaseEvent, LeaseState, LinkEvent, LinkState,
+    LoanEvent, LoanState,
+)
 
 
 def test_a_pair_outside_the_table_is_an_illegal_transition():
@@ -16,6 +19,8 @@ def test_a_pair_outside_the_table_is_an_illegal_transition():
         states.transition("fetch", FetchState.DONE, FetchEvent.FAIL)
     with pytest.raises(IllegalTransition, match=r"link: no transition from `ready` on `layout`"):
         states.transition("link", LinkState.READY, LinkEvent.LAYOUT)
+    with pytest.raises(IllegalTransition, match=r"lease: no transition from `gone` on `offer`"):
+        states.transition("lease", LeaseState.GONE, LeaseEvent.OFFER)
     assert not issubclass(IllegalTransition, KvlendError)  # no session handler takes it for a peer's failure
 
 
@@ -52,3 +57,33 @@ def test_a_planted_bad_transition_is_caught(monkeypatch):
     assert record.fetch.state is FetchState.READING
     with pytest.raises(IllegalTransition, match="fetch: no transition from `reading` on `land`"):
         finish_all(world, d)
+
+
+def test_a_planted_bad_lease_transition_is_caught(monkeypatch):
+    """With ``claimed -offer-> held`` taken out of the table, the answer to a claim made ahead raises."""
+    monkeypatch.setitem(states.TABLES, "lease", {k: v for k, v in LEASE.items()
+                                                 if k != (LeaseState.CLAIMED, LeaseEvent.OFFER)})
+    world = World(0)
+    p = world.add_prefill()
+    d = world.add_decode()
+    world.connect(d, p)
+    ticket = p.ticket(8, seed=1)
+    d.session.claim_ticket(ticket, d.now)  # sent, not yet answered (nothing pumped)
+    conn = d.session.link_to(ticket.host, ticket.port, d.now)
+    assert d.session._links[conn].state_of(ticket.lease) is LeaseState.CLAIMED
+    with pytest.raises(IllegalTransition, match="lease: no transition from `claimed` on `offer`"):
+        world.pump()
+
+
+def test_a_planted_bad_loan_transition_is_caught(monkeypatch):
+    """With ``offered -release-> held`` taken out of the table, releasing a lease under its reader raises."""
+    monkeypatch.setitem(states.TABLES, "loan", {k: v for k, v in LOAN.items()
+                                                if k != (LoanState.OFFERED, LoanEvent.RELEASE)})
+    world = World(0)
+    p = world.add_prefill()
+    d = world.add_decode()
+    world.connect(d, p)
+    record = d.fetch_ticket(p.ticket(8, seed=1), seed=1)
+    assert p.session._loans.state_of(record.fetch.lease) is LoanState.OFFERED
+    with pytest.raises(IllegalTransition, match="loan: no transition from `offered` on `release`"):
+        p.session.release(record.fetch.lease)

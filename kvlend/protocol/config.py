@@ -15,8 +15,9 @@ class Quotas:
     """Per authenticated decode rank, what a prefill lets it take.  Each is refused with a
     ``QuotaExceeded`` (``.limit`` is the field's name) before any state changes.
 
-    The defaults are far above what real models need (``models.md``) and exist to bound a
-    faulty or hostile peer, not to shape load; tune the per-peer ones to your pool.
+    The defaults are far above what real models need (a request's lease, pages and page pieces
+    stay orders of magnitude below them) and exist to bound a faulty or hostile peer, not to
+    shape load; tune the per-peer ones to your pool.
 
     - ``max_leases_per_peer`` (4096): live leases bound to one decode, pushed (``offer``,
       ``lend(peer=...)``) or claimed through a ticket.  A lend over it raises; a claim over it

@@ -48,7 +48,7 @@ from .decode_claims import TicketClaims
 from .decode_link import PLAN_CACHE, PrefillLink, where
 from .decode_messages import PrefillMessages
 from .fetch import Fetch, check_destination, clone_error, nbytes, plan_work, resume_point, timeout_arg
-from .states import TERMINAL, FetchEvent, FetchState, LinkEvent, LinkState
+from .states import TERMINAL, FetchEvent, FetchState, LeaseEvent, LeaseState, LinkEvent, LinkState
 from .wire import Abort, Bye, Done, Handshake, Heartbeat, LeaseOffer, Message
 
 __all__ = ["DecodeSession", "Fetch", "FetchState", "check_destination", "clone_error"]
@@ -205,17 +205,17 @@ class DecodeSession(TicketClaims, PrefillMessages, Outbox):
         if not isinstance(offer, LeaseOffer):
             raise UsageError(f"expected a LeaseOffer, got {type(offer).__name__}")
         self._check_not_fetching(offer.id)
-        if offer.id not in link.offers:
+        held = link.leases.get(offer.id)
+        if held is None or held.offer is None:
             raise UsageError(f"lease {offer.id.hex()} is no longer offered on this link "
                                 "(fetched, declined or withdrawn): ask the prefill to lend it again")
         resume_from = resume_point(resume_from, offer.num_tokens)
-        offer = link.offers[offer.id]  # as grown by any extension since it was offered
+        offer = held.offer  # as grown by any extension since it was offered
         work = self._work(link.plan, offer, dst, resume_from)  # may raise: nothing changed yet
         fetch = self._new_fetch(conn, offer.id, offer.num_tokens, dst, resume_from, now, timeout, FetchEvent.TAKE)
-        fetch.sure_until = link.sure.get(offer.id, -math.inf)
+        fetch.sure_until = held.sure if held.sure is not None else -math.inf
         self._begin(fetch, offer, work, now, created=True)
-        link.offers.pop(offer.id, None)
-        link.sure.pop(offer.id, None)
+        link.lease_to(offer.id, LeaseEvent.FETCH)
         return fetch
 
 
@@ -224,8 +224,8 @@ class DecodeSession(TicketClaims, PrefillMessages, Outbox):
         link = self._ready_link(conn)
         if offer.id in self._live:
             raise UsageError(f"lease {offer.id.hex()} is being fetched: cancel the fetch instead")
-        link.offers.pop(offer.id, None)
-        link.sure.pop(offer.id, None)
+        if link.state_of(offer.id) in (LeaseState.HELD, LeaseState.OFFERED):
+            link.lease_to(offer.id, LeaseEvent.DECLINE)
         link.conn.send(Abort(offer.id, Code.CANCELLED, reason[:_REASON]))
 
     def cancel(self, fetch_id: int, now: float) -> None:
@@ -455,13 +455,11 @@ class DecodeSession(TicketClaims, PrefillMessages, Outbox):
         if fetch.state is FetchState.CLAIMING:
             if tell_prefill and link is not None and link.state is LinkState.READY and fetch.claimed_at is not None:
                 link.conn.send(Abort.of(fetch.lease, error))
-                link.abandoned.add(fetch.lease)
-            if link is not None and fetch.id in link.waiting:
-                link.waiting.remove(fetch.id)
+                link.lease_to(fetch.lease, LeaseEvent.ABANDON)
             self._finish(fetch, FetchEvent.FAIL, error, now)
             return
         if not fetch.confirmed and link is not None:
-            link.abandoned.add(fetch.lease)  # the claim's answer may still come: it is not an offer to us
+            link.lease_to(fetch.lease, LeaseEvent.ABANDON)  # the claim's answer may still come: not an offer to us
         if fetch.state is FetchState.ACKING:  # every read is terminal; the prefill releases on our done
             self._finish(fetch, FetchEvent.FAIL, error, now)
             return
@@ -528,6 +526,11 @@ class DecodeSession(TicketClaims, PrefillMessages, Outbox):
         """The fetch of ``lease`` on link ``conn`` if it is in ``state`` (one not finished)."""
         fetch = self._live.get(lease)
         return fetch if fetch is not None and fetch.link == conn and fetch.state is state else None
+
+    def _waiting(self, link: PrefillLink) -> list[Fetch]:
+        """Fetches whose claim waits for ``link`` to be ready (claiming, nothing sent yet), oldest first."""
+        return [f for f in self._on_link.get(link.id, {}).values()
+                if f.state is FetchState.CLAIMING and f.claimed_at is None]
 
     def _renewable(self, link: PrefillLink) -> list[bytes]:
         """Leases on ``link`` that must not expire: fetches not finished, and offers not yet taken."""

@@ -12,9 +12,9 @@ from ..errors import (
     AuthError, KvlendError, PageRangeError, PeerProtocolError, PromptMismatch, QuotaExceeded, UsageError,
 )
 from .codes import Code, lease_error
-from .decode_link import REFUSED_KEPT, PrefillLink
+from .decode_link import CLAIMED_AHEAD, REFUSED_KEPT, PrefillLink
 from .fetch import Fetch, check_destination, clone_error, resume_point, timeout_arg
-from .states import FetchEvent, FetchState, LinkState
+from .states import FetchEvent, FetchState, LeaseEvent, LeaseState, LinkState
 from .ticket import Ticket
 from .wire import Abort, Claim, LeaseOffer
 
@@ -54,20 +54,17 @@ class TicketClaims:
         conn = self.link_to(ticket.host, ticket.port, now)
         link = self._links[conn]
         link.expect = ticket.prefill
-        offer = link.offers.get(ticket.lease)
-        if offer is not None and offer.num_tokens == ticket.num_tokens:  # claimed ahead and answered: read it
-            fetch = self.fetch_offer(conn, offer, dst, now, resume_from, timeout)
-            link.claimed.pop(ticket.lease, None)
-            return fetch
-        if offer is not None:  # not what the ticket says: claim again, and the answer fails the fetch
-            link.offers.pop(ticket.lease)
-            link.sure.pop(ticket.lease, None)
+        known = link.leases.get(ticket.lease)
+        if known is not None and known.offer is not None and known.offer.num_tokens == ticket.num_tokens:
+            return self.fetch_offer(conn, known.offer, dst, now, resume_from, timeout)  # claimed ahead, answered
+        refusal = sent = None  # sent: None too for a claim queued until the link is ready
+        if known is not None and known.state not in (LeaseState.ABANDONED, LeaseState.DECLINING):
+            # its claim ahead, refusal, or an offer not what the ticket says (claim again: the answer fails it)
+            refusal, sent = known.refusal, known.sent
+            link.lease_to(ticket.lease, LeaseEvent.FETCH)
         fetch = self._new_fetch(conn, ticket.lease, ticket.num_tokens, dst, resume_from, now, timeout,
                                 FetchEvent.REDEEM)
         fetch.ticket, fetch.prompt_digest = ticket, digest
-        link.claimed.pop(ticket.lease, None)
-        refusal = link.refused.pop(ticket.lease, None)
-        sent = link.early.pop(ticket.lease, None)  # None too for a claim queued until the link is ready
         if refusal is not None:
             code, detail = refusal
             self._fail(fetch, lease_error(code, f"prefill {link.peer} refused lease {ticket.lease.hex()}: {detail}"),
@@ -76,9 +73,7 @@ class TicketClaims:
             fetch.claimed_at = sent
         elif link.state is LinkState.READY:
             self._claim(link, fetch, now)
-        else:
-            link.waiting.append(fetch.id)
-        return fetch
+        return fetch  # else it waits for the link (``_waiting``)
 
     def claim_ticket(self, ticket: Ticket, now: float, prompt_digest: bytes | None = None) -> None:
         """Claim ``ticket``'s lease now and keep it alive (heartbeats) until ``fetch_ticket`` reads it.
@@ -100,23 +95,25 @@ class TicketClaims:
             return
         link = self._links[self.link_to(ticket.host, ticket.port, now)]
         link.expect = ticket.prefill
-        if ticket.lease in link.early or ticket.lease in link.offers or ticket.lease in link.refused:
+        if link.state_of(ticket.lease) in (*CLAIMED_AHEAD, LeaseState.HELD, LeaseState.OFFERED, LeaseState.REFUSED):
             return
-        if len(link.early) >= self.config.quotas.max_leases_per_peer:
-            raise QuotaExceeded("max_leases_per_peer", len(link.early) + 1, self.config.quotas.max_leases_per_peer,
+        early = link.count(*CLAIMED_AHEAD)
+        if early >= self.config.quotas.max_leases_per_peer:
+            raise QuotaExceeded("max_leases_per_peer", early + 1, self.config.quotas.max_leases_per_peer,
                                 "early claims on one link:")
-        link.claimed[ticket.lease] = digest
         if link.state is LinkState.READY:
-            link.early[ticket.lease] = now
+            claim = link.lease_to(ticket.lease, LeaseEvent.CLAIM)
+            claim.sent, claim.digest = now, digest
             link.conn.send(Claim(ticket.lease, digest))
         else:
-            link.early[ticket.lease] = None
+            link.lease_to(ticket.lease, LeaseEvent.QUEUE).digest = digest
 
     def _check_claimed(self, ticket: Ticket, digest: bytes) -> None:
         """``PromptMismatch`` if ``ticket``'s lease was claimed ahead for another prompt than ``digest``'s."""
         conn = self._by_endpoint.get(ticket.endpoint)
-        claimed = self._links[conn].claimed.get(ticket.lease) if conn is not None else None
-        if claimed is not None and claimed != digest:
+        known = self._links[conn].leases.get(ticket.lease) if conn is not None else None
+        claimed = known is not None and known.state in (*CLAIMED_AHEAD, LeaseState.HELD)
+        if claimed and known.digest != digest:
             raise PromptMismatch(f"lease {ticket.lease.hex()} was claimed for another prompt than this fetch's")
 
     def _decline(self, ticket: Ticket, digest: bytes, now: float) -> None:
@@ -132,8 +129,9 @@ class TicketClaims:
         if link.state is LinkState.READY:
             return  # its prefill's layout is one we read, not the ticket's: the lease, if any, waits its TTL
         link.expect = ticket.prefill
-        if len(link.declines) < self.config.quotas.max_leases_per_peer:  # past that, the lease waits its TTL
-            link.declines[ticket.lease] = digest
+        if link.state_of(ticket.lease) in (None, LeaseState.DECLINING) \
+                and link.count(LeaseState.DECLINING) < self.config.quotas.max_leases_per_peer:  # past that: its TTL
+            link.lease_to(ticket.lease, LeaseEvent.GIVE_BACK).digest = digest
 
     def _check_issuer(self, ticket: Ticket) -> None:
         """``AuthError`` if the link to the ticket's endpoint serves (or awaits) another prefill than it names."""
@@ -152,14 +150,15 @@ class TicketClaims:
         link = self._links.get(conn) if conn is not None else None
         if link is None:
             return
-        link.refused.pop(ticket.lease, None)
-        link.claimed.pop(ticket.lease, None)
-        if ticket.lease in link.early:
-            if link.early.pop(ticket.lease) is not None:  # sent: its offer may still come, dropped then
-                link.abandoned.add(ticket.lease)
-                link.conn.send(Abort(ticket.lease, Code.CANCELLED, "unclaimed: the decode will not read it"))
-        elif ticket.lease in link.offers and link.state is LinkState.READY:
-            self.decline(conn, link.offers[ticket.lease], "unclaimed: the decode will not read it")
+        known = link.leases.get(ticket.lease)
+        state = None if known is None else known.state
+        if state in (LeaseState.QUEUED, LeaseState.REFUSED):
+            link.lease_to(ticket.lease, LeaseEvent.UNCLAIM)
+        elif state in (LeaseState.CLAIMED, LeaseState.RECLAIMED):  # sent: its answer may still come, dropped then
+            link.lease_to(ticket.lease, LeaseEvent.UNCLAIM)
+            link.conn.send(Abort(ticket.lease, Code.CANCELLED, "unclaimed: the decode will not read it"))
+        elif state in (LeaseState.HELD, LeaseState.OFFERED) and link.state is LinkState.READY:
+            self.decline(conn, known.offer, "unclaimed: the decode will not read it")
 
     def _claim(self, link: PrefillLink, fetch: Fetch, now: float) -> None:
         fetch.claimed_at = now

@@ -2,18 +2,42 @@
 
 from __future__ import annotations
 
-from collections import OrderedDict, deque
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 from ..core.negotiate import TransferPlan
 from ..errors import PeerProtocolError
+from . import states
 from .connection import Connection
-from .states import LinkState
+from .states import LeaseEvent, LeaseState, LinkState
 from .wire import MAX_META, Extend, LeaseOffer
 
 PLAN_CACHE = 64  # plans, refused layouts and closed links' errors remembered
 REFUSED_KEPT = 4096  # early claims' refusals remembered per link, and leases declined lately
+
+L = LeaseState
+_OFFERS = (L.HELD, L.OFFERED)  # with an offer not yet fetched: heartbeated, fetched by ``fetch_offer``
+CLAIMED_AHEAD = (L.QUEUED, L.CLAIMED, L.RECLAIMED)  # claims ahead not yet answered (``max_leases_per_peer``)
+_KEEPS = {  # what a lease's record holds in each state; the rest is cleared as it enters it
+    L.QUEUED: {"digest"}, L.CLAIMED: {"digest", "sent"}, L.RECLAIMED: {"digest", "sent"},
+    L.HELD: {"digest", "offer", "sure"}, L.OFFERED: {"offer", "sure"}, L.REFUSED: {"refusal"},
+    L.DECLINING: {"digest"}, L.ABANDONED: set(), L.GONE: set(),
+}
+_CLEARED = {"offer": None, "sure": None, "sent": None, "digest": b"", "refusal": None}
+del L
+
+
+@dataclass(eq=False)
+class LinkLease:
+    """What a link knows of one lease apart from a fetch reading it."""
+
+    state: LeaseState | None = None  # changed only by ``PrefillLink.lease_to``
+    offer: LeaseOffer | None = None  # held or offered: as grown by extensions since
+    sure: float | None = None  # held or offered: valid at least until then (None: no renewal known yet)
+    sent: float | None = None  # claimed (or reclaimed): when the claim went out
+    digest: bytes = b""  # the prompt digest its claim ahead carries (or its give-back claim)
+    refusal: tuple | None = None  # refused: (code, detail), what a later fetch of its ticket fails with
 
 
 @dataclass(eq=False)
@@ -29,17 +53,57 @@ class PrefillLink:
     peer: str | None = None  # the prefill's identity: its certificate's name
     backend_peer: bool = False  # AddPeer was asked for
     handshake_ms: float = 0.0
-    offers: dict = field(default_factory=dict)  # pushed, not yet fetched or declined: lease id -> offer
-    sure: dict = field(default_factory=dict)  # lease id -> valid at least until then (offers not yet fetched)
+    leases: dict = field(default_factory=dict)  # lease id -> LinkLease, one state each (``lease_to``)
+    by_state: dict = field(default_factory=lambda: {s: {} for s in LeaseState})  # state -> {id: LinkLease}, oldest first
+    _offered: dict = field(default_factory=dict)  # held or offered: id -> LinkLease, in the order the offers came
     beats: deque = field(default_factory=deque)  # (sent at, lease ids) of heartbeats not yet answered
     blind: int = 0  # unanswered heartbeats sent after ``beats`` was full (answered after those in it)
     next_beat: float = 0.0
-    waiting: list = field(default_factory=list)  # fetch ids to claim once READY
-    abandoned: set = field(default_factory=set)  # leases whose claim we gave up on: their offer is stale
-    early: dict = field(default_factory=dict)  # claimed ahead of a fetch, not yet answered: lease id -> sent at
-    claimed: dict = field(default_factory=dict)  # claimed ahead, until fetched or given back: lease id -> its digest
-    refused: OrderedDict = field(default_factory=OrderedDict)  # early claims the prefill refused: id -> (code, detail)
-    declines: dict = field(default_factory=dict)  # to give back if the prefill refuses our layout: id -> digest
+
+    def state_of(self, lease: bytes) -> LeaseState | None:
+        record = self.leases.get(lease)
+        return None if record is None else record.state
+
+    def lease_to(self, lease: bytes, event: LeaseEvent) -> LinkLease:
+        """The one place a lease's state on this link changes: checked against ``states.LEASE``; the
+        indexes follow, a lease ``gone`` is forgotten, and past ``REFUSED_KEPT`` refusals the oldest is."""
+        record = self.leases.get(lease) or LinkLease()
+        before, after = record.state, states.transition("lease", record.state, event)
+        if before is not None:
+            del self.by_state[before][lease]
+        record.state = after
+        for name in _CLEARED.keys() - _KEEPS[after]:
+            setattr(record, name, _CLEARED[name])
+        if after is LeaseState.GONE:
+            self.leases.pop(lease, None)
+        else:
+            self.leases[lease] = self.by_state[after][lease] = record
+        if after in _OFFERS:
+            self._offered.setdefault(lease, record)
+        else:
+            self._offered.pop(lease, None)
+        refused = self.by_state[LeaseState.REFUSED]
+        if len(refused) > REFUSED_KEPT:
+            self.lease_to(next(iter(refused)), LeaseEvent.FORGET)
+        return record
+
+    def count(self, *among: LeaseState) -> int:
+        return sum(len(self.by_state[state]) for state in among)
+
+    @property
+    def offers(self) -> dict[bytes, LeaseOffer]:
+        """Offers not yet fetched or declined (held or pushed), in the order they came."""
+        return {lease: record.offer for lease, record in self._offered.items()}
+
+    @property
+    def sure(self) -> dict[bytes, float]:
+        """Offers not yet fetched known valid at least until then."""
+        return {lease: record.sure for lease, record in self._offered.items() if record.sure is not None}
+
+    @property
+    def abandoned(self) -> set[bytes]:
+        """Leases whose claim we gave up: their answer is dropped when it comes."""
+        return set(self.by_state[LeaseState.ABANDONED]) | set(self.by_state[LeaseState.RECLAIMED])
 
 
 def grown_offer(link: PrefillLink, offer: LeaseOffer, message: Extend) -> LeaseOffer:

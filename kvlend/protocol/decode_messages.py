@@ -4,7 +4,6 @@ withdrawals and done acks, each checked before it changes anything (``PeerProtoc
 from __future__ import annotations
 
 import logging
-import math
 
 from ..core.layout import PageLayout
 from ..core.negotiate import negotiate
@@ -12,10 +11,10 @@ from ..core.text import printable
 from ..errors import IncompleteFetch, KvlendError, LayoutMismatch, PeerLost, PeerProtocolError, QuotaExceeded
 from .actions import AddPeer, Offered, PeerReady
 from .codes import Code, code_of, lease_error, link_error
-from .decode_link import PLAN_CACHE, REFUSED_KEPT, PrefillLink, check_committed, grown_offer
+from .decode_link import PLAN_CACHE, PrefillLink, check_committed, grown_offer
 from .fetch import Fetch
 from .prefill import peer_layout
-from .states import FetchEvent, FetchState, IllegalTransition, LinkEvent, LinkState
+from .states import FetchEvent, FetchState, IllegalTransition, LeaseEvent, LeaseState, LinkEvent, LinkState
 from .wire import Abort, Bye, Claim, DoneAck, Extend, LeaseOffer, Message, Offer, Renewed
 
 log = logging.getLogger("kvlend.session")
@@ -73,15 +72,15 @@ class PrefillMessages:
         self._actions.append(AddPeer(conn, message.metadata))
         self._events.append(PeerReady(conn, link.peer))
         log.info("handshake with %s: %s", printable(link.peer), plan.summary().splitlines()[0])
-        waiting, link.waiting = link.waiting, []
-        for fid in waiting:
-            fetch = self._fetches.get(fid)
-            if fetch is not None and fetch.state is FetchState.CLAIMING:
+        for fetch in self._waiting(link):
+            if fetch.state is FetchState.CLAIMING:
                 self._claim(link, fetch, now)
-        for lease in [i for i, sent in link.early.items() if sent is None]:
-            link.early[lease] = now
-            link.conn.send(Claim(lease, link.claimed.get(lease, b"")))
-        link.declines.clear()  # a layout we read after all: nothing to give back
+        for lease in list(link.by_state[LeaseState.QUEUED]):
+            claim = link.lease_to(lease, LeaseEvent.CLAIM)
+            claim.sent = now
+            link.conn.send(Claim(lease, claim.digest))
+        for lease in list(link.by_state[LeaseState.DECLINING]):
+            link.lease_to(lease, LeaseEvent.LAYOUT)  # a layout we read after all: nothing to give back
 
     def _unreadable_layout(self, conn: int, link: PrefillLink, remote: PageLayout, refusal: LayoutMismatch,
                            now: float) -> None:
@@ -89,15 +88,17 @@ class PrefillMessages:
         self._unreadable[remote.layout_id] = refusal
         while len(self._unreadable) > PLAN_CACHE:
             self._unreadable.popitem(last=False)
-        came_for = [(self._fetches[f].lease, self._fetches[f].prompt_digest) for f in link.waiting
-                    if f in self._fetches] + [(lease, link.claimed.get(lease, b"")) for lease in link.early]
-        for lease, digest in dict([*came_for, *link.declines.items()]).items():
+        came_for = [(f.lease, f.prompt_digest) for f in self._waiting(link)]
+        came_for += [(lease, known.digest) for state in (LeaseState.QUEUED, LeaseState.DECLINING)
+                     for lease, known in link.by_state[state].items()]
+        for lease, digest in dict(came_for).items():
             link.conn.send(Claim(lease, digest))  # refused as we are, a claim gives the lease back
         self._fail_link(conn, refusal, now, bye=code_of(refusal))  # the claims go out before the bye
 
     def _offer(self, conn: int, link: PrefillLink, offer: LeaseOffer, now: float) -> None:
-        if offer.id in link.abandoned:  # the answer to a claim we gave up on (and aborted)
-            link.abandoned.discard(offer.id)
+        state = link.state_of(offer.id)
+        if state in (LeaseState.ABANDONED, LeaseState.RECLAIMED):  # the answer to a claim we gave up (and aborted)
+            link.lease_to(offer.id, LeaseEvent.OFFER)
             return
         unknown = sorted(map(repr, set(offer.pages) - set(link.plan.remote.groups)))
         if unknown:
@@ -111,10 +112,10 @@ class PrefillMessages:
                 # the answer to a claim whose reads went ahead from the ticket
                 self._confirm(ahead, offer, now)
                 return
-        if fetch is None and offer.id in link.early:  # claimed ahead: held (and heartbeated) for its fetch
-            sent = link.early.pop(offer.id)
-            link.offers[offer.id] = offer
-            link.sure[offer.id] = sent + offer.ttl - self.config.heartbeat  # renewed when our claim arrived
+        if fetch is None and state is LeaseState.CLAIMED:  # claimed ahead: held (and heartbeated) for its fetch
+            sent = link.leases[offer.id].sent
+            held = link.lease_to(offer.id, LeaseEvent.OFFER)
+            held.offer, held.sure = offer, sent + offer.ttl - self.config.heartbeat  # renewed when our claim came
             return
         if fetch is None:  # pushed: trusted once a heartbeat renewal confirms it, which we ask for now
             try:
@@ -123,7 +124,7 @@ class PrefillMessages:
                 link.conn.send(Abort.of(offer.id, exc))
                 log.warning("prefill %s offered a lease too large to read: %s", printable(link.peer), exc)
                 return
-            link.offers[offer.id] = offer
+            link.lease_to(offer.id, LeaseEvent.OFFER).offer = offer
             link.next_beat = now
             self._events.append(Offered(conn, offer))
             return
@@ -150,9 +151,9 @@ class PrefillMessages:
 
     def _extended(self, conn: int, link: PrefillLink, message: Extend, now: float) -> None:
         """A progressive lease grew: an offer not yet fetched grows; a fetch reading it posts the new pages."""
-        offer = link.offers.get(message.lease)
-        if offer is not None:
-            link.offers[message.lease] = grown_offer(link, offer, message)
+        known = link.leases.get(message.lease)
+        if known is not None and known.offer is not None:
+            known.offer = grown_offer(link, known.offer, message)
             return
         fetch = self._fetch_of(conn, message.lease, FetchState.READING)
         if fetch is None:
@@ -182,9 +183,10 @@ class PrefillMessages:
         if not set(message.leases) <= asked:
             raise PeerProtocolError(f"prefill {link.peer} renewed leases the heartbeat did not name")
         for lease in message.leases:
-            offer = link.offers.get(lease)
-            if offer is not None:
-                link.sure[lease] = max(link.sure.get(lease, -math.inf), sent + offer.ttl - self.config.heartbeat)
+            known = link.leases.get(lease)
+            if known is not None and known.offer is not None:
+                sure = sent + known.offer.ttl - self.config.heartbeat
+                known.sure = sure if known.sure is None else max(known.sure, sure)
         for lease in set(message.leases):
             fetch = self._live.get(lease)
             if fetch is not None and fetch.link == conn and fetch.offer is not None and fetch.confirmed:
@@ -197,15 +199,10 @@ class PrefillMessages:
         an ``Abort`` back, at once for an offer nobody reads, once its reads are terminal for a
         fetch (a fetch that sent its done has said so already).
         """
-        offered = message.lease in link.offers
-        if message.lease in link.early or offered:
-            link.early.pop(message.lease, None)
-            link.claimed.pop(message.lease, None)
-            link.refused[message.lease] = message.code, message.detail  # what a later fetch of its ticket fails with
-            while len(link.refused) > REFUSED_KEPT:
-                link.refused.popitem(last=False)
-        link.offers.pop(message.lease, None)
-        link.sure.pop(message.lease, None)
+        state = link.state_of(message.lease)
+        offered = state in (LeaseState.HELD, LeaseState.OFFERED)
+        if offered or state in (LeaseState.CLAIMED, LeaseState.RECLAIMED):
+            link.lease_to(message.lease, LeaseEvent.WITHDRAW).refusal = message.code, message.detail
         if offered:
             link.conn.send(Abort(message.lease, Code.CANCELLED, "withdrawn before it was read"))
         fetch = self._live.get(message.lease)
@@ -214,7 +211,8 @@ class PrefillMessages:
             error = lease_error(message.code, f"prefill {link.peer} refused lease {message.lease.hex()}: "
                                               f"{message.detail}")
             self._fail(fetch, error, now, tell_prefill=fetch.state is not FetchState.CLAIMING)  # acks if it read
-        link.abandoned.discard(message.lease)  # this was the answer: nothing more comes for it
+        if link.state_of(message.lease) is LeaseState.ABANDONED:  # this was the answer: nothing more comes for it
+            link.lease_to(message.lease, LeaseEvent.WITHDRAW)
         log.info("prefill %s withdrew lease %s: %s", printable(link.peer), message.lease.hex(),
                  printable(message.detail))
 

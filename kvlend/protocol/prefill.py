@@ -51,7 +51,8 @@ from .actions import Close, LeaseEnded, Outbox, PeerGone, PeerReady, Send
 from .codes import Code, code_of, detail_of
 from .config import NodeConfig
 from .connection import AUTH_TIMEOUT, Connection
-from .states import PeerEvent, PeerState
+from .prefill_loans import Loans
+from .states import LoanEvent, LoanState, PeerEvent, PeerState
 from .ticket import Ticket
 from .wire import (
     Abort, Bye, Claim, Done, DoneAck, Extend, Handshake, Heartbeat, LeaseOffer, Message, Offer, Renewed, check_offer,
@@ -71,7 +72,6 @@ class _Peer:
     layout: PageLayout | None = None  # set once the layouts were exchanged
     layout_by: float = math.inf  # once authenticated: when its layout must have come
     named: dict[bytes, None] = field(default_factory=dict)  # ids it claimed or was offered, newest last (capped)
-    waiting: set[bytes] = field(default_factory=set)  # its claims waiting for their lend (claim_wait)
     log_after: float = -math.inf  # its next heartbeat summary line, no earlier
     unlogged: int = 0  # heartbeats with something to say since its last line
     refused_until: float | None = None  # its layout was refused: it may decline leases until then
@@ -80,14 +80,6 @@ class _Peer:
     @property
     def name(self) -> str | None:
         return self.conn.peer if self.conn.ready else None
-
-
-@dataclass
-class _Loaned:
-    """What a peer needs to read a lease besides the lender's record."""
-
-    meta: Mapping[str, Any] = field(default_factory=dict)
-    offered_on: int | None = None  # the connection its offer went out on: extensions follow it there
 
 
 class PrefillSession(Outbox):
@@ -104,11 +96,8 @@ class PrefillSession(Outbox):
         self._metadata = metadata
         self._peers: dict[int, _Peer] = {}
         self._by_name: dict[str, int] = {}  # ready peers
-        self._loans: dict[bytes, _Loaned] = {}
-        # Claims of leases not yet lent: (conn, deadline, the claim's prompt digest), in deadline order
-        # (each is now + claim_wait).
-        self._waiting: dict[bytes, tuple[int, float, bytes]] = {}
-        self._revoked: dict[bytes, int] = {}  # released under a reader: lease id -> its reader's connection
+        self._loans = Loans()  # what we know of each lease beside the lender: one state each (``Loans.to``)
+        self._waiting = self._loans.waiting  # claims of leases not yet lent, in deadline order
         super().__init__()
 
     # ----------------------------------------------------------- connections
@@ -203,10 +192,10 @@ class PrefillSession(Outbox):
         meta = check_offer(request, meta or {})  # what the decode would refuse must not take locks
         lease = self.lender.lend(request, num_tokens, pages, selection, now, self.config.ttl, peer=peer,
                                  limits=self._limits, lease_id=lease_id, ready=ready, prompt_digest=prompt_digest)
-        self._loans[lease.id] = _Loaned(meta)
-        conn, _, digest = self._waiting.pop(lease.id, (None, 0.0, b""))
+        waiting = self._waiting.get(lease.id)
+        conn, digest = (None, b"") if waiting is None else (waiting.reader, waiting.digest)
+        self._loans.to(lease.id, LoanEvent.LEND, meta=meta)
         if conn is not None:
-            self._peers[conn].waiting.discard(lease.id)
             self._claim(self._peers[conn], lease.id, digest, now)
         return lease
 
@@ -224,7 +213,7 @@ class PrefillSession(Outbox):
         except UsageError:  # too large to frame: nothing was queued
             self._end(lease.id, "aborted")
             raise
-        self._loans[lease.id].offered_on = conn
+        self._loans.to(lease.id, LoanEvent.OFFER, reader=conn)
         _remember(self._peers[conn], lease.id, self.config.quotas.max_heartbeat_ids)
         return lease
 
@@ -234,12 +223,12 @@ class PrefillSession(Outbox):
         the offer, is told at once (``Extend``, pushed: no polling round trip).  ``meta`` updates the
         offer's engine data (the first generated token, say, once the last chunk is done)."""
         meta = check_offer("", meta or {})  # what the decode would refuse must not take locks
-        loaned = self._loans.get(lease_id)
+        loaned = self._loans.lent(lease_id)
         merged = None if loaned is None or not meta else check_offer("", {**loaned.meta, **meta})
         lease, added = self.lender.extend(lease_id, ready, pages, now, self._limits)
         if merged is not None:
             loaned.meta = merged  # an offer made later (a claim) carries it whole
-        conn = None if loaned is None else loaned.offered_on
+        conn = None if loaned is None else loaned.reader
         if conn is not None and conn in self._peers:  # a reader that has the offer; a later claim gets it all
             self._peers[conn].conn.send(Extend(lease.id, lease.ready, added, meta))
         return lease
@@ -260,15 +249,14 @@ class PrefillSession(Outbox):
         ``LeaseEnded`` says when its pages may be reused: at once if its offer never went out (or
         its reader said goodbye since), else once its reader is quiet or it expires (module doc).
         """
-        loaned = self._loans.get(lease_id)
-        reader = None if loaned is None else loaned.offered_on
+        loaned = self._loans.lent(lease_id)
+        reader = None if loaned is None else loaned.reader
         lease = self.lender.release(lease_id, hold=reader is not None)
         if lease is not None:
-            self._loans.pop(lease_id, None)
+            if loaned is not None:
+                self._loans.to(lease_id, LoanEvent.RELEASE)  # held for its reader, if its offer went out
             if reader is None:
                 self._events.append(LeaseEnded(lease, "released"))
-            else:
-                self._revoked[lease_id] = reader
             conn = self._by_name.get(lease.peer) if lease.peer is not None else None
             if conn is not None:
                 self._peers[conn].conn.send(Abort.of(lease_id, LeaseUnknown("released by the prefill")))
@@ -299,15 +287,18 @@ class PrefillSession(Outbox):
                                          f"{self.config.handshake_timeout:.3g} s of authenticating")
                 self._drop(conn, detail_of(late), code=code_of(late))
         while self._waiting:
-            lease_id, (conn, deadline, _) = next(iter(self._waiting.items()))
-            if now <= deadline:
+            lease_id, waiting = next(iter(self._waiting.items()))
+            if now <= waiting.deadline:
                 break
-            del self._waiting[lease_id]
-            self._peers[conn].waiting.discard(lease_id)
+            conn = waiting.reader
+            self._loans.to(lease_id, LoanEvent.TIMEOUT)
             self._peers[conn].conn.send(Abort.of(lease_id, LeaseUnknown(
                 f"lease {lease_id.hex()} was not lent within claim_wait {self.config.claim_wait:.3g} s")))
         for lease in self.lender.expire(now):
-            if self._revoked.pop(lease.id, None) is not None:
+            state = self._loans.state_of(lease.id)
+            if state in (LoanState.LENT, LoanState.OFFERED, LoanState.HELD):
+                self._loans.to(lease.id, LoanEvent.EXPIRE)
+            if state is LoanState.HELD:
                 log.info("lease %s of request %s released: its pages go at its expiry, its reader %s never "
                          "said it was quiet", lease.hex, printable(lease.request), printable(lease.peer))
                 self._events.append(LeaseEnded(lease, "released"))
@@ -315,7 +306,6 @@ class PrefillSession(Outbox):
             log.warning("lease %s of request %s expired (peer %s, lent %.3g s ago, not renewed for %.3g s)",
                         lease.hex, printable(lease.request), printable(lease.peer), now - lease.lent_at,
                         now - (lease.expires_at - lease.ttl))
-            self._loans.pop(lease.id, None)
             self._events.append(LeaseEnded(lease, "expired"))
 
     def next_deadline(self) -> float | None:
@@ -323,7 +313,7 @@ class PrefillSession(Outbox):
         times = [p.conn.deadline if not p.conn.ready else p.layout_by for p in self._peers.values()
                  if p.layout is None]
         if self._waiting:
-            times.append(next(iter(self._waiting.values()))[1])
+            times.append(next(iter(self._waiting.values())).deadline)
         times.extend(p.refused_until for p in self._peers.values() if p.refused_until is not None)
         expiry = self.lender.next_expiry()
         if expiry is not None:
@@ -472,9 +462,9 @@ class PrefillSession(Outbox):
         """
         _remember(peer, lease_id, self.config.quotas.max_heartbeat_ids)
         if conn is not None and self.config.claim_wait > 0 and not self.lender.known(lease_id):
-            if lease_id not in self._waiting and len(peer.waiting) < self.config.quotas.max_leases_per_peer:
-                self._waiting[lease_id] = (conn, now + self.config.claim_wait, digest)
-                peer.waiting.add(lease_id)
+            if lease_id not in self._waiting and self._loans.waiting_count(conn) < self.config.quotas.max_leases_per_peer:
+                self._loans.to(lease_id, LoanEvent.WAIT, reader=conn, deadline=now + self.config.claim_wait,
+                              digest=digest)
                 return
         try:
             # LeaseExpired, LeaseUnknown, LeaseDenied (PromptMismatch), or QuotaExceeded (the peer's, or the lifetime)
@@ -484,9 +474,8 @@ class PrefillSession(Outbox):
             peer.conn.send(Abort.of(lease_id, exc))
             return
         peer.conn.send(Offer(self._offer_of(lease)))
-        loaned = self._loans.get(lease_id)
-        if loaned is not None:
-            loaned.offered_on = self._by_name.get(peer.name)
+        if self._loans.lent(lease_id) is not None:
+            self._loans.to(lease_id, LoanEvent.OFFER, reader=self._by_name.get(peer.name))
 
     def _offer_of(self, lease: Lease) -> LeaseOffer:
         loaned = self._loans.get(lease.id)  # a lease lent through a shared lender has no meta of ours
@@ -500,16 +489,18 @@ class PrefillSession(Outbox):
 
     def _settle(self, lease_id: bytes, conn: int) -> bool:
         """Whether ``lease_id`` was held for its reader on ``conn``, now quiet: its pages go."""
-        if self._revoked.get(lease_id) != conn:
+        loan = self._loans.get(lease_id)
+        if loan is None or loan.state is not LoanState.HELD or loan.reader != conn:
             return False
-        del self._revoked[lease_id]
+        self._loans.to(lease_id, LoanEvent.SETTLE)
         self._events.append(LeaseEnded(self.lender.settle(lease_id), "released"))
         return True
 
     def _end(self, lease_id: bytes, reason: str) -> None:
         lease = self.lender.release(lease_id)
         if lease is not None:
-            self._loans.pop(lease_id, None)
+            if self._loans.lent(lease_id) is not None:
+                self._loans.to(lease_id, LoanEvent.END)
             self._events.append(LeaseEnded(lease, reason))
 
     def _drop(self, conn: int, why: str, level: int = logging.WARNING, notify: bool = True,
@@ -524,13 +515,12 @@ class PrefillSession(Outbox):
         peer = self._peers.pop(conn)
         self._peer_to(peer, PeerEvent.CLOSE)
         if quiet:
-            for lease_id in [i for i, c in self._revoked.items() if c == conn]:
+            for lease_id in [i for i, loan in self._loans.by_state[LoanState.HELD].items() if loan.reader == conn]:
                 self._settle(lease_id, conn)
-            for loaned in self._loans.values():
-                if loaned.offered_on == conn:
-                    loaned.offered_on = None
-        for lease_id in peer.waiting:
-            del self._waiting[lease_id]
+            for lease_id in [i for i, loan in self._loans.by_state[LoanState.OFFERED].items() if loan.reader == conn]:
+                self._loans.to(lease_id, LoanEvent.BYE)
+        for lease_id in self._loans.waiting_on(conn):
+            self._loans.to(lease_id, LoanEvent.CLOSE)
         name = peer.name
         if name is not None and self._by_name.get(name) == conn:
             del self._by_name[name]

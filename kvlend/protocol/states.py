@@ -15,6 +15,11 @@ late read writes into a destination the engine reuses.
 A link (``DecodeSession``, one per prefill endpoint) and a peer connection
 (``PrefillSession``, one per decode rank) go through TLS and the layout handshake
 before any lease moves; a refused peer may only give its leases back and leave.
+
+A lease on a link (``DecodeSession``, apart from a fetch reading it): claimed ahead of
+its fetch, held once answered, pushed, refused, or given back; ``gone`` is forgotten.
+A loan (``PrefillSession``, beside the lender's record): a claim waiting for its lend,
+lent, offered on a connection, or released but held until that reader is quiet.
 """
 
 from __future__ import annotations
@@ -126,7 +131,109 @@ PEER: Mapping[tuple[PeerState | None, PeerEvent], PeerState] = {
 }
 del S, E
 
-TABLES: dict[str, Mapping] = {"fetch": FETCH, "link": LINK, "peer": PEER}
+class LeaseState(str, Enum):
+    """A lease as a decode's link knows it apart from a fetch reading it (claims ahead, offers, refusals)."""
+
+    QUEUED = "queued"  # claimed ahead before the link is ready: the claim goes out once it is
+    CLAIMED = "claimed"  # claimed ahead: the claim went out, its answer is on its way
+    HELD = "held"  # claimed ahead and answered: its offer is kept (heartbeated) for its fetch
+    OFFERED = "offered"  # pushed by the prefill: the engine may fetch or decline it
+    REFUSED = "refused"  # the prefill refused the claim or ended the lease: a later fetch of it fails so
+    ABANDONED = "abandoned"  # a claim we gave up (and aborted): its answer is dropped when it comes
+    RECLAIMED = "reclaimed"  # claimed ahead again while an abandoned claim's answer is still owed
+    DECLINING = "declining"  # of a layout we cannot read: a claim gives it back if the prefill refuses ours
+    GONE = "gone"  # forgotten: fetched, given back, answered, or the oldest of too many refusals
+
+
+class LeaseEvent(str, Enum):
+    QUEUE = "queue"  # the engine claims it ahead while the link is not ready
+    CLAIM = "claim"  # a claim ahead goes out
+    OFFER = "offer"  # an offer for it came: a claim's answer, or pushed
+    WITHDRAW = "withdraw"  # the prefill refused the claim or ended the lease (its Abort)
+    FETCH = "fetch"  # a fetch takes it over: its offer, claim or refusal
+    DECLINE = "decline"  # we decline its offer: the prefill releases it
+    UNCLAIM = "unclaim"  # the engine gives back a lease claimed ahead
+    ABANDON = "abandon"  # a fetch gave up its claim before the answer came
+    GIVE_BACK = "give_back"  # its ticket names a layout we cannot read: give it back over a link opened for it
+    LAYOUT = "layout"  # the link's layout is one we read after all: nothing to give back
+    FORGET = "forget"  # too many refusals remembered: the oldest goes
+
+
+S, E = LeaseState, LeaseEvent
+LEASE: Mapping[tuple[LeaseState | None, LeaseEvent], LeaseState] = {
+    (None, E.QUEUE): S.QUEUED,
+    (S.DECLINING, E.QUEUE): S.QUEUED,  # its claim gives it back as well
+    (None, E.CLAIM): S.CLAIMED,
+    (S.QUEUED, E.CLAIM): S.CLAIMED,
+    (S.ABANDONED, E.CLAIM): S.RECLAIMED,
+    (S.CLAIMED, E.OFFER): S.HELD,
+    (None, E.OFFER): S.OFFERED,  # pushed
+    (S.OFFERED, E.OFFER): S.OFFERED,  # pushed again: the newer offer
+    (S.HELD, E.OFFER): S.OFFERED,  # pushed over one held: the engine hears of it
+    (S.REFUSED, E.OFFER): S.OFFERED,
+    (S.ABANDONED, E.OFFER): S.GONE,  # the abandoned claim's answer, dropped
+    (S.RECLAIMED, E.OFFER): S.CLAIMED,  # the abandoned claim's answer, dropped: the new claim's is still owed
+    **{(state, E.WITHDRAW): S.REFUSED for state in (S.CLAIMED, S.RECLAIMED, S.HELD, S.OFFERED)},
+    (S.ABANDONED, E.WITHDRAW): S.GONE,  # the abandoned claim's answer
+    **{(state, E.FETCH): S.GONE for state in (S.QUEUED, S.CLAIMED, S.HELD, S.OFFERED, S.REFUSED)},
+    (S.RECLAIMED, E.FETCH): S.ABANDONED,  # the fetch waits for the new claim's answer; the old one's is dropped
+    (S.HELD, E.DECLINE): S.GONE,
+    (S.OFFERED, E.DECLINE): S.GONE,
+    (S.QUEUED, E.UNCLAIM): S.GONE,  # never sent
+    (S.REFUSED, E.UNCLAIM): S.GONE,
+    (S.CLAIMED, E.UNCLAIM): S.ABANDONED,  # aborted: its answer may still come
+    (S.RECLAIMED, E.UNCLAIM): S.ABANDONED,
+    (None, E.ABANDON): S.ABANDONED,
+    (S.ABANDONED, E.ABANDON): S.ABANDONED,
+    (None, E.GIVE_BACK): S.DECLINING,
+    (S.DECLINING, E.GIVE_BACK): S.DECLINING,
+    (S.DECLINING, E.LAYOUT): S.GONE,
+    (S.REFUSED, E.FORGET): S.GONE,
+}
+del S, E
+
+class LoanState(str, Enum):
+    """A lease as a prefill's session knows it beside the lender's record."""
+
+    WAITING = "waiting"  # a claim came before the lend: it waits up to claim_wait
+    LENT = "lent"  # lent; no reader has its offer
+    OFFERED = "offered"  # its offer went out on a connection: extensions follow it, a release waits for that reader
+    HELD = "held"  # released under its reader: its pages stay locked until that reader is quiet or it expires
+    GONE = "gone"  # forgotten: ended, expired, or its waiting claim timed out or left
+
+
+class LoanEvent(str, Enum):
+    WAIT = "wait"  # a claim of an id not lent yet
+    LEND = "lend"  # the engine lends it (answering a waiting claim, if any)
+    OFFER = "offer"  # its offer goes out: pushed, or a claim's answer
+    BYE = "bye"  # its reader said goodbye: it counts no read made over that connection
+    RELEASE = "release"  # the engine releases it
+    SETTLE = "settle"  # its reader is quiet (its Done, Abort or Bye)
+    END = "end"  # done, aborted, declined, or its offer could not be sent
+    EXPIRE = "expire"
+    TIMEOUT = "timeout"  # claim_wait ran out before the lend
+    CLOSE = "close"  # the waiting claim's connection closed
+
+
+S, E = LoanState, LoanEvent
+LOAN: Mapping[tuple[LoanState | None, LoanEvent], LoanState] = {
+    (None, E.WAIT): S.WAITING,
+    (None, E.LEND): S.LENT,
+    (S.WAITING, E.LEND): S.LENT,
+    (S.WAITING, E.TIMEOUT): S.GONE,
+    (S.WAITING, E.CLOSE): S.GONE,
+    (S.LENT, E.OFFER): S.OFFERED,
+    (S.OFFERED, E.OFFER): S.OFFERED,  # claimed again: extensions follow the newest offer
+    (S.OFFERED, E.BYE): S.LENT,
+    (S.LENT, E.RELEASE): S.GONE,  # no reader: its pages go at once
+    (S.OFFERED, E.RELEASE): S.HELD,
+    (S.HELD, E.SETTLE): S.GONE,
+    (S.HELD, E.EXPIRE): S.GONE,
+    **{(state, event): S.GONE for state in (S.LENT, S.OFFERED) for event in (E.END, E.EXPIRE)},
+}
+del S, E
+
+TABLES: dict[str, Mapping] = {"fetch": FETCH, "link": LINK, "peer": PEER, "lease": LEASE, "loan": LOAN}
 
 
 def transition(name: str, state, event):
