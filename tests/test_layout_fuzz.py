@@ -22,8 +22,8 @@ from kvlend.core.layout import (
 )
 
 from tests.support.layout_fuzz import (
-    ENUM_STRINGS, FIELDS, HANG_GUARD_S, HUGE_CLAIMS, SEED_DICTS, SEEDS, containers, decode_or_layout_error, hang_guard,
-    huge_claim_inside_a_layout, mutate_bytes, mutate_structure, seed_layouts,
+    ENUM_STRINGS, FIELDS, HANG_GUARD_S, HUGE_CLAIMS, SEEDS, SEED_DICTS, containers, decode_or_layout_error,
+    hang_guard, huge_claim_inside_a_layout, mutate_bytes, mutate_structure, seed_layouts,
 )
 from tests.support.profiles import examples
 from tests.support.strategies import layouts

@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import pytest
-from memory_transport import World, finish_all
 
 from kvlend.errors import KvlendError
 from kvlend.protocol import states
 from kvlend.protocol.states import FETCH, FetchEvent, FetchState, IllegalTransition, LinkEvent, LinkState
+
+from tests.support.memory_transport import World, finish_all
+
+pytestmark = pytest.mark.unit
 
 
 def test_a_pair_outside_the_table_is_an_illegal_transition():
