@@ -13,6 +13,8 @@ from kvlend import cli
 from kvlend.bench.pools import fragmented, min_descriptors
 from kvlend.bench.report import format_report, throughputs
 
+pytestmark = pytest.mark.system
+
 
 @pytest.fixture(scope="module")
 def quick_run(tmp_path_factory) -> tuple[dict, Path]:

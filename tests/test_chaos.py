@@ -1,8 +1,8 @@
 """Chaos soak on loopback: thousands of small requests, random aborts, delays and SIGKILLs;
-and chaos over ``UCX_TLS=tcp`` with two prefills SIGKILLed (``chaos_ranks.py``; ``scripts/chaos`` SIGSTOPs
+and chaos over ``UCX_TLS=tcp`` with two prefills SIGKILLed (``tests.support.chaos_ranks``; ``scripts/chaos`` SIGSTOPs
 them too).
 
-One prefill and one decode child (``fault_ranks.py``) at a time.  The decode
+One prefill and one decode child (``tests.support.fault_ranks``) at a time.  The decode
 declines some offers and sleeps past the TTL before a few fetches; the
 prefill scribbles over every page whose lease ended, so a read of an expired
 lease would see garbage.  At random moments the test SIGKILLs the decode
@@ -21,8 +21,11 @@ import time
 
 import numpy as np
 import pytest
-from chaos_ranks import chaos, prefill_args
-from test_faults import Rank
+
+from tests.support.chaos_ranks import chaos, prefill_args
+from tests.support.ranks import Rank
+
+pytestmark = pytest.mark.system
 
 SOAK_S = float(os.environ.get("KVLEND_SOAK_S", "30"))
 CHAOS_S = float(os.environ.get("KVLEND_CHAOS_S", "20"))  # scripts/chaos runs the long version
@@ -70,7 +73,6 @@ class Soak:
         return out
 
 
-@pytest.mark.slow
 def test_chaos_soak_serves_only_verified_kv_and_leaks_no_locks():
     soak = Soak()
     soak.start_prefill()
@@ -136,7 +138,6 @@ def test_chaos_soak_serves_only_verified_kv_and_leaks_no_locks():
     assert counts["resumed"] >= 1  # and a replacement finished at least one from its bound
 
 
-@pytest.mark.slow
 def test_chaos_over_tcp_serves_only_verified_kv_and_ends_every_fetch_in_time():
     """Two prefills SIGKILLed and restarted at random under a decode with 48 fetches in flight.
 
@@ -150,7 +151,6 @@ def test_chaos_over_tcp_serves_only_verified_kv_and_ends_every_fetch_in_time():
     assert report["served"] >= 1 and report["started"] == report["served"] + report["failed"], report
 
 
-@pytest.mark.slow
 def test_a_prefill_stopped_past_the_decodes_deadline_keeps_serving(monkeypatch):
     """The decode gives up its reads (and resets its agent) while the prefill is stopped; resumed, it serves on.
 
@@ -164,7 +164,7 @@ def test_a_prefill_stopped_past_the_decodes_deadline_keeps_serving(monkeypatch):
     try:
         prefill.listening(60.0)
         decode = Rank("decode2", "decode", "--gen", "2", "--inflight", "16", "--deadline", "2",
-                      script="chaos_ranks.py")
+                      module="chaos_ranks")
         decode.send("connect %s %d" % prefill.address)
         served = report_until(decode, lambda r: r["served"] > 0)["served"]
         os.kill(prefill.proc.pid, signal.SIGSTOP)

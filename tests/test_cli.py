@@ -48,6 +48,7 @@ def has_row(out: str, cells: str) -> bool:
 
 
 # ----------------------------------------------------------- the examples
+@pytest.mark.unit
 def test_example_files_are_what_make_layouts_writes():
     spec = importlib.util.spec_from_file_location("make_layouts", EXAMPLES / "make_layouts.py")
     make_layouts = importlib.util.module_from_spec(spec)
@@ -57,6 +58,7 @@ def test_example_files_are_what_make_layouts_writes():
         assert (EXAMPLES / name).read_text() == make_layouts.render(build())
 
 
+@pytest.mark.unit
 def test_llama_example_is_what_layout_from_pools_makes():
     lay = load(LLAMA)
     assert (len(lay.regions), len(lay.buffers), lay.tokens_per_page, lay.dtype) == (32, 64, 16, "bfloat16")
@@ -68,6 +70,7 @@ def test_llama_example_is_what_layout_from_pools_makes():
     assert [b.name for b in from_pools.buffers] == [b.name for b in lay.buffers]
 
 
+@pytest.mark.unit
 def test_jamba_example_shape():
     lay = load(JAMBA)
     attention = sorted({b.identity.layer for b in lay.buffers if b.identity.kind is LayerKind.ATTENTION})
@@ -84,6 +87,7 @@ def test_jamba_example_shape():
 
 
 # ------------------------------------------------------------ layout show
+@pytest.mark.unit
 def test_show_llama(capsys):
     code, out, err = run(capsys, "layout", "show", LLAMA)
     assert code == 0 and err == ""
@@ -97,6 +101,7 @@ def test_show_llama(capsys):
     assert has_row(out, "L31.V L31.kv 32768 32768 31 V full 8x256B HND INDEXED - 0")
 
 
+@pytest.mark.unit
 def test_show_jamba(capsys):
     code, out, _ = run(capsys, "layout", "show", JAMBA)
     assert code == 0
@@ -107,6 +112,7 @@ def test_show_jamba(capsys):
     assert has_row(out, "L28.V swa.host 98304 32768 28 V swa 8x256B HND INDEXED 4096 1")
 
 
+@pytest.mark.unit
 def test_show_reads_msgpack(capsys, tmp_path):
     path = tmp_path / "jamba.msgpack"
     path.write_bytes(load(JAMBA).encode())
@@ -115,12 +121,14 @@ def test_show_reads_msgpack(capsys, tmp_path):
 
 
 # ----------------------------------------------------------- layout check
+@pytest.mark.unit
 def test_check_identical_layouts(capsys):
     code, out, err = run(capsys, "layout", "check", LLAMA, LLAMA)
     assert code == 0 and err == ""
     assert out.strip()  # the plan summary
 
 
+@pytest.mark.unit
 def test_check_names_the_mismatch(capsys, llama_fp16):
     code, out, err = run(capsys, "layout", "check", LLAMA, llama_fp16)
     assert code == 1 and err == ""
@@ -128,6 +136,7 @@ def test_check_names_the_mismatch(capsys, llama_fp16):
     assert "dtype" in out and "bfloat16" in out and "float16" in out
 
 
+@pytest.mark.system
 def test_console_script(llama_fp16):
     script = Path(sys.executable).with_name("kvlend")
     assert script.exists(), f"{script}: run scripts/setup to install the console script"
@@ -144,6 +153,7 @@ def write(tmp_path, name: str, data) -> str:
     return str(path)
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("name, data, message", [
     ("missing.json", None, "cannot read: No such file or directory"),
     ("bad.json", "{not json", "not valid JSON"),
@@ -164,6 +174,7 @@ def test_bad_input_is_one_line_and_exit_2(capsys, tmp_path, name, data, message)
         assert message in err and "Traceback" not in err
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("argv", [["--debug", "layout", "show"], ["layout", "show", "--debug"]])
 def test_debug_adds_the_traceback(capsys, tmp_path, argv):
     code, _, err = run(capsys, *argv, str(tmp_path / "missing.json"))
@@ -172,6 +183,7 @@ def test_debug_adds_the_traceback(capsys, tmp_path, argv):
     assert err.splitlines()[-1].startswith("kvlend: error: ")
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("argv", [[], ["layout"], ["frobnicate"], ["layout", "show"], ["layout", "check", LLAMA],
                                   ["layout", "show", LLAMA, "extra"]])
 def test_usage_errors_exit_2(capsys, argv):
@@ -180,11 +192,13 @@ def test_usage_errors_exit_2(capsys, argv):
     assert "usage: kvlend" in err
 
 
+@pytest.mark.unit
 def test_help_exits_0(capsys):
     code, out, _ = run(capsys, "layout", "--help")
     assert code == 0 and "show" in out and "check" in out
 
 
+@pytest.mark.unit
 def test_commands_are_a_table(capsys, monkeypatch):
     assert [c.path for c in cli.COMMANDS] == [("layout", "show"), ("layout", "check"), ("demo",), ("bench",),
                                               ("certs", "ca"), ("certs", "issue"), ("certs", "check"),
@@ -218,6 +232,7 @@ def demo_args(*argv: str):
     return cli.build_parser().parse_args(["demo", *argv])
 
 
+@pytest.mark.unit
 def test_demo_options_default_to_two_prefills_and_16_in_flight():
     args = demo_args()
     assert (args.prefills, args.inflight) == (2, 16)
@@ -225,6 +240,7 @@ def test_demo_options_default_to_two_prefills_and_16_in_flight():
     assert (args.prefills, args.inflight, args.decode_tp, args.model) == (3, 5, 2, "hybrid")
 
 
+@pytest.mark.unit
 def test_demo_launches_every_prefill_rank_and_one_decode_connected_to_all():
     pair = cli._example("pair")
     args = demo_args("--prefills", "3", "--inflight", "5", "--requests", "9")
@@ -241,6 +257,7 @@ def test_demo_launches_every_prefill_rank_and_one_decode_connected_to_all():
     assert argv[argv.index("--inflight") + 1] == "5"
 
 
+@pytest.mark.unit
 def test_demo_issues_every_rank_its_own_certificate_and_writes_no_ca_key(tmp_path, monkeypatch):
     pair = cli._example("pair")
     monkeypatch.syspath_prepend(str(EXAMPLES.parent))
@@ -262,6 +279,7 @@ def test_demo_issues_every_rank_its_own_certificate_and_writes_no_ca_key(tmp_pat
     assert {CA_ENV, CERT_ENV, KEY_ENV} == set(decode_env)
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("argv, message", [
     (["--inflight", "0"], "--inflight: must be >= 1, got 0"),
     (["--prefills", "0"], "--prefills: must be >= 1, got 0"),
@@ -274,6 +292,7 @@ def test_demo_refuses_bad_concurrency_options_before_starting_a_rank(capsys, arg
     assert out == "" and err.count("\n") == 1 and message in err, err
 
 
+@pytest.mark.unit
 def test_demo_text_report_says_how_many_were_in_flight():
     pair = cli._example("pair")
     text = pair.format_report(SAMPLE_REPORT)
@@ -288,6 +307,7 @@ def test_demo_text_report_says_how_many_were_in_flight():
 
 
 # ---------------------------------------------------------------- cluster
+@pytest.mark.system
 def test_cluster_status_lists_the_live_ranks_from_a_real_etcd(capsys):
     from kvlend.cluster import RankRecord
     from kvlend.cluster.etcd_members import EtcdMembers
@@ -305,6 +325,7 @@ def test_cluster_status_lists_the_live_ranks_from_a_real_etcd(capsys):
         assert code == 0 and [r["identity"] for r in json.loads(out)["ranks"]] == ["prefill-7"]
 
 
+@pytest.mark.unit
 def test_cluster_status_without_etcd_is_one_line_and_exit_2(capsys):
     import socket
 

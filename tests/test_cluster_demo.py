@@ -12,7 +12,7 @@ import pytest
 
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "cluster-demo"
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.system
 
 
 def running_etcd(pid: int) -> bool:

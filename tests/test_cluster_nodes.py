@@ -15,14 +15,10 @@ from __future__ import annotations
 import json
 import secrets
 import socket
-import time
 from dataclasses import dataclass, field
 
 import numpy as np
 import pytest
-from conftest import (
-    SENTINEL, TPP, FreeList, creds, group_layers, make_layout, make_pools, nixl, pattern, prefill_request, slots,
-)
 
 from kvlend.cluster.etcd_members import EtcdMembers
 from kvlend.cluster.records import RankRecord, record_key
@@ -31,7 +27,16 @@ from kvlend.cluster.router import Router
 from kvlend.core.lender import LEASE_ID_BYTES
 from kvlend.errors import ConfigError, LeaseUnknown, PeerLost, RegistryError
 from kvlend.runtime import DecodeNode, NodeConfig, PrefillNode, Ticket
-from test_registry import Raw
+
+from tests.support.agents import nixl
+from tests.support.certs import creds
+from tests.support.etcd import Raw
+from tests.support.kvcache import (
+    SENTINEL, TPP, FreeList, group_layers, make_layout, make_pools, pattern, prefill_request, slots,
+)
+from tests.support.nodes import wait_until
+
+pytestmark = pytest.mark.system
 
 DEADLINE = 10.0  # seconds any single wait may take before the test fails
 PAGES = 256
@@ -127,13 +132,6 @@ def cluster(etcd):
         yield c
     finally:
         c.close()
-
-
-def wait_until(done, what: str, deadline: float = DEADLINE) -> None:
-    end = time.monotonic() + deadline
-    while not done():
-        assert time.monotonic() < end, f"{what} within {deadline} s"
-        time.sleep(0.01)
 
 
 def sees(member: Member, *identities: str) -> None:

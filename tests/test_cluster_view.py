@@ -23,6 +23,10 @@ from kvlend.core.layout import PageLayout, layout_from_pools
 from kvlend.core.negotiate import negotiate
 from kvlend.errors import ConfigError, KvlendError, RegistryError
 
+from tests.support.profiles import examples
+
+pytestmark = pytest.mark.unit
+
 PREFIX = "/kvlend/test"
 RANKS = PREFIX + "/ranks/"
 
@@ -118,7 +122,7 @@ def records(draw, identity=identities, role=st.sampled_from(ROLES)) -> RankRecor
     )
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=examples(150), deadline=None)
 @given(records())
 def test_record_round_trips(record):
     data = record.encode()
@@ -354,13 +358,13 @@ json_values = st.recursive(
 )
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=examples(300), deadline=None)
 @given(st.binary(min_size=0, max_size=600))
 def test_random_bytes_never_raise_anything_but_registry_error(data):
     assert isinstance(decoded(data), RegistryError)
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=examples(300), deadline=None)
 @given(st.dictionaries(st.sampled_from(_FIELDS + ("extra",)), json_values, max_size=len(_FIELDS) + 1),
        st.just(RECORD_VERSION) | json_values)
 def test_random_json_objects_never_raise_anything_but_registry_error(obj, version):
@@ -369,7 +373,7 @@ def test_random_json_objects_never_raise_anything_but_registry_error(obj, versio
     assert isinstance(out, RegistryError)  # no random object is a whole valid record (role, layout, ...)
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=examples(300), deadline=None)
 @given(records(), st.data())
 def test_mutated_valid_records_decode_or_raise_registry_error(record, data):
     body = json.loads(record.encode())
@@ -779,7 +783,7 @@ class Registry(RuleBasedStateMachine):
             assert self.view.compatible(LOCAL, role) == truth
 
 
-Registry.TestCase.settings = settings(max_examples=60, stateful_step_count=40, deadline=None,
+Registry.TestCase.settings = settings(max_examples=examples(60), stateful_step_count=40, deadline=None,
                                       suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
 test_registry_stateful = Registry.TestCase
 
@@ -901,7 +905,7 @@ def clusters(draw):
     return records_, routed, exclude
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=examples(200), deadline=None)
 @given(clusters(), st.permutations(range(8)))
 def test_pick_matches_a_model(cluster, order):
     records_, routed, exclude = cluster

@@ -6,7 +6,6 @@ import struct
 
 import msgpack
 import pytest
-from memory_transport import World
 
 from kvlend.errors import (
     AuthError, LayoutMismatch, LeaseDenied, LeaseExpired, LeaseLifetimeExceeded, LeaseUnknown, NegotiationLimit,
@@ -14,6 +13,10 @@ from kvlend.errors import (
 )
 from kvlend.protocol.codes import Code, code_of, detail_of, lease_error, link_error
 from kvlend.protocol.wire import PROTOCOL_VERSION, Abort, Bye, DoneAck, FrameDecoder, encode_frame
+
+from tests.support.memory_transport import World
+
+pytestmark = pytest.mark.unit
 
 
 @pytest.mark.parametrize("error, code", [

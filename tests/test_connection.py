@@ -14,15 +14,19 @@ import struct
 import msgpack
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
-from test_wire import LID, SAMPLES, decode_all, wire_bytes
 
 from kvlend.errors import PeerProtocolError, ProtocolError, UsageError
 from kvlend.protocol.codes import Code
 from kvlend.protocol.connection import AUTH_TIMEOUT, Connection
 from kvlend.protocol.wire import MAX_FRAME_BYTES, PROTOCOL_VERSION, Bye, Handshake, Heartbeat, encode_frame
 
+from tests.support.profiles import examples
+from tests.support.wire import LID, SAMPLES, decode_all, wire_bytes
+
+pytestmark = pytest.mark.unit
+
 NOW = 1000.0
-FEW = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+FEW = settings(max_examples=examples(40), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 
 # ------------------------------------------------------------------ helpers

@@ -15,7 +15,6 @@ import time
 
 import numpy as np
 import pytest
-from conftest import CA, FreeList, creds, group_layers, make_layout, make_pools, nixl, pattern, prefill_request, slots
 
 import kvlend.protocol.prefill
 from kvlend.errors import AuthError, KvlendError, PeerLost, ProtocolError, TransferTimeout
@@ -24,6 +23,13 @@ from kvlend.runtime import DecodeNode, NodeConfig, PrefillNode
 from kvlend.runtime.tls import TlsChannel
 from kvlend.security.certs import Authority
 from kvlend.security.credentials import Credentials
+
+from tests.support.agents import nixl
+from tests.support.certs import CA, creds
+from tests.support.kvcache import FreeList, group_layers, make_layout, make_pools, pattern, prefill_request, slots
+from tests.support.nodes import read_until_eof, wait_until
+
+pytestmark = pytest.mark.nixl
 
 DEADLINE = 10.0  # seconds any single wait may take before the test fails
 PAGES = 64
@@ -70,26 +76,6 @@ def serve_one(prefill: PrefillNode, src, decode: DecodeNode, dst, peer: str, see
         for layer in group_layers(decode.layout, g):
             got = slots(dst[layer])[table]
             np.testing.assert_array_equal(got, pattern(seed, layer, n_pages, got.shape[1]))
-
-
-def wait_until(done, what: str, deadline: float = DEADLINE) -> None:
-    end = time.monotonic() + deadline
-    while not done():
-        assert time.monotonic() < end, f"{what}: not within {deadline} s"
-        time.sleep(0.01)
-
-
-def read_until_eof(sock: socket.socket) -> bytes:
-    """Everything the peer sends before closing (a reset counts as the close); times out, never hangs."""
-    data = b""
-    while True:
-        try:
-            chunk = sock.recv(65536)
-        except ConnectionResetError:
-            return data
-        if not chunk:
-            return data
-        data += chunk
 
 
 def records(data: bytes) -> list[int]:

@@ -11,12 +11,15 @@ import os
 import stat
 
 import pytest
-from conftest import CA, creds
 
 from kvlend import cli
 from kvlend.errors import AuthError, ConfigError
 from kvlend.security.certs import Authority, check_identity, save_rank
 from kvlend.security.credentials import CA_ENV, CERT_ENV, KEY_ENV, Credentials
+
+from tests.support.certs import CA, creds
+
+pytestmark = pytest.mark.unit
 
 
 def _now() -> datetime.datetime:

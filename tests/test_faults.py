@@ -1,6 +1,6 @@
 """Faults with real processes and real NIXL: SIGKILLed ranks, resume from the safe bound, refusals.
 
-The killed rank is always a child process (``tests/fault_ranks.py``); the
+The killed rank is always a child process (``tests.support.fault_ranks``); the
 test process holds the other side and watches what the survivor does: a
 prefill whose decode died drops the page locks once the lease TTL passes and
 serves a new decode; a decode whose prefill died gets ``PeerLost`` with the
@@ -12,123 +12,39 @@ certificate from the tests' cluster CA, as files in a private directory.
 
 from __future__ import annotations
 
-import json
 import logging
-import os
-import select
 import socket
-import subprocess
-import sys
-import tempfile
 import time
 from collections import deque
 
 import numpy as np
 import pytest
-from conftest import creds, nixl, prefill_request
-from fault_ranks import MARK
-from raw_peer import RawDecode
-from test_node import (
-    DEADLINE, DECODE_CONFIG, DST_PAGES, MAX_TOKENS, SRC_PAGES, assert_locked, fetch_and_verify, free_lists, intercept, rig,
-)
+import toy_engine  # examples/ (pyproject's pytest pythonpath)
 
 from kvlend.errors import AuthError, KvlendError, PeerLost, TransferTimeout
 from kvlend.protocol.codes import Code
 from kvlend.protocol.wire import Done, DoneAck, Heartbeat
 from kvlend.runtime import DecodeNode, NodeConfig
-from kvlend.security.certs import Authority, save_rank
+from kvlend.security.certs import Authority
 
-TESTS = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.join(os.path.dirname(TESTS), "examples"))
-import toy_engine  # noqa: E402
+from tests.support.agents import nixl
+from tests.support.certs import creds
+from tests.support.kvcache import prefill_request
+from tests.support.nodes import (
+    DEADLINE, DECODE_CONFIG, DST_PAGES, MAX_TOKENS, SRC_PAGES, assert_locked, fetch_and_verify, free_lists, intercept,
+    rig,
+)
+from tests.support.ranks import Rank
+from tests.support.raw_peer import RawDecode
+
 
 TTL, BEAT = 1.5, 0.3
 FAULT_CONFIG = NodeConfig(ttl=TTL, heartbeat=BEAT, chunk_pages=1, handshake_timeout=DEADLINE,
                           transfer_timeout=DEADLINE)
 
 
-class Rank:
-    """A ``fault_ranks.py`` child (or ``script``'s): JSON events on stdout, commands on stdin, SIGKILL on demand.
-
-    It proves ``identity`` with a certificate from the tests' CA, written into a private directory
-    that goes when the child does.  Its stderr is discarded unless ``$KVLEND_RANK_STDERR`` is set
-    (for debugging a child).
-    """
-
-    def __init__(self, identity: str, mode: str, *args: str, script: str = "fault_ranks.py") -> None:
-        self._certs = tempfile.TemporaryDirectory(prefix="kvlend-rank-")
-        self.proc = subprocess.Popen(
-            [sys.executable, os.path.join(TESTS, script), mode, *args],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=None if os.environ.get("KVLEND_RANK_STDERR") else subprocess.DEVNULL, bufsize=0,
-            env={**os.environ, **save_rank(creds(identity), self._certs.name)},
-        )
-        self.address: tuple[str, int] | None = None
-        self._buf = b""
-
-    def line(self, timeout: float) -> str:
-        """The next line of output (unbuffered reads, so ``select`` never misses a line already read)."""
-        end = time.monotonic() + timeout
-        while b"\n" not in self._buf:
-            remaining = end - time.monotonic()
-            if remaining <= 0 or not select.select([self.proc.stdout], [], [], remaining)[0]:
-                raise AssertionError(f"child said nothing within {timeout} s")
-            data = os.read(self.proc.stdout.fileno(), 65536)
-            if not data:
-                raise AssertionError(f"child exited (rc {self.proc.wait(DEADLINE)})")
-            self._buf += data
-        line, self._buf = self._buf.split(b"\n", 1)
-        return line.decode(errors="replace")
-
-    def ready(self) -> bool:
-        return b"\n" in self._buf or bool(select.select([self.proc.stdout], [], [], 0)[0])
-
-    def listening(self, timeout: float = 30.0) -> tuple[str, int]:
-        end = time.monotonic() + timeout
-        while not (line := self.line(max(0.0, end - time.monotonic()))).startswith("LISTENING "):
-            pass
-        _, host, port = line.split()
-        self.address = (host, int(port))
-        return self.address
-
-    def next_event(self, timeout: float) -> dict | None:
-        """The next event line, or None for a line of something else (UCX writes to stdout too)."""
-        line = self.line(timeout)
-        if not line.startswith(MARK):
-            return None
-        return json.JSONDecoder().raw_decode(line[len(MARK):])[0]
-
-    def event(self, want: str, timeout: float = DEADLINE) -> dict:
-        end = time.monotonic() + timeout
-        while True:
-            event = self.next_event(max(0.0, end - time.monotonic()))
-            if event is not None and event["ev"] == want:
-                return event
-
-    def send(self, text: str) -> None:
-        self.proc.stdin.write(text.encode() + b"\n")
-        self.proc.stdin.flush()
-
-    def kill(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-        self.proc.wait(DEADLINE)
-        self._certs.cleanup()
-
-    def finish(self, timeout: float = 30.0) -> None:
-        if self.proc.poll() is None:
-            try:
-                self.send("stop")
-            except BrokenPipeError:
-                pass
-            try:
-                self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(DEADLINE)
-        self._certs.cleanup()
-
-
 # ------------------------------------------------- connections not yet authenticated
+@pytest.mark.nixl
 def test_a_silent_client_does_not_stall_the_prefill():
     """A connection that never starts its TLS handshake stays half-open while an honest decode is served."""
     with rig() as r:
@@ -162,7 +78,7 @@ def test_a_silent_client_does_not_stall_the_prefill():
 
 
 # -------------------------------------------------------- decode dies
-@pytest.mark.slow
+@pytest.mark.system
 def test_sigkill_decode_mid_transfer_frees_locks_within_ttl_and_a_new_decode_serves_100():
     released: deque = deque()
     with rig(FAULT_CONFIG, on_release=lambda lease, reason: released.append((lease.request, reason))) as r:
@@ -273,7 +189,7 @@ class KillAfterFirstChunk:
         return getattr(self.backend, name)
 
 
-@pytest.mark.slow
+@pytest.mark.system
 def test_sigkill_prefill_mid_transfer_resumes_from_the_bound_and_matches_the_reference():
     cfg = toy_engine.preset("tiny", seed=0)
     model = toy_engine.ToyModel(cfg)
@@ -376,6 +292,7 @@ def logged(caplog, text: str) -> bool:
     return any(text in record.getMessage() for record in list(caplog.records))
 
 
+@pytest.mark.nixl
 def test_a_foreign_certificate_a_replayed_session_and_another_decodes_lease_are_refused(caplog):
     caplog.set_level(logging.INFO)
     with rig(NodeConfig(ttl=30.0)) as r:
@@ -431,6 +348,7 @@ def test_a_foreign_certificate_a_replayed_session_and_another_decodes_lease_are_
         assert r.released == [("a-only", "done")]
 
 
+@pytest.mark.nixl
 def test_a_lease_expired_under_a_reader_reports_bound_zero_for_what_it_read():
     """Nothing read under an expired lease may be used: the error's bound says so."""
     offset = [0.0]
@@ -449,6 +367,7 @@ def test_a_lease_expired_under_a_reader_reports_bound_zero_for_what_it_read():
         assert r.decode.links  # the prefill is fine: the link stays
 
 
+@pytest.mark.nixl
 def test_resume_from_is_validated_before_anything_moves():
     with rig() as r:
         tables = prefill_request(r.layout, r.src, free_lists(r.layout, SRC_PAGES, 61), 20, seed=61)
@@ -462,6 +381,7 @@ def test_resume_from_is_validated_before_anything_moves():
         assert result.bound == 20 and result.resumed_from == 0
 
 
+@pytest.mark.nixl
 @pytest.mark.parametrize("late", [False, True])
 def test_without_a_done_ack_only_reads_made_while_the_lease_was_surely_valid_count(late):
     """The prefill vanishes between the last read and the done ack: nobody confirms the lease.

@@ -26,6 +26,10 @@ from kvlend.core.plan import plan_reads
 from kvlend.core.tracker import DeliveryTracker
 from kvlend.errors import PageRangeError
 
+from tests.support.profiles import examples
+
+pytestmark = pytest.mark.unit
+
 MAX_TOKENS = 400
 RATIOS = [(1, 1), (1, 2), (2, 1), (1, 4), (4, 1)]  # (local, remote) multiples of a base page size
 
@@ -105,7 +109,7 @@ def fetches(draw):
     return plan, n, offer, full, draw(st.integers(0, n)), draw(st.integers(1, 4))
 
 
-SETTINGS = settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+SETTINGS = settings(max_examples=examples(120), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 
 @SETTINGS

@@ -30,15 +30,19 @@ import time
 from collections import Counter
 
 import pytest
-from conftest import creds, prefill_request
-from raw_peer import RawDecode
-from test_node import DEADLINE, DST_PAGES, SRC_PAGES, fetch_and_verify, free_lists, rig
-from test_wire import nested_empty_maps
 
 import kvlend.protocol.prefill
 from kvlend.protocol.prefill import MAX_PENDING_PER_SOURCE
 from kvlend.errors import PeerLost
 from kvlend.protocol.wire import MAX_FRAME_BYTES, Heartbeat
+
+from tests.support.certs import creds
+from tests.support.kvcache import prefill_request
+from tests.support.nodes import DEADLINE, DST_PAGES, SRC_PAGES, fetch_and_verify, free_lists, rig
+from tests.support.raw_peer import RawDecode
+from tests.support.wire import nested_empty_maps
+
+pytestmark = pytest.mark.nixl
 
 FLOOD = 256
 HONEST = 20  # fetches timed without the flood, then as many during it

@@ -29,21 +29,23 @@ from collections import Counter
 import msgpack
 import numpy as np
 import pytest
-import test_layout_fuzz as lf
-import test_wire as tw
-from conftest import creds, prefill_request
-from raw_peer import RawDecode
-from test_connection_nodes import read_until_eof, wait_until
-from test_node import DEADLINE, DST_PAGES, SRC_PAGES, fetch_and_verify, free_lists, rig
 
 import kvlend.protocol.prefill
 from kvlend.errors import AuthError, KvlendError, LayoutError, PeerLost, PeerProtocolError, TransferTimeout
 from kvlend.core.layout import PageLayout
 from kvlend.protocol.wire import (
-    PROTOCOL_VERSION, Abort, Claim, Done, FrameDecoder, Handshake, Heartbeat, LeaseOffer, Offer, encode_frame,
-    message_from_wire,
+    MESSAGES, PROTOCOL_VERSION, Abort, Claim, Done, FrameDecoder, Handshake, Heartbeat, LeaseOffer, Offer,
+    encode_frame, message_from_wire,
 )
 from kvlend.runtime.tls import TlsChannel
+
+from tests.support import layout_fuzz as lf, wire as tw
+from tests.support.certs import creds
+from tests.support.kvcache import prefill_request
+from tests.support.nodes import (
+    DEADLINE, DST_PAGES, SRC_PAGES, fetch_and_verify, free_lists, read_until_eof, rig, wait_until,
+)
+from tests.support.raw_peer import RawDecode
 
 GUARD_S = 120  # only turns a hang into a failure
 PEAK_LIMIT = 8 << 20  # bytes; the claims below are of gigabytes
@@ -63,6 +65,7 @@ def _expect_kvlend(fn, data, counts: Counter, round_: int) -> object:
 
 
 # ------------------------------------------------------------------- layouts
+@pytest.mark.unit
 def test_layout_decode_30k():
     rng = random.Random(0x7F01)
     makers = (lf.mutate_bytes, lf.mutate_bytes, lf.mutate_structure, lf.mutate_structure, lf.huge_claim_inside_a_layout)
@@ -105,18 +108,19 @@ def hostile_frames(rng: random.Random, i: int) -> bytes:
     """Input ``i`` of the frame fuzz: four kinds in turn, each reaching another layer of the decoder."""
     kind = i % 4
     if kind == 0:  # a mutated session: length, msgpack and schema failures
-        return tw._mutate(rng, _session(rng))
+        return tw.mutate(rng, _session(rng))
     if kind == 1:  # a mutated payload, framed right: msgpack and schema failures
-        return tw.framed(tw._mutate(rng, rng.choice(PAYLOADS)))
+        return tw.framed(tw.mutate(rng, rng.choice(PAYLOADS)))
     if kind == 2:  # valid msgpack of the wrong shape, or a wrong version
-        body = tw._wrong_shape(rng, rng.choice(tw.SAMPLES))
-        head = [PROTOCOL_VERSION] if rng.random() < 0.8 else [tw._random_value(rng)]
+        body = tw.wrong_shape(rng, rng.choice(tw.SAMPLES))
+        head = [PROTOCOL_VERSION] if rng.random() < 0.8 else [tw.random_value(rng)]
         return tw.framed(msgpack.packb(head + [body], use_bin_type=True))
     # Two valid sessions spliced at random points: a header whose body is another frame's tail.
     a, b = _session(rng), _session(rng)
     return a[:rng.randrange(len(a) + 1)] + b[rng.randrange(len(b) + 1):]
 
 
+@pytest.mark.unit
 def test_frame_decoder_40k_fed_in_random_pieces():
     rng = random.Random(0x7F02)
     run = _feed_in_pieces(rng)
@@ -129,17 +133,18 @@ def test_frame_decoder_40k_fed_in_random_pieces():
 
 
 # ------------------------------------------------------ messages and offers
+@pytest.mark.unit
 def test_message_from_wire_20k():
     rng = random.Random(0x7F03)
     counts: Counter = Counter()
     with lf.hang_guard(GUARD_S):
         for i in range(20_000):
             if i % 2:
-                obj = tw._wrong_shape(rng, rng.choice(tw.SAMPLES))
+                obj = tw.wrong_shape(rng, rng.choice(tw.SAMPLES))
             else:
-                obj = tw._random_value(rng)
+                obj = tw.random_value(rng)
                 if isinstance(obj, dict) and rng.random() < 0.7:
-                    obj["t"] = rng.choice(sorted(tw.MESSAGES))
+                    obj["t"] = rng.choice(sorted(MESSAGES))
             _expect_kvlend(message_from_wire, obj, counts, i)
     assert set(counts) <= {"ok", "PeerProtocolError"}, counts
     assert counts["PeerProtocolError"] > 15_000, counts
@@ -182,10 +187,11 @@ def _mutate_offer(rng: random.Random) -> dict:
             else:
                 offer["extra"] = 1
         else:
-            offer[rng.choice(sorted(offer))] = tw._random_value(rng)
+            offer[rng.choice(sorted(offer))] = tw.random_value(rng)
     return offer
 
 
+@pytest.mark.unit
 def test_lease_offer_from_wire_20k():
     rng = random.Random(0x7F04)
     counts: Counter = Counter()
@@ -216,10 +222,11 @@ BIG_PAGES = {**tw.lease().to_wire(), "pages": {"full": [b"\x00" * 8 * ((1 << 22)
 MANY_IDS = {"t": "heartbeat", "leases": [b"\x00" * 16] * 70_000}  # over the id-list cap
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("claim", HUGE, ids=lambda c: c[:6].hex())
 def test_huge_claims_allocate_nothing_like_their_claim(claim):
     """Inputs are built first; only decoding is traced, and it stays far below any claimed size."""
-    in_frame = tw.framed(tw.HEAD + tw._raw_map([("t", msgpack.packb("offer")), ("lease", claim)]))
+    in_frame = tw.framed(tw.HEAD + tw.raw_map([("t", msgpack.packb("offer")), ("lease", claim)]))
     near_cap = struct.pack(">I", 16 << 20) + claim
 
     def every_decoder():
@@ -240,6 +247,7 @@ def test_huge_claims_allocate_nothing_like_their_claim(claim):
     assert _peak(every_decoder) < PEAK_LIMIT
 
 
+@pytest.mark.unit
 def test_a_frame_claiming_the_cap_holds_only_what_arrived():
     def feed():
         dec = FrameDecoder()
@@ -318,7 +326,7 @@ def _mutate_tls(rng: random.Random, data: bytes) -> bytes:
             pos = rng.randrange(len(b) + 1)
             b[pos:pos] = rng.choice((_random_record, _huge_tls_claim))(rng)
         else:
-            b = bytearray(tw._mutate(rng, bytes(b)))
+            b = bytearray(tw.mutate(rng, bytes(b)))
     return bytes(b)
 
 
@@ -386,6 +394,7 @@ def _tls_outcome(channel: TlsChannel, data: bytes, rng: random.Random) -> str:
     return "waits"
 
 
+@pytest.mark.unit
 def test_tls_channel_10k_garbage_before_the_handshake():
     """Each input waits for more or is refused with an ``AuthError``: never another exception,
     never plaintext, never a completed handshake.  One in five plays a hostile listener to a decode."""
@@ -413,6 +422,7 @@ def test_tls_channel_10k_garbage_before_the_handshake():
     assert counts["AuthError"] > 6000 and counts["waits"] > 1250, counts
 
 
+@pytest.mark.nixl
 def test_a_prefill_node_drops_50_garbage_connections_and_keeps_serving(monkeypatch, caplog):
     """Over real sockets: each garbage connection is closed by the prefill (at once, or at its handshake
     deadline), answered with nothing but TLS records; then an honest fetch is byte-exact."""
@@ -479,6 +489,7 @@ def _probe(raw: RawDecode, data: bytes, answers) -> str:
     return "answered"
 
 
+@pytest.mark.nixl
 def test_a_prefill_node_survives_400_hostile_frames_inside_tls(caplog):
     """Authenticated decodes (half before their layout exchange, half after) send fuzzed frames, each
     followed by a probe; every one is dropped or answered, and the honest decode still fetches byte-exact."""

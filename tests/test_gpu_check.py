@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.system
+
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "gpu-check"
 
 

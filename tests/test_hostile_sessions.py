@@ -16,7 +16,6 @@ import struct
 
 import msgpack
 import pytest
-from memory_transport import KIND, World
 
 from kvlend.protocol.actions import Close, Send
 from kvlend.protocol.codes import Code
@@ -26,6 +25,10 @@ from kvlend.protocol.prefill import LOG_EVERY
 from kvlend.protocol.wire import (
     PROTOCOL_VERSION, Abort, Bye, Claim, Done, DoneAck, Handshake, Heartbeat, Offer, Renewed, encode_frame,
 )
+
+from tests.support.memory_transport import KIND, World
+
+pytestmark = pytest.mark.unit
 
 CFG = NodeConfig(ttl=5.0, heartbeat=1.0, handshake_timeout=3.0, claim_wait=1.0)
 

@@ -10,42 +10,22 @@ window is real (stale pages do not matter, in-window pages do).
 from __future__ import annotations
 
 import dataclasses
-import sys
-from pathlib import Path
 
 import pytest
 import torch
+import toy_engine as te  # examples/ (pyproject's pytest pythonpath)
 
 from kvlend.core.layout import LayerKind, MemoryKind, Role, SelectionMode
 from kvlend.core.lender import Lender
 
-ROOT = Path(__file__).resolve().parents[1]
-EXAMPLES = ROOT / "examples"
-sys.path.insert(0, str(EXAMPLES))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import toy_engine as te  # noqa: E402
-from test_pair import run_json  # noqa: E402
+from tests.support.example_pair import expected_bytes, pair
+
 
 HYBRID = te.preset("hybrid")
 NEW_TOKENS = 8
 
 
-def pair(*args: str) -> dict:
-    """The example pair with one prefill rank (two are the pair tests' business: one spawn less here)."""
-    report = run_json([sys.executable, str(EXAMPLES / "pair.py"), "--json", "--timeout", "30", "--prefills", "1", *args])
-    assert report["verified"] is True, report
-    assert report["mismatched"] == [] and report["prefill_exit"] == 0
-    return report
-
-
-def expected_bytes(config: te.ModelConfig, requests: int, max_len: int, min_len: int = 8, **cache) -> tuple[int, int]:
-    """(bytes lent, bytes if every page were lent) for the pair's workload on the prefill's layout."""
-    layout = te.PagedKVCache(config, 1, **cache).layout()
-    prompts = te.make_prompts(requests, 0, min_len, max_len, config.vocab)
-    return (sum(te.lent_bytes(layout, len(p)) for p in prompts),
-            sum(te.lent_bytes(layout, len(p), windowed=False) for p in prompts))
-
-
+@pytest.mark.unit
 def test_hybrid_layout_describes_windows_and_state():
     cache = te.PagedKVCache(HYBRID, 8, state_slots=3)
     layout = cache.layout()
@@ -63,6 +43,7 @@ def test_hybrid_layout_describes_windows_and_state():
     assert layout.scope == dataclasses.replace(HYBRID, tokens_per_page=32).scope
 
 
+@pytest.mark.unit
 def test_windowed_lease_lends_only_the_window_at_4k_tokens():
     config = te.preset("hybrid", max_context=8192)
     n, tpp = 4096, config.tokens_per_page
@@ -82,6 +63,7 @@ def test_windowed_lease_lends_only_the_window_at_4k_tokens():
     assert lent == te.lent_bytes(layout, n) < te.lent_bytes(layout, n, windowed=False)
 
 
+@pytest.mark.unit
 def test_window_is_real_stale_pages_do_not_matter_window_pages_do():
     model = te.ToyModel(HYBRID)
     prompt = te.make_prompts(1, 5, 200, 200, HYBRID.vocab)[0]
@@ -111,6 +93,7 @@ def test_window_is_real_stale_pages_do_not_matter_window_pages_do():
     assert run(sorted(window)[-2:]) != reference
 
 
+@pytest.mark.unit
 def test_recurrent_state_is_one_slot_and_must_be_given():
     model = te.ToyModel(HYBRID)
     cache = te.PagedKVCache(HYBRID, 8, state_slots=1)
@@ -129,7 +112,7 @@ def test_recurrent_state_is_one_slot_and_must_be_given():
         te.PagedKVCache(te.preset("tiny"), 4).check_state(0)
 
 
-@pytest.mark.slow
+@pytest.mark.system
 def test_pair_hybrid_lends_windows_and_state_and_verifies():
     report = pair("--model", "hybrid", "--requests", "10", "--max-len", "400")
     lent, full = expected_bytes(HYBRID, 10, 400)
@@ -138,6 +121,7 @@ def test_pair_hybrid_lends_windows_and_state_and_verifies():
     assert report["model"] == "hybrid" and report["plan"] == "identity"
 
 
+@pytest.mark.unit
 def test_host_tier_layout_mixes_regions_in_one_named_lease():
     cache = te.PagedKVCache(HYBRID, 16, host_layers=(0,))
     layout = cache.layout()
@@ -154,7 +138,7 @@ def test_host_tier_layout_mixes_regions_in_one_named_lease():
         te.PagedKVCache(HYBRID, 4, host_layers=(1,))
 
 
-@pytest.mark.slow
+@pytest.mark.system
 def test_pair_host_tier_decode_output_is_identical():
     report = pair("--model", "hybrid", "--host-layers", "2", "--requests", "8", "--max-len", "300")
     assert (report["bytes"], report["bytes_full"]) == expected_bytes(HYBRID, 8, 300, host_layers=(0, 2))

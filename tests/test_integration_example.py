@@ -16,6 +16,7 @@ EXAMPLE = ROOT / "examples" / "engine_integration.py"
 GUIDE = (ROOT / "docs" / "integration.md").read_text()
 
 
+@pytest.mark.system
 def test_engine_integration_example_verifies():
     run = subprocess.run([sys.executable, str(EXAMPLE)], capture_output=True, text=True, timeout=180)
     assert run.returncode == 0, run.stdout + run.stderr
@@ -38,11 +39,8 @@ def test_engine_integration_example_verifies():
 
 
 def _classes() -> dict[str, object]:
-    sys.path.insert(0, str(ROOT / "examples"))
-    try:
-        toy_engine = importlib.import_module("toy_engine")
-    finally:
-        sys.path.remove(str(ROOT / "examples"))
+    import toy_engine  # examples/ (pyproject's pytest pythonpath)
+
     from kvlend.core.layout import PageLayout
     from kvlend.core.lender import Lease
     from kvlend.metrics import METRICS
@@ -74,6 +72,7 @@ def _code() -> list[str]:
     return blocks + spans
 
 
+@pytest.mark.unit
 def test_every_attribute_the_guide_uses_exists():
     classes = _classes()
     pattern = re.compile(r"\b(" + "|".join(classes) + r")\.([A-Za-z_]\w*)")
@@ -83,6 +82,7 @@ def test_every_attribute_the_guide_uses_exists():
     assert not missing, f"docs/integration.md uses names that do not exist: {missing}"
 
 
+@pytest.mark.unit
 def test_every_import_in_the_guide_resolves():
     imports = re.findall(r"^from ([\w.]+) import ([\w, ]+)$", "\n".join(_code()), re.M)
     assert imports
@@ -92,6 +92,7 @@ def test_every_import_in_the_guide_resolves():
             assert hasattr(mod, name), f"docs/integration.md: {module} has no {name}"
 
 
+@pytest.mark.unit
 def test_the_guide_names_every_fetch_state_and_real_errors():
     import kvlend.errors
     from kvlend.runtime import FetchState
@@ -103,6 +104,7 @@ def test_the_guide_names_every_fetch_state_and_real_errors():
         assert hasattr(kvlend.errors, name), f"docs/integration.md names {name}, which kvlend.errors lacks"
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("field", sorted(set(re.findall(r"NodeConfig\.(\w+)", GUIDE))))
 def test_the_config_fields_the_guide_names_exist(field):
     from kvlend.runtime import NodeConfig

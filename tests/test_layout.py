@@ -19,10 +19,14 @@ from kvlend.core.layout import (
     MemoryRegion, PageLayout, ReplicaRank, Role, RowSelection, SelectionMode, Sharding,
     layout_from_pools,
 )
-from strategies import layouts
+
+from tests.support.profiles import examples
+from tests.support.strategies import layouts
+
+pytestmark = pytest.mark.unit
 
 A, R = LayerKind.ATTENTION, LayerKind.RECURRENT
-PROPERTY = settings(max_examples=40, deadline=None)
+PROPERTY = settings(max_examples=examples(40), deadline=None)
 
 
 def region(name="r0", kind=MemoryKind.DEVICE, stride=1024, pages=4, size=None, address=0, device_id=0):

@@ -18,6 +18,10 @@ from kvlend.core.layout import (
 from kvlend.core.lender import Lease, LeaseLimits, Lender
 from kvlend.core.locks import PageLocks
 
+from tests.support.profiles import examples
+
+pytestmark = pytest.mark.unit
+
 ATT, REC = LayerKind.ATTENTION, LayerKind.RECURRENT
 ALL = RowSelection.all()
 
@@ -490,7 +494,7 @@ _op = st.one_of(
 )
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=examples(60), deadline=None)
 @given(st.lists(_op, max_size=40))
 def test_random_lifecycles_keep_locks_equal_to_the_sum_over_live_leases(ops):
     tpp = 4
@@ -670,7 +674,7 @@ def test_a_prompt_digest_covers_every_token_id_and_the_context():
             prompt_digest(bad)
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=examples(60), deadline=None)
 @given(st.lists(st.tuples(st.sampled_from(["lend", "bind", "release", "expire", "tick"]),
                           st.sampled_from([None, "d0", "d1"]), st.integers(1, 30), st.integers(0, 20)),
                 max_size=40))

@@ -10,6 +10,10 @@ from kvlend.errors import KvlendError, PageRangeError
 from kvlend.core.layout import BufferDesc, LayerIdentity, LayerKind, MemoryKind, MemoryRegion, PageLayout, Role
 from kvlend.core.locks import PageLocks
 
+from tests.support.profiles import examples
+
+pytestmark = pytest.mark.unit
+
 
 def _layout() -> PageLayout:
     regions = (
@@ -137,7 +141,7 @@ _ops = st.lists(
 )
 
 
-@settings(max_examples=80, deadline=None)
+@settings(max_examples=examples(80), deadline=None)
 @given(_ops)
 def test_random_lock_unlock_matches_a_multiset_model(ops):
     layout = _layout()

@@ -11,10 +11,16 @@ from __future__ import annotations
 
 import time
 
+import pytest
 import numpy as np
-from conftest import FreeList, creds, group_layers, make_layout, make_pools, nixl, pattern, prefill_request, slots
 
 from kvlend.runtime import DecodeNode, NodeConfig, PrefillNode
+
+from tests.support.agents import nixl
+from tests.support.certs import creds
+from tests.support.kvcache import FreeList, expected_pages, make_layout, make_pools, prefill_request, slots
+
+pytestmark = pytest.mark.nixl
 
 DEADLINE = 30.0
 REQUESTS = 96  # per prefill: 2 x 96 fetches started before the first is collected
@@ -23,16 +29,6 @@ PAGES = 2048
 TPP = 4
 
 
-def expected(layout, table_by_group, seed, num_tokens):
-    """What the decode's pages must hold: the seeded pattern of each lent token page."""
-    out = {}
-    n_pages = -(-num_tokens // TPP)
-    for name, group in layout.groups.items():
-        rows = group.pages_read(num_tokens, TPP)
-        for layer in group_layers(layout, name):
-            width = slots(make_pools(1)[layer]).shape[1]
-            out[(name, layer)] = (rows, pattern(seed, layer, n_pages, width)[rows])
-    return out
 
 
 def test_two_prefills_many_fetches_in_flight_tickets_and_offers_share_links():
@@ -61,7 +57,7 @@ def test_two_prefills_many_fetches_in_flight_tickets_and_offers_share_links():
                 tables = prefill_request(prefill.layout, srcs[rank], free[rank], n, seed)
                 request = f"p{rank}-r{i}"
                 table = {g: dfree[g].alloc(-(-n // TPP)) for g in decode.layout.groups}
-                want[request] = (table, expected(decode.layout, table, seed, n))
+                want[request] = (table, expected_pages(decode.layout, table, seed, n))
                 if i % 2:
                     prefill.offer(peers[rank], request, n, tables, prefill.layout.full_selection())
                 else:

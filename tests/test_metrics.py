@@ -7,11 +7,16 @@ import urllib.request
 
 import numpy as np
 import pytest
-from conftest import FreeList, creds, make_layout, make_pools, nixl, prefill_request
 
 from kvlend.errors import KvlendError
 from kvlend.metrics import METRICS, SPECS, Metrics
 from kvlend.runtime import DecodeNode, NodeConfig, PrefillNode
+
+from tests.support.agents import nixl
+from tests.support.certs import creds
+from tests.support.kvcache import FreeList, make_layout, make_pools, prefill_request
+
+pytestmark = pytest.mark.nixl
 
 DEADLINE = 10.0
 

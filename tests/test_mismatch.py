@@ -12,31 +12,27 @@ from __future__ import annotations
 
 import dataclasses
 import queue
-import sys
 import time
-from pathlib import Path
 
 import numpy as np
 import pytest
+import toy_engine as te  # examples/ (pyproject's pytest pythonpath)
 
 from kvlend.errors import LayoutMismatch, PeerLost
 from kvlend.core.layout import HeadOrder, PageLayout, ReplicaRank
 from kvlend.core.negotiate import negotiate
 from kvlend.runtime import DecodeNode, NodeConfig, PrefillNode
 
-ROOT = Path(__file__).resolve().parents[1]
-EXAMPLES = ROOT / "examples"
-sys.path.insert(0, str(EXAMPLES))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import toy_engine as te  # noqa: E402
-from conftest import creds, nixl  # noqa: E402
-from test_hybrid import expected_bytes, pair  # noqa: E402
+from tests.support.agents import nixl
+from tests.support.certs import creds
+from tests.support.example_pair import expected_bytes, pair
+
 
 TINY = te.preset("tiny")
 FAST = NodeConfig(handshake_timeout=5.0)
 
 
-@pytest.mark.slow
+@pytest.mark.system
 @pytest.mark.parametrize("model, prefill_tpp, decode_tpp", [("llama", 16, 32), ("hybrid", 32, 16)])
 def test_pair_maps_tokens_per_page(model, prefill_tpp, decode_tpp):
     report = pair("--model", model, "--requests", "8", "--max-len", "300",
@@ -47,6 +43,7 @@ def test_pair_maps_tokens_per_page(model, prefill_tpp, decode_tpp):
         assert report["bytes"] == expected_bytes(config, 8, 300)[0]
 
 
+@pytest.mark.unit
 def test_bigger_decode_pages_need_a_longer_prefill_window():
     """16-token prefill pages lend a 64-token window; 32-token decode pages can start 16 tokens earlier."""
     hybrid = te.preset("hybrid")
@@ -57,7 +54,7 @@ def test_bigger_decode_pages_need_a_longer_prefill_window():
     assert {f for f, *_ in info.value.fields} == {"groups['swa'].read_window", "groups['swa'].sinks"}
 
 
-@pytest.mark.slow
+@pytest.mark.system
 @pytest.mark.parametrize("model", ["llama", "hybrid"])
 def test_pair_prefill_tp1_decode_tp2(model):
     report = pair("--model", model, "--decode-tp", "2", "--requests", "8", "--max-len", "300")
@@ -69,6 +66,7 @@ def test_pair_prefill_tp1_decode_tp2(model):
     assert report["bytes"] == lent + state
 
 
+@pytest.mark.unit
 def test_tp_shards_read_their_head_slices():
     whole = te.PagedKVCache(TINY, 4)
     shards = [te.PagedKVCache(TINY, 4, replica=ReplicaRank(2, r)) for r in range(2)]
@@ -98,6 +96,7 @@ CASES = {
 }
 
 
+@pytest.mark.nixl
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_handshake_refuses_unsupported_difference(case):
     config, replica, nhd, fields = CASES[case]
@@ -130,6 +129,7 @@ def test_handshake_refuses_unsupported_difference(case):
         prefill.backend.close()
 
 
+@pytest.mark.nixl
 def test_a_refused_decode_gives_its_tickets_leases_back_well_before_their_ttl():
     """Issue 22, finding 9: the decode's pools hold another dtype and twice the tokens per page.  Each
     ticket's lease used to stay pinned for its TTL (30 s): the decode connected, was refused, and left."""

@@ -20,7 +20,7 @@ import pytest
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "multinode-loopback"
 SKIP = 77
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.system
 
 
 def run(*args: str, env: dict | None = None, timeout: float = 240) -> tuple[int, list[dict], str, int]:

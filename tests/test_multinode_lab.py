@@ -4,16 +4,14 @@ topology's names and the parsing of the ranks' log lines; no namespace, process 
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
+from lab.evaluate import evaluate  # examples/lab (pyproject's pytest pythonpath)
+from lab.logs import Logs
+from lab.topology import CLUSTER_RANKS, host_of, rank_of
 
-EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
-sys.path.insert(0, str(EXAMPLES))
-from lab.evaluate import evaluate  # noqa: E402
-from lab.logs import Logs  # noqa: E402
-from lab.topology import CLUSTER_RANKS, host_of, rank_of  # noqa: E402
+pytestmark = pytest.mark.unit
 
 MIB2 = 2 * 2**20
 KILLED_AT = 1000.0

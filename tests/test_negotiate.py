@@ -19,6 +19,10 @@ from kvlend.core.layout import (
 )
 from kvlend.core.negotiate import IDENTITY, MAX_PAGE_RATIO, MAX_PIECES, MAPPED, Piece, negotiate
 
+from tests.support.profiles import examples
+
+pytestmark = pytest.mark.unit
+
 BPH = 8  # bytes per head and token
 
 
@@ -395,7 +399,7 @@ def _covered(local, remote, position) -> bool:
 RATIOS = [(1, 1), (1, 2), (2, 1), (1, 4), (4, 1)]  # (local, remote) multiples of a base page size
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=examples(300), deadline=None)
 @given(base=st.sampled_from([1, 2, 4, 8]), ratio=st.sampled_from(RATIOS),
        windows=st.tuples(*[st.none() | st.integers(-1, 80)] * 2), sinks=st.tuples(*[st.integers(0, 4)] * 2),
        kept=st.tuples(*[st.integers(1, 96)] * 2))

@@ -17,13 +17,14 @@ import time
 
 import numpy as np
 import pytest
-from nixl_helpers import PAGE, host_region, lender_main, pattern, poll_until
 
 from kvlend.transport import ReadBatch, TransferBackend, available_backends, load_backend
 from kvlend.errors import BackendError, KvlendError, PeerLost, TransferCancelled, TransferTimeout
 from kvlend.core.layout import MemoryKind, MemoryRegion
 from kvlend_nixl import NixlBackend
 from kvlend_nixl.backend import peer_name
+
+from tests.support.agents import PAGE, host_region, lender_main, poll_until, random_bytes
 
 DEADLINE = 10.0
 SIZE = 1 << 20
@@ -50,7 +51,7 @@ class Pair:
     def __init__(self, seed: int = 1, **reader_options):
         self.reader = NixlBackend(uniq("reader"), **reader_options)
         self.lender = NixlBackend(uniq("lender"))
-        self.src = pattern(SIZE, seed)
+        self.src = random_bytes(SIZE, seed)
         self.dst = np.zeros(SIZE, np.uint8)
         self.reader.register([host_region(self.dst, "dst")])
         self.lender.register([host_region(self.src, "src")])
@@ -72,6 +73,7 @@ def pair():
 
 
 # ------------------------------------------------------------------ registry
+@pytest.mark.nixl
 def test_load_backend_finds_nixl_through_its_entry_point():
     assert available_backends()["nixl"] == "kvlend_nixl:NixlBackend"
     agent = uniq("via-registry")
@@ -89,11 +91,13 @@ def test_load_backend_finds_nixl_through_its_entry_point():
         unnamed.close()
 
 
+@pytest.mark.nixl
 def test_unknown_backend_names_the_installed_ones():
     with pytest.raises(BackendError, match=r"'no-such'.*installed: .*nixl"):
         load_backend("no-such")
 
 
+@pytest.mark.nixl
 def test_options_the_backend_does_not_take_are_a_backend_error():
     with pytest.raises(BackendError, match=r"backend 'nixl' refused options \{'bogus': 1\}: TypeError") as info:
         load_backend("nixl", bogus=1)
@@ -103,6 +107,7 @@ def test_options_the_backend_does_not_take_are_a_backend_error():
     assert info.value.__cause__ is None
 
 
+@pytest.mark.nixl
 @pytest.mark.parametrize("options, field", [
     ({"error_mode": "bogus"}, "error_mode"),
     ({"timeout": 0}, "timeout"),
@@ -119,6 +124,7 @@ def test_bad_options_are_refused_before_an_agent_exists(options, field):
 
 
 # ------------------------------------------------------------- happy paths
+@pytest.mark.nixl
 def test_scattered_batches_in_one_process_move_the_right_bytes(pair):
     rng = np.random.default_rng(7)
     expected = np.zeros(SIZE, np.uint8)
@@ -143,6 +149,7 @@ def test_scattered_batches_in_one_process_move_the_right_bytes(pair):
     assert pair.reader.poll() == []
 
 
+@pytest.mark.nixl
 @pytest.mark.parametrize("options", [
     {"progress_thread": True}, {"error_mode": "none"}, {"num_threads": 2}, {"thread_safe": True},
 ])
@@ -158,12 +165,14 @@ def test_reads_work_under_each_agent_option(options):
         p.close()
 
 
+@pytest.mark.nixl
 def test_empty_read_completes_at_once(pair):
     empty = np.zeros((0, 3), np.uint64)
     pair.reader.post_read(pair.peer, [ReadBatch(HOST, HOST, empty, empty)], b"nothing")
     assert pair.drain([b"nothing"])[b"nothing"].error is None
 
 
+@pytest.mark.nixl
 def test_thread_safe_backend_posts_from_a_worker_thread():
     p = Pair(thread_safe=True)
     try:
@@ -184,6 +193,7 @@ def test_thread_safe_backend_posts_from_a_worker_thread():
         p.close()
 
 
+@pytest.mark.nixl
 def test_register_is_once_per_region_and_device_needs_a_gpu(pair):
     again = host_region(pair.dst, "dst-again")
     pair.reader.register([again, again])  # already registered: no second NIXL registration
@@ -207,6 +217,7 @@ def test_register_is_once_per_region_and_device_needs_a_gpu(pair):
 
 
 # --------------------------------------------------------------- bad input
+@pytest.mark.nixl
 def test_invalid_reads_raise_before_anything_is_posted(pair):
     good = batch(pair.src, pair.dst, [0], [0], PAGE)
     with pytest.raises(BackendError, match="unknown peer 'nobody'"):
@@ -234,6 +245,7 @@ def test_invalid_reads_raise_before_anything_is_posted(pair):
     assert np.array_equal(pair.dst[:PAGE], pair.src[:PAGE])
 
 
+@pytest.mark.nixl
 def test_bad_peer_metadata_is_a_backend_error(pair):
     md = pair.lender.metadata()
     assert peer_name(md) == pair.peer
@@ -270,6 +282,7 @@ def poll_quietly(backend: NixlBackend, seconds: float) -> list:
     return out
 
 
+@pytest.mark.nixl
 def test_cancel_of_an_unknown_or_reported_tag_is_a_no_op(pair):
     pair.reader.cancel(b"never-posted")
     pair.reader.post_read(pair.peer, [batch(pair.src, pair.dst, [0], [0], PAGE)], b"x")
@@ -280,6 +293,7 @@ def test_cancel_of_an_unknown_or_reported_tag_is_a_no_op(pair):
         pair.reader.cancel("x")
 
 
+@pytest.mark.nixl
 def test_cancel_after_the_read_finished_reports_its_success(pair):
     pair.reader.post_read(pair.peer, [batch(pair.src, pair.dst, [0], [0], PAGE)], b"wire-up")
     pair.drain([b"wire-up"])  # from now on, over cma, the copy happens inside transfer()
@@ -290,6 +304,7 @@ def test_cancel_after_the_read_finished_reports_its_success(pair):
     assert np.array_equal(pair.dst, pair.src) and pair.reader.in_flight == 0
 
 
+@pytest.mark.nixl
 def test_cancelled_read_is_reported_only_once_nixl_has_finished_it():
     p = Pair()
     try:
@@ -308,6 +323,7 @@ def test_cancelled_read_is_reported_only_once_nixl_has_finished_it():
         p.close()
 
 
+@pytest.mark.nixl
 def test_read_that_never_stops_gets_the_agent_rebuilt_after_the_grace():
     p = Pair(abort_grace=0.3)
     try:
@@ -329,6 +345,7 @@ def test_read_that_never_stops_gets_the_agent_rebuilt_after_the_grace():
         p.close()
 
 
+@pytest.mark.nixl
 def test_a_reset_that_cannot_make_an_agent_still_reports_and_tries_again(monkeypatch):
     p = Pair(abort_grace=0.2)
     try:
@@ -352,6 +369,7 @@ def test_a_reset_that_cannot_make_an_agent_still_reports_and_tries_again(monkeyp
         p.close()
 
 
+@pytest.mark.nixl
 def test_removed_peer_fails_its_reads_with_peer_lost_once_they_stopped():
     p = Pair()
     try:
@@ -373,6 +391,7 @@ def test_removed_peer_fails_its_reads_with_peer_lost_once_they_stopped():
         p.close()
 
 
+@pytest.mark.nixl
 def test_removed_peer_added_back_while_its_reads_drain_is_kept():
     p = Pair()
     try:
@@ -387,11 +406,12 @@ def test_removed_peer_added_back_while_its_reads_drain_is_kept():
         p.close()
 
 
+@pytest.mark.nixl
 def test_peer_replaced_while_its_read_is_in_flight_rebuilds_the_agent():
     p = Pair()
     twin = NixlBackend(p.peer)  # a new incarnation under the same name, the old one still alive
     try:
-        fresh = pattern(SIZE, 42)
+        fresh = random_bytes(SIZE, 42)
         twin.register([host_region(fresh, "src")])
         p.reader.post_read(p.peer, [batch(p.src, p.dst, [0], [0], PAGE)], b"old")
         assert p.reader.add_peer(twin.metadata()) == p.peer
@@ -406,6 +426,7 @@ def test_peer_replaced_while_its_read_is_in_flight_rebuilds_the_agent():
         p.close()
 
 
+@pytest.mark.nixl
 def test_overdue_read_times_out_and_the_link_still_works():
     p = Pair(timeout=0.2, abort_grace=0.3)
     try:
@@ -420,13 +441,14 @@ def test_overdue_read_times_out_and_the_link_still_works():
         p.close()
 
 
+@pytest.mark.nixl
 def test_restarted_peer_with_the_same_name_replaces_the_stale_one(pair):
     name = pair.peer
     pair.reader.post_read(pair.peer, [batch(pair.src, pair.dst, [0], [0], PAGE)], b"old")
     pair.drain([b"old"])
     pair.lender.close()
     pair.lender = NixlBackend(name)  # same name, new incarnation and new pool
-    fresh = pattern(SIZE, 99)
+    fresh = random_bytes(SIZE, 99)
     pair.lender.register([host_region(fresh, "src")])
     assert pair.reader.add_peer(pair.lender.metadata()) == name
     pair.reader.post_read(name, [batch(fresh, pair.dst, [0], [0], SIZE)], b"new")
@@ -434,6 +456,7 @@ def test_restarted_peer_with_the_same_name_replaces_the_stale_one(pair):
     assert np.array_equal(pair.dst, fresh)
 
 
+@pytest.mark.nixl
 def test_close_is_idempotent_and_final():
     backend = NixlBackend(uniq("closing"))
     buf = np.zeros(SIZE, np.uint8)
@@ -471,7 +494,7 @@ def _remote_read(reader, peer, address, dst, src_pages, tag) -> None:
                             ReadBatch(HOST, HOST, remote[n // 2:], local[n // 2:])], tag)
 
 
-@pytest.mark.slow
+@pytest.mark.system
 def test_two_processes_read_then_survive_the_lender_dying():
     ctx = multiprocessing.get_context("spawn")
     name = uniq("lender-proc")
@@ -485,7 +508,7 @@ def test_two_processes_read_then_survive_the_lender_dying():
         order = np.random.default_rng(5).permutation(SIZE // PAGE)
         _remote_read(reader, peer, address, dst, order, b"first")
         assert poll_until(reader, [b"first"], DEADLINE)[b"first"].error is None
-        expected = pattern(SIZE, 3).reshape(-1, PAGE)[order].ravel()
+        expected = random_bytes(SIZE, 3).reshape(-1, PAGE)[order].ravel()
         assert np.array_equal(dst, expected)
 
         os.kill(proc.pid, signal.SIGKILL)
@@ -501,7 +524,7 @@ def test_two_processes_read_then_survive_the_lender_dying():
         dst[:] = 0
         _remote_read(reader, name, address, dst, np.arange(SIZE // PAGE), b"again")
         assert poll_until(reader, [b"again"], DEADLINE)[b"again"].error is None
-        assert np.array_equal(dst, pattern(SIZE, 4))
+        assert np.array_equal(dst, random_bytes(SIZE, 4))
         conn.send_bytes(b"stop")
         proc.join(DEADLINE)
         assert proc.exitcode == 0

@@ -10,132 +10,36 @@ stay untouched.
 
 from __future__ import annotations
 
-import contextlib
 import json
-import os
 import select
 import subprocess
 import sys
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass, field
 
 import numpy as np
 import pytest
-from conftest import (
-    creds,
-    SENTINEL, TPP, FreeList, group_layers, make_layout, make_pools, nixl, pattern, prefill_request, slots,
-)
 
 from kvlend.errors import (
     AuthError, BackendError, ConfigError, LayoutMismatch, LeaseExpired, PeerLost, ProtocolError, TransferTimeout,
 )
-from kvlend.core.layout import PageLayout
-from kvlend.runtime import DecodeNode, FetchResult, Link, NodeConfig, PrefillNode
+from kvlend.runtime import DecodeNode, Link, NodeConfig, PrefillNode
 from kvlend.runtime.clock import lease_clock
-from kvlend.protocol.wire import Done, LeaseOffer
+from kvlend.protocol.wire import Done
 from kvlend.security.certs import Authority, save_rank
 
-DEADLINE = 10.0  # seconds any single wait may take before the test fails
-SRC_PAGES = 256
-DST_PAGES = 96  # capacities need not match: only the page geometry does
-MAX_TOKENS = 160  # 40 token pages: 5 chunks of 8 pages at most
-DECODE_CONFIG = NodeConfig(chunk_pages=8, handshake_timeout=DEADLINE, transfer_timeout=DEADLINE)
-TESTS = os.path.dirname(os.path.abspath(__file__))
-
-
-@dataclass
-class Rig:
-    """A started prefill and a decode connected to it, each over its own pools."""
-
-    prefill: PrefillNode
-    decode: DecodeNode
-    peer: str  # the decode as the prefill knows it
-    link: Link  # the prefill as the decode knows it
-    src: list[np.ndarray]
-    dst: list[np.ndarray]
-    released: list[tuple[str, str]] = field(default_factory=list)  # (request, reason), from the prefill thread
-
-    @property
-    def layout(self) -> PageLayout:
-        return self.prefill.layout
-
-
-@contextlib.contextmanager
-def rig(prefill_config: NodeConfig = NodeConfig(), clock=lease_clock, on_release=None):
-    src, dst = make_pools(SRC_PAGES), make_pools(DST_PAGES)
-    released: list[tuple[str, str]] = []
-
-    def record(lease, reason):
-        released.append((lease.request, reason))
-        if on_release is not None:
-            on_release(lease, reason)
-
-    prefill = PrefillNode(make_layout(src), nixl("prefill"), creds("prefill"), config=prefill_config,
-                          clock=clock, on_release=record)
-    decode = None
-    try:
-        prefill.start()
-        decode = DecodeNode(make_layout(dst), nixl("decode"), creds("decode"), config=DECODE_CONFIG)
-        link = decode.connect(*prefill.address)
-        yield Rig(prefill, decode, prefill.wait_for_peer(DEADLINE), link, src, dst, released)
-    finally:
-        if decode is not None:
-            decode.close()
-            decode.backend.close()
-        prefill.close()
-        prefill.backend.close()
-
-
-def free_lists(layout: PageLayout, num_pages: int, seed: int) -> dict[str, FreeList]:
-    rng = np.random.default_rng(seed)
-    return {name: FreeList(num_pages, rng) for name in layout.groups}
-
-
-def fetch_and_verify(decode: DecodeNode, link: str, offer: LeaseOffer, dst_pools: list[np.ndarray],
-                     free: dict[str, FreeList]) -> FetchResult:
-    """Fetch ``offer`` into freshly allocated, sentinel-filled pages and check every byte.
-
-    Lent token pages must hold exactly what the prefill wrote for the seed in
-    the offer's meta; stale pages of a windowed group must not be written.
-    """
-    layout = decode.layout
-    n_pages = -(-offer.num_tokens // TPP)
-    dst = {name: free[name].alloc(n_pages) for name in layout.groups}
-    try:
-        for name, table in dst.items():
-            for layer in group_layers(layout, name):
-                slots(dst_pools[layer])[table] = SENTINEL
-        result = decode.fetch(link, offer, dst)
-        for name, table in dst.items():
-            lent = offer.pages[name].token_pages
-            np.testing.assert_array_equal(lent, layout.groups[name].pages_read(offer.num_tokens, TPP))
-            stale = np.setdiff1d(np.arange(n_pages), lent)
-            for layer in group_layers(layout, name):
-                got = slots(dst_pools[layer])[table]
-                want = pattern(offer.meta["seed"], layer, n_pages, got.shape[1])
-                wrong = np.flatnonzero((got[lent] != want[lent]).any(axis=1))
-                assert not wrong.size, (
-                    f"{offer.request}: layer {layer} token page {lent[wrong[0]]} "
-                    f"(slot {table[lent[wrong[0]]]}) differs from what the prefill lent")
-                assert (got[stale] == SENTINEL).all(), f"{offer.request}: a stale page of layer {layer} was written"
-        return result
-    finally:
-        for name, table in dst.items():
-            free[name].release(table)
-
-
-def assert_locked(prefill: PrefillNode, tables: dict[str, np.ndarray], locked: bool) -> None:
-    layout = prefill.layout
-    with prefill._lock:
-        for name, table in tables.items():
-            for layer in group_layers(layout, name):
-                evictable = prefill.lender.locks.can_evict(f"L{layer}.kv", table[table >= 0])
-                assert (not evictable.any()) if locked else evictable.all(), (name, layer, locked)
-
+from tests.support.agents import nixl
+from tests.support.certs import creds
+from tests.support.children import child_env
+from tests.support.kvcache import make_layout, make_pools, prefill_request, slots
+from tests.support.nodes import (
+    DEADLINE, DECODE_CONFIG, DST_PAGES, MAX_TOKENS, SRC_PAGES, assert_locked, fetch_and_verify, free_lists, intercept,
+    rig,
+)
 
 # ------------------------------------------------------------ one process
+@pytest.mark.nixl
 def test_a_thousand_leases_arrive_byte_exact():
     """Random lengths, scattered pages on both sides, four leases outstanding at a time."""
     n_leases, window = 1000, 4
@@ -181,6 +85,7 @@ def test_a_thousand_leases_arrive_byte_exact():
         assert all(len(f) == SRC_PAGES for f in src_free.values())
 
 
+@pytest.mark.nixl
 def test_windowed_group_lends_only_sinks_and_window():
     num_tokens = 150  # 38 token pages; the window needs pages 21..37, plus sink page 0
     with rig() as r:
@@ -200,6 +105,7 @@ def test_windowed_group_lends_only_sinks_and_window():
         assert result.bytes == 2 * (38 + 18) * slot
 
 
+@pytest.mark.nixl
 @pytest.mark.parametrize("field_name, mismatch", [
     ("dtype", dict(dtype=np.uint8, head_dim=16)),  # same bytes per head, other element type
     ("bytes_per_head", dict(head_dim=16)),
@@ -226,6 +132,7 @@ def test_handshake_refuses_a_mismatched_layout(field_name, mismatch):
         assert fetch_and_verify(r.decode, link, offer, r.dst, free_lists(r.decode.layout, DST_PAGES, 6)).bound == 8
 
 
+@pytest.mark.nixl
 def test_a_certificate_from_another_ca_gets_no_channel():
     prefill = PrefillNode(make_layout(make_pools(32)), nixl("prefill"), creds("prefill"))
     decode = DecodeNode(make_layout(make_pools(32)), nixl("decode"), Authority.create().issue("decode"),
@@ -244,24 +151,10 @@ def test_a_certificate_from_another_ca_gets_no_channel():
         prefill.backend.close()
 
 
-def intercept(decode: DecodeNode, link, before_send=lambda message: None, before_poll=lambda: None) -> None:
-    """Hooks before each message the decode sends on ``link`` and before each socket poll,
-    to force one interleaving of a real exchange."""
-    conn = decode.session._links[link.id].conn
-    send, poll = conn.send, decode._sockets.poll
-
-    def hooked_send(message):
-        before_send(message)
-        send(message)
-
-    def hooked_poll(timeout):
-        before_poll()
-        return poll(timeout)
-
-    conn.send = hooked_send
-    decode._sockets.poll = hooked_poll
 
 
+
+@pytest.mark.nixl
 def test_lease_time_runs_through_a_suspend_on_both_nodes():
     """``time.monotonic`` stops while a Linux host is suspended, so a lease outlived by a suspend would
     stay alive on a resumed prefill, and a resumed decode would count reads past its lease (issue 22,
@@ -275,6 +168,7 @@ def test_lease_time_runs_through_a_suspend_on_both_nodes():
         assert before <= now <= time.clock_gettime(time.CLOCK_BOOTTIME)
 
 
+@pytest.mark.nixl
 @pytest.mark.parametrize("when", ["before_fetch", "after_reads"])
 def test_fetch_of_an_expired_lease_raises_lease_expired(when):
     """The reads may well land, but the prefill may have reused the pages: decode must not use them."""
@@ -308,6 +202,7 @@ def test_fetch_of_an_expired_lease_raises_lease_expired(when):
         assert r.prefill.ready_peers() == [r.peer]  # a refused done is no reason to drop the peer
 
 
+@pytest.mark.nixl
 def test_done_ack_survives_the_prefill_closing_right_after_it():
     """The prefill's last ack and its close can land together; the ack must still count.
 
@@ -344,13 +239,13 @@ def test_done_ack_survives_the_prefill_closing_right_after_it():
 # ----------------------------------------------------------- two processes
 CHILD = r"""
 import json, queue, sys, time
-sys.path.insert(0, sys.argv[1])
 import numpy as np
-from conftest import FreeList, make_layout, make_pools, nixl, prefill_request
 from kvlend.runtime import PrefillNode
 from kvlend.security.credentials import Credentials
+from tests.support.agents import nixl
+from tests.support.kvcache import FreeList, make_layout, make_pools, prefill_request
 
-n_leases, max_tokens, window, deadline_s = map(int, sys.argv[2:6])
+n_leases, max_tokens, window, deadline_s = map(int, sys.argv[1:5])
 pools = make_pools(256)
 layout = make_layout(pools)
 released = queue.SimpleQueue()
@@ -403,15 +298,15 @@ def _listening(proc: subprocess.Popen, deadline_s: float) -> tuple[str, int]:
             return host, int(port)
 
 
-@pytest.mark.slow
+@pytest.mark.system
 def test_two_processes_byte_exact(tmp_path):
     n_leases = 100
     script = tmp_path / "prefill_child.py"
     script.write_text(CHILD)
     errors = (tmp_path / "stderr").open("w+")
-    env = {**os.environ, **save_rank(creds("child-prefill"), str(tmp_path / "certs"))}
+    env = child_env(**save_rank(creds("child-prefill"), str(tmp_path / "certs")))
     proc = subprocess.Popen(
-        [sys.executable, str(script), TESTS, str(n_leases), str(MAX_TOKENS), "4", str(int(DEADLINE))],
+        [sys.executable, str(script), str(n_leases), str(MAX_TOKENS), "4", str(int(DEADLINE))],
         stdout=subprocess.PIPE, stderr=errors, text=True, env=env,
     )
     try:
@@ -442,6 +337,7 @@ def test_two_processes_byte_exact(tmp_path):
         errors.close()
 
 
+@pytest.mark.nixl
 @pytest.mark.parametrize("request_id, meta, why", [
     ("r" * 5000, {}, "offer.request"),
     ("numpy-meta", {"seed": np.int64(3)}, "offer.meta"),
@@ -461,6 +357,7 @@ def test_an_offer_the_decode_would_refuse_takes_no_locks(request_id, meta, why):
         assert fetch_and_verify(r.decode, link, offer, r.dst, free_lists(r.decode.layout, DST_PAGES, 10)).bound == 8
 
 
+@pytest.mark.nixl
 def test_bad_arguments_are_kvlend_errors_before_anything_happens():
     with pytest.raises(ConfigError, match="chunk_pages"):
         NodeConfig(chunk_pages=1.5)
@@ -480,6 +377,7 @@ def test_bad_arguments_are_kvlend_errors_before_anything_happens():
         r.decode.disconnect(gone)  # an unknown link: nothing to do
 
 
+@pytest.mark.nixl
 def test_reads_posted_to_a_backend_closed_under_the_node_end_with_an_error():
     """A backend that holds no read any more can never report the ones posted to it: their fetch
     ends with ``BackendError`` instead of waiting forever (issue 22, finding 6)."""

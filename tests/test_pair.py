@@ -9,22 +9,19 @@ report success.
 
 from __future__ import annotations
 
-import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import toy_engine  # examples/ (pyproject's pytest pythonpath)
 
-from kvlend.security.credentials import CA_ENV, CERT_ENV, KEY_ENV
+from tests.support.children import EXAMPLES, ROOT
+from tests.support.example_pair import run_json
 
-ROOT = Path(__file__).resolve().parents[1]
-EXAMPLES = ROOT / "examples"
-sys.path.insert(0, str(EXAMPLES))
-import toy_engine  # noqa: E402
+pytestmark = pytest.mark.system
 
-RUN_TIMEOUT = 120  # seconds for a whole pair run
+
 REPORT_KEYS = {"requests", "bytes", "gbps", "latency_ms_p50", "latency_ms_p99", "descriptors_per_request",
                "handshake_ms", "prefills", "inflight", "max_inflight", "verified"}
 
@@ -39,19 +36,6 @@ def expected(requests: int, max_len: int, min_len: int = 8, seed: int = 0) -> tu
     return sum(map(len, prompts)), pages * config.layers * slot
 
 
-def run(argv: list[str]) -> str:
-    """The command's stdout, after checking it exited 0 (without credentials of ours: the pair makes its own)."""
-    env = {k: v for k, v in os.environ.items() if k not in (CA_ENV, CERT_ENV, KEY_ENV)}
-    proc = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=RUN_TIMEOUT)
-    assert proc.returncode == 0, f"exit {proc.returncode}\nstdout: {proc.stdout}\nstderr: {proc.stderr[-4000:]}"
-    return proc.stdout
-
-
-def run_json(argv: list[str]) -> dict:
-    return json.loads(run(argv).strip().splitlines()[-1])
-
-
-@pytest.mark.slow
 def test_example_pair_verifies_every_request():
     report = run_json([sys.executable, str(EXAMPLES / "pair.py"), "--json", "--requests", "12", "--max-len", "200",
                        "--timeout", "30"])
@@ -64,7 +48,6 @@ def test_example_pair_verifies_every_request():
     assert report["inflight"] == 16 and 1 <= report["max_inflight"] <= 16
 
 
-@pytest.mark.slow
 def test_kvlend_demo_reports_json_with_many_in_flight_from_two_prefills():
     """Short prompts are lent faster than the decode generates and checks them: fetches pile up towards
     the limit, never past it (the text form of the same report is tested in test_cli)."""
@@ -83,7 +66,6 @@ def test_kvlend_demo_reports_json_with_many_in_flight_from_two_prefills():
     assert report["handshake_ms"] > 0
 
 
-@pytest.mark.slow
 def test_chunked_prefill_lent_progressively_verifies_and_reports_both_modes():
     """``--progressive both``: even requests are lent as their chunks commit, odd ones once prefill is
     done; every request's tokens equal the chunked single-process reference, every page was read."""

@@ -14,16 +14,19 @@ from __future__ import annotations
 import threading
 
 import pytest
-from conftest import creds, prefill_request
-from raw_peer import RawDecode
-from test_connection_nodes import wait_until
-from test_node import DEADLINE, SRC_PAGES, free_lists, rig
 
 import kvlend.protocol.wire
 from kvlend.core.layout import PageLayout
 from kvlend.errors import PeerLost
 from kvlend.protocol.config import NodeConfig
 from kvlend.protocol.wire import Bye, Handshake, Heartbeat
+
+from tests.support.certs import creds
+from tests.support.kvcache import prefill_request
+from tests.support.nodes import DEADLINE, SRC_PAGES, free_lists, rig, wait_until
+from tests.support.raw_peer import RawDecode
+
+pytestmark = pytest.mark.nixl
 
 
 @pytest.mark.parametrize("held", ["frame", "layout"])

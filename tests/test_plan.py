@@ -24,6 +24,10 @@ from kvlend.core.negotiate import Piece, TransferPlan, negotiate
 from kvlend.core.pages import GroupPages
 from kvlend.core.plan import plan_reads
 
+from tests.support.profiles import examples
+
+pytestmark = pytest.mark.unit
+
 
 # ------------------------------------------------------------------ pools
 class Pools:
@@ -268,7 +272,7 @@ def pick(rnd, population: list[int], k: int, keep_order: bool) -> list[int]:
     return sorted(chosen) if keep_order else chosen
 
 
-@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=examples(150), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(scenarios())
 def test_reads_match_a_page_by_page_reference(scenario):
     model, local_side, source_sides, n_remote, n_local, rnd = scenario

@@ -61,6 +61,7 @@ def planes_imported(path: pathlib.Path, plane: str) -> set[str]:
     return out - {"errors"}
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("plane", sorted(ALLOWED))
 def test_each_plane_imports_only_the_planes_below_it(plane):
     for path in (PACKAGE / plane).glob("*.py"):
@@ -68,6 +69,7 @@ def test_each_plane_imports_only_the_planes_below_it(plane):
         assert not extra, f"{path.relative_to(ROOT)} imports {sorted(extra)}"
 
 
+@pytest.mark.system
 @pytest.mark.parametrize("module", [m for plane in PURE for m in modules(plane)] + list(PURE_CLUSTER))
 def test_pure_modules_import_alone_without_io(module):
     code = (f"import sys, {module}\n"
@@ -78,6 +80,7 @@ def test_pure_modules_import_alone_without_io(module):
     assert out.stdout.strip() == "", f"{module} pulls in {out.stdout.strip()}"
 
 
+@pytest.mark.unit
 def test_pure_modules_import_no_clock_thread_socket_or_os():
     paths = [p for plane in PURE for p in (PACKAGE / plane).glob("*.py")]
     paths += [PACKAGE / "cluster" / f"{m.rsplit('.', 1)[1]}.py" for m in PURE_CLUSTER]

@@ -20,7 +20,11 @@ from kvlend.core.tracker import DeliveryTracker
 from kvlend.errors import (
     KvlendError, LeaseError, LeaseExpired, LeaseUnknown, PageRangeError, QuotaExceeded, TrackerError,
 )
-from test_tracker import reference_bound  # the bound straight from its definition
+
+from tests.support.profiles import examples
+from tests.support.reference import reference_bound
+
+pytestmark = pytest.mark.unit
 
 ATT, REC = LayerKind.ATTENTION, LayerKind.RECURRENT
 ALL = RowSelection.all()
@@ -348,7 +352,7 @@ def _bad_extend(lender, lay, lease, kind, n, nxt, final, junk, now):
     return None
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=examples(200), deadline=None)
 @given(progressions())
 def test_extend_grows_the_lease_to_exactly_what_a_one_shot_lend_lends(case):
     lay, n, sel, readies, perms, junk, bad, peer, end = case
@@ -428,7 +432,7 @@ def test_extend_grows_the_lease_to_exactly_what_a_one_shot_lend_lends(case):
     assert zero(lender)
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=examples(60), deadline=None)
 @given(st.integers(1, 60), st.sampled_from([1, 2, 4]), st.integers(0, 6), st.booleans())
 def test_ending_a_lease_after_k_extensions_unlocks_everything(n, tpp, k, expire):
     lay = layout(tpp=tpp, window=6, sinks=1)
@@ -609,7 +613,7 @@ _op = st.tuples(st.sampled_from(_KINDS), st.integers(0, 20), st.sampled_from([No
                 st.integers(0, 60), st.integers(0, len(_SEL_HOST) - 1), st.integers(1, 12), st.integers(0, 2 ** 16))
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=examples(150), deadline=None)
 @given(st.lists(_op, min_size=10, max_size=50))
 def test_random_progressive_lifecycles_keep_locks_equal_to_the_sum_over_live_leases(ops):
     tpp, pages, states = 4, 16, 4
@@ -719,7 +723,7 @@ def growing(draw):
     return lay, n, readies, ops
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=examples(200), deadline=None)
 @given(growing())
 def test_tracker_follows_a_growing_lease(case):
     lay, n, readies, ops = case

@@ -1,6 +1,6 @@
 """Progressive lending (issue 17) under faults: real processes, real NIXL over ``UCX_TLS=tcp``, real TLS.
 
-Every rank is a child process (``tests/progressive_rank.py``) running the toy engine's chunked
+Every rank is a child process (``tests.support.progressive_rank``) running the toy engine's chunked
 prefill (``prefill_chunks``, chunk 256) of one long prompt: the prefill lends it under a ticket
 after its first chunk and extends the lease after each later one; the decode redeems the ticket
 and reads each extension as it comes.  UCX reads ``UCX_TLS`` when an agent is made, so only the
@@ -28,20 +28,21 @@ import os
 import select
 import signal
 import subprocess
-import sys
 import tempfile
 import time
 
 import numpy as np
 import pytest
-from conftest import creds
-from progressive_rank import MARK
+import toy_engine  # examples/ (pyproject's pytest pythonpath)
 
 from kvlend.security.certs import save_rank
 
-TESTS = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.join(os.path.dirname(TESTS), "examples"))
-import toy_engine  # noqa: E402
+from tests.support.certs import creds
+from tests.support.children import child_env, support_module
+from tests.support.progressive_rank import MARK
+
+pytestmark = pytest.mark.system
+
 
 PROMPT_LEN = 2008  # 125.5 pages of 16 tokens: the last page is partial
 CHUNK = 256  # 16 pages: every non-final extension ends on a page boundary
@@ -54,7 +55,7 @@ TCP = {"UCX_TLS": "tcp", "UCX_NET_DEVICES": "lo"}
 
 
 class Rank:
-    """A ``progressive_rank.py`` child in its own session: JSON events on stdout, commands on stdin.
+    """A ``tests.support.progressive_rank`` child in its own session: JSON events on stdout, commands on stdin.
 
     Every event read is kept in ``events``; its stderr goes to a file shown when a wait fails.
     ``kill`` SIGKILLs its whole process group.
@@ -64,12 +65,12 @@ class Rank:
         self.name = identity
         self._certs = tempfile.mkdtemp(prefix=f"certs-{identity}-", dir=workdir)
         self.stderr_path = os.path.join(workdir, f"{identity}.stderr")
-        env = {**os.environ, **save_rank(creds(identity), self._certs)}
+        env = child_env(**save_rank(creds(identity), self._certs))
         env["UCX_TLS"] = TCP["UCX_TLS"]  # whatever this process has: the reads must really be in flight
         env.setdefault("UCX_NET_DEVICES", TCP["UCX_NET_DEVICES"])
         with open(self.stderr_path, "wb") as err:
             self.proc = subprocess.Popen(
-                [sys.executable, os.path.join(TESTS, "progressive_rank.py"), mode, *args],
+                support_module("progressive_rank", mode, *args),
                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err, bufsize=0, env=env,
                 start_new_session=True,
             )
@@ -225,10 +226,7 @@ def pages_below(ref, bound: int) -> np.ndarray:
     return np.stack([cache.page_view(layer)[rows] for layer in range(len(cache.tensors))])
 
 
-
-
 # ----------------------------------------------------------- prefill killed mid-stream
-@pytest.mark.slow
 def test_prefill_killed_mid_stream_fails_typed_at_a_verified_bound_and_a_resume_matches_the_reference(
         spawn, reference, tmp_path):
     tpp = reference["cfg"].tokens_per_page
@@ -285,7 +283,6 @@ def test_prefill_killed_mid_stream_fails_typed_at_a_verified_bound_and_a_resume_
 
 
 # ----------------------------------------------------------- decode killed mid-stream
-@pytest.mark.slow
 def test_decode_killed_mid_stream_the_prefill_drops_every_extensions_locks_within_ttl_and_keeps_prefilling(
         spawn, reference):
     ttl, beat = 2.0, 0.5
@@ -336,7 +333,6 @@ def test_decode_killed_mid_stream_the_prefill_drops_every_extensions_locks_withi
 
 
 # ------------------------------------------------------------------- the happy path
-@pytest.mark.slow
 def test_a_progressive_fetch_over_tcp_advances_chunk_by_chunk_and_completes_only_after_the_final_extension(
         spawn, reference):
     tpp = reference["cfg"].tokens_per_page

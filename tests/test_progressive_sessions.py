@@ -27,12 +27,8 @@ import dataclasses
 
 import numpy as np
 import pytest
-from conftest import SENTINEL, FreeList, group_layers, make_layout, make_pools, pattern, slots
 from hypothesis import HealthCheck, event, settings, strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
-from memory_transport import (
-    KIND, ContractError, DecodeEnd, Lent, Memory, MemoryBackend, PrefillEnd, World, finish_all,
-)
 
 from kvlend.core.layout import BufferDesc, HeadGeometry, LayerIdentity, LayerKind, MemoryRegion, Role
 from kvlend.core.pages import GroupPages
@@ -41,6 +37,15 @@ from kvlend.protocol.config import NodeConfig, Quotas
 from kvlend.protocol.decode import DecodeSession, FetchState
 from kvlend.protocol.prefill import PrefillSession
 from kvlend.protocol.wire import Extend, Offer
+
+from tests.support.kvcache import SENTINEL, FreeList, group_layers, make_layout, make_pools, pattern, slots
+from tests.support.memory_transport import (
+    KIND, ContractError, DecodeEnd, Lent, Memory, MemoryBackend, PrefillEnd, World, connected, finish_all,
+    rig as memory_rig,
+)
+from tests.support.profiles import examples
+
+pytestmark = pytest.mark.unit
 
 CFG = NodeConfig(ttl=5.0, heartbeat=1.0, handshake_timeout=3.0, transfer_timeout=20.0, cancel_grace=2.0,
                  chunk_pages=4)
@@ -144,15 +149,12 @@ def add_hybrid(world: World, *, config: NodeConfig = CFG):
 
 # ------------------------------------------------------------------ helpers
 def rig(config: NodeConfig = CFG, *, seed: int = 0, hybrid: bool = False, **world_kw):
+    """``memory_transport.rig``, or the same with a hybrid model's ends (``hybrid``)."""
+    if not hybrid:
+        return memory_rig(config, seed=seed, **world_kw)
     world = World(seed, **world_kw)
-    if hybrid:
-        p, d = add_hybrid(world, config=config)
-    else:
-        p = world.add_prefill(config=config)
-        d = world.add_decode(config=config)
-    conn = world.connect(d, p)
-    assert d.session.ready(conn) and p.session.peers == ["decode"]
-    return world, p, d, conn
+    p, d = add_hybrid(world, config=config)
+    return world, p, d, connected(world, p, d)
 
 
 def locked(prefill) -> int:
@@ -1006,6 +1008,6 @@ class Progressive(RuleBasedStateMachine):
             raise ContractError(f"prefill still holds {p.lender.active_leases} leases with nothing reading them")
 
 
-Progressive.TestCase.settings = settings(max_examples=150, stateful_step_count=40, deadline=None,
+Progressive.TestCase.settings = settings(max_examples=examples(150), stateful_step_count=40, deadline=None,
                                          suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
 test_progressive_stateful = Progressive.TestCase

@@ -28,7 +28,10 @@ import traceback
 
 import numpy as np
 import pytest
-from nixl_helpers import PAGE, host_region, lender_main, pattern
+
+from tests.support.agents import PAGE, host_region, lender_main, random_bytes
+
+pytestmark = pytest.mark.system
 
 SIZE = 128 << 20  # 100-250 ms over tcp on the 2-vCPU test host
 SEED = 7
@@ -58,7 +61,6 @@ def initiator():
     side.close()
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("scenario", list(EXPECTED))
 def test_failed_read_does_not_write_after_its_completion(initiator, scenario):
     report = initiator.run(scenario)
@@ -77,7 +79,6 @@ def test_failed_read_does_not_write_after_its_completion(initiator, scenario):
         assert report["resets"] == 1 + report["resets_before"], report
 
 
-@pytest.mark.slow
 def test_a_reported_read_keeps_no_handle_object(initiator):
     """Each NIXL handle object holds the agent, and a reset must see the agent gone: a read that
     ``poll()`` reported keeps none, even if a variable still holds it (``poll``'s own loop did,
@@ -144,7 +145,7 @@ class _Initiator:
         self.lender_name = f"lender-{secrets.token_hex(3)}"
         self.backend = NixlBackend(f"reader-{secrets.token_hex(3)}", timeout=DEADLINE)
         self.dst = np.full(SIZE, SENTINEL, np.uint8)
-        self.expected = pattern(SIZE, SEED)
+        self.expected = random_bytes(SIZE, SEED)
         self.backend.register([host_region(self.dst, "dst")])
         self.reported: dict = {}
         self._start_lender()

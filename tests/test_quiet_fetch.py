@@ -22,7 +22,10 @@ from __future__ import annotations
 import multiprocessing
 
 import pytest
-import quiet_ranks
+
+from tests.support import quiet_ranks
+
+pytestmark = pytest.mark.system
 
 
 @pytest.fixture(scope="module")
@@ -43,7 +46,6 @@ def reports() -> dict:
     return out
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("scenario, error", [("timeout", "TransferTimeout"), ("peer_lost", "PeerLost")])
 def test_nothing_lands_after_a_failed_fetch_is_quiet_and_a_resume_is_exact(reports, scenario, error):
     r = reports[scenario]
@@ -55,7 +57,6 @@ def test_nothing_lands_after_a_failed_fetch_is_quiet_and_a_resume_is_exact(repor
     assert r["resumed_from"] == r["bound"], r
 
 
-@pytest.mark.slow
 def test_a_release_under_a_read_never_reuses_pages_a_bound_covers(reports):
     r = reports["released"]
     assert r["reads_in_flight_after_release"] > 0, f"no read was in flight when the engine released the lease: {r}"

@@ -15,7 +15,6 @@ import pickle
 import tracemalloc
 
 import pytest
-from memory_transport import World, finish_all
 
 from kvlend.core.text import printable
 from kvlend.errors import (
@@ -25,6 +24,10 @@ from kvlend.errors import (
 from kvlend.protocol.config import NodeConfig, Quotas
 from kvlend.protocol.decode import DecodeSession, FetchState
 
+from tests.support.memory_transport import World, finish_all, rig as memory_rig
+
+pytestmark = pytest.mark.unit
+
 BASE = dict(ttl=5.0, heartbeat=1.0, handshake_timeout=3.0, transfer_timeout=1e6, cancel_grace=2.0, chunk_pages=4)
 CFG = NodeConfig(**BASE)
 
@@ -33,13 +36,9 @@ def config(**quotas) -> NodeConfig:
     return NodeConfig(**BASE, quotas=Quotas(**quotas))
 
 
-def rig(prefill_config: NodeConfig = CFG, *, seed: int = 0, decode: str = "decode"):
-    world = World(seed)
-    p = world.add_prefill(config=prefill_config)
-    d = world.add_decode(decode, config=CFG)
-    conn = world.connect(d, p)
-    assert d.session.ready(conn) and p.session.peers == [decode]
-    return world, p, d, conn
+def rig(prefill_config: NodeConfig = CFG, **kw):
+    """``memory_transport.rig`` with the quotas under test on the prefill only."""
+    return memory_rig(prefill_config, decode_config=CFG, **kw)
 
 
 def locks(p) -> int:

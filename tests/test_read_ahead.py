@@ -12,7 +12,6 @@ import dataclasses
 import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
-from memory_transport import World, finish_all
 
 from kvlend.core.pages import GroupPages
 from kvlend.errors import LeaseUnknown, ProtocolError
@@ -20,20 +19,17 @@ from kvlend.protocol.config import NodeConfig
 from kvlend.protocol.decode import FetchState
 from kvlend.protocol.ticket import MAX_TICKET_ROWS, Ticket
 
+from tests.support.memory_transport import World, finish_all, rig
+from tests.support.profiles import examples
+
+pytestmark = pytest.mark.unit
+
 CFG = NodeConfig(ttl=5.0, heartbeat=1.0, handshake_timeout=3.0, transfer_timeout=20.0, cancel_grace=2.0,
                  chunk_pages=4, read_ahead=True)
 
 
-def rig(seed: int = 0):
-    world = World(seed)
-    prefill = world.add_prefill(config=CFG)
-    decode = world.add_decode(config=CFG)
-    conn = world.connect(decode, prefill)
-    return world, prefill, decode, conn
-
-
 def test_a_small_final_lease_s_ticket_carries_its_pages_and_a_large_one_does_not():
-    world, p, d, conn = rig()
+    world, p, d, conn = rig(CFG)
     small = p.ticket(40, seed=1)
     assert small.pages is not None and {g: len(gp) for g, gp in small.pages.items()} == \
         {g: len(gp) for g, gp in p.lent[small.lease].lease.pages.items()}
@@ -46,7 +42,7 @@ def test_a_small_final_lease_s_ticket_carries_its_pages_and_a_large_one_does_not
 
 
 def test_reads_start_with_the_claim_and_count_only_once_it_is_answered():
-    world, p, d, conn = rig()
+    world, p, d, conn = rig(CFG)
     ticket = p.ticket(40, seed=4)
     wire = world.wire(d, conn)
     wire.hold_to_prefill = True  # the claim waits on the wire: no answer can come yet
@@ -66,7 +62,7 @@ def test_reads_start_with_the_claim_and_count_only_once_it_is_answered():
 
 
 def test_a_refused_claim_voids_what_was_read_ahead():
-    world, p, d, conn = rig()
+    world, p, d, conn = rig(CFG)
     ticket = p.ticket(40, seed=5)
     p.session.release(ticket.lease)  # the engine cancelled it: the claim will be refused
     world.pump()
@@ -79,7 +75,7 @@ def test_a_refused_claim_voids_what_was_read_ahead():
 
 
 def test_a_fetch_timing_out_after_its_done_never_takes_the_late_answer_for_an_offer():
-    world, p, d, conn = rig()
+    world, p, d, conn = rig(CFG)
     ticket = p.ticket(8, seed=9)
     wire = world.wire(d, conn)
     wire.hold_to_prefill = True  # the claim, and then the done, wait on the wire
@@ -95,7 +91,7 @@ def test_a_fetch_timing_out_after_its_done_never_takes_the_late_answer_for_an_of
 
 
 def test_a_ticket_naming_other_pages_than_the_lease_fails_and_counts_nothing():
-    world, p, d, conn = rig()
+    world, p, d, conn = rig(CFG)
     ticket = p.ticket(40, seed=6)
     group, gp = next(iter(ticket.pages.items()))
     forged = dataclasses.replace(ticket, pages={**ticket.pages, group: GroupPages(gp.token_pages, gp.ordinals[::-1])})
@@ -133,7 +129,7 @@ def test_without_read_ahead_the_reads_wait_for_the_claim_s_answer():
     assert r.fetch.state is FetchState.DONE and r.fetch.bound == 40
 
 
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=examples(40), deadline=None)
 @given(st.lists(st.tuples(st.integers(1, 120), st.booleans()), min_size=1, max_size=8), st.integers(0, 10**6))
 def test_many_tickets_read_ahead_in_any_completion_order(specs, seed):
     world = World(seed, shuffle=True, fragment=True)

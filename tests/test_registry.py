@@ -25,13 +25,17 @@ from pathlib import Path
 
 import aetcd
 import pytest
-from conftest import make_layout, make_pools
 
 from kvlend.cluster.etcd_members import EtcdMembers, _free_ports
 from kvlend.cluster.records import RankRecord, layout_digest, layout_key, ranks_prefix, record_key
 from kvlend.cluster.registry import Registry, etcd_security_from_env
 from kvlend.cluster.view import JOINED, LEFT, UPDATED, Change
 from kvlend.errors import ConfigError, RegistryError
+
+from tests.support.etcd import Raw
+from tests.support.kvcache import make_layout, make_pools
+
+pytestmark = pytest.mark.system
 
 ROOT = Path(__file__).resolve().parents[1]
 TTL, TIMEOUT = 2, 1.0  # short lease and call deadline keep the file fast
@@ -59,40 +63,6 @@ def etcd_pids(members: EtcdMembers) -> list[int]:
     return [p.pid for p in members.procs if p is not None and p.poll() is None]
 
 
-class Raw:
-    """A plain aetcd client: what a foreign writer, a broken rank or ``etcdctl`` does, no ``Registry`` between."""
-
-    def __init__(self, endpoint: str) -> None:
-        host, _, port = endpoint.rpartition(":")
-        self.host, self.port = host, int(port)
-
-    def run(self, fn, timeout: float = WAIT):
-        async def go():
-            client = aetcd.Client(self.host, self.port, timeout=2, connect_wait_timeout=2)
-            await client.connect()
-            try:
-                return await fn(client)
-            finally:
-                await client.close()
-        return asyncio.run(asyncio.wait_for(go(), timeout))
-
-    def put(self, key: str, value: bytes) -> None:
-        self.run(lambda c: c.put(key.encode(), value))
-
-    def put_record(self, prefix: str, record: RankRecord) -> None:
-        """A record as a rank writes it: its layout under ``layouts/<digest>``, then the record."""
-        self.put(layout_key(prefix, record.layout_digest), record.layout)
-        self.put(record_key(prefix, record.identity), record.encode())
-
-    def get(self, key: str):
-        return self.run(lambda c: c.get(key.encode()))
-
-    def revoke(self, lease: int) -> None:
-        self.run(lambda c: c.revoke_lease(lease))
-
-    def lease_alive(self, lease: int) -> bool:
-        """etcd answers TTL -1 for a lease it does not hold (remaining seconds round down: 0 is alive)."""
-        return self.run(lambda c: c.get_lease_info(lease, keys=False)).TTL >= 0
 
 
 class Changes:

@@ -27,11 +27,6 @@ import time
 
 import numpy as np
 import pytest
-from conftest import (
-    CA, SENTINEL, creds, group_layers, make_layout, make_pools, nixl, pattern, prefill_request, slots,
-)
-from test_connection_nodes import wait_until
-from test_node import DEADLINE, DECODE_CONFIG, DST_PAGES, SRC_PAGES, fetch_and_verify, free_lists, rig
 
 import kvlend.runtime.certificates
 import kvlend.runtime.tls
@@ -42,6 +37,15 @@ from kvlend.runtime import DecodeNode, NodeConfig, PrefillNode, reload_on_sighup
 from kvlend.runtime.certificates import CertWatch
 from kvlend.security.certs import Authority, save_rank
 from kvlend.security.credentials import CERT_ENV, KEY_ENV, Credentials
+
+from tests.support.agents import nixl
+from tests.support.certs import CA, creds
+from tests.support.kvcache import SENTINEL, group_layers, make_layout, make_pools, pattern, prefill_request, slots
+from tests.support.nodes import (
+    DEADLINE, DECODE_CONFIG, DST_PAGES, SRC_PAGES, fetch_and_verify, free_lists, rig, wait_until,
+)
+
+pytestmark = pytest.mark.nixl
 
 SHORT = NodeConfig(handshake_timeout=3.0)
 

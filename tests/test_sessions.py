@@ -14,9 +14,6 @@ import dataclasses
 
 import numpy as np
 import pytest
-from conftest import group_layers, slots
-from memory_transport import KIND, SCRIBBLE, ContractError, World, finish_all
-from test_wire import decode_all
 
 import kvlend.protocol.fetch as fetch_mod
 from kvlend.core.layout import RowSelection
@@ -34,20 +31,17 @@ from kvlend.protocol.decode import DecodeSession, FetchState
 from kvlend.protocol.ticket import Ticket
 from kvlend.protocol.wire import Abort, Bye, Claim, Handshake, Renewed, encode_frame
 
+from tests.support.kvcache import group_layers, slots
+from tests.support.memory_transport import KIND, SCRIBBLE, ContractError, World, finish_all, rig
+from tests.support.wire import decode_all
+
+pytestmark = pytest.mark.unit
+
 CFG = NodeConfig(ttl=5.0, heartbeat=1.0, handshake_timeout=3.0, transfer_timeout=20.0, cancel_grace=2.0,
                  chunk_pages=4)
 EPS_T = 0.01  # just past a deadline
 LONG = NodeConfig(ttl=5.0, heartbeat=1.0, handshake_timeout=3.0, transfer_timeout=1e6, cancel_grace=2.0,
                   chunk_pages=4)
-
-
-def rig(config: NodeConfig = CFG, *, seed: int = 0, offset: float = 0.0, **world_kw):
-    world = World(seed, **world_kw)
-    prefill = world.add_prefill(config=config, offset=offset)
-    decode = world.add_decode(config=config)
-    conn = world.connect(decode, prefill)
-    assert decode.session.ready(conn) and prefill.session.peers == ["decode"]
-    return world, prefill, decode, conn
 
 
 def locked(prefill) -> int:
@@ -74,7 +68,7 @@ def confirm(world) -> None:
 # ----------------------------------------------------------------- happy paths
 @pytest.mark.parametrize("shuffle", [False, True])
 def test_many_fetches_at_once_over_one_link(shuffle):
-    world, p, d, conn = rig(seed=3, shuffle=shuffle, fragment=shuffle)
+    world, p, d, conn = rig(CFG, seed=3, shuffle=shuffle, fragment=shuffle)
     sizes = [1, 3, 4, 17, 40, 63, 64, 65, 100]
     tickets = [p.ticket(n, seed=i) for i, n in enumerate(sizes)]
     records = [d.fetch_ticket(t, seed=i) for i, t in enumerate(tickets)]
@@ -115,7 +109,7 @@ def test_many_fetches_from_two_prefills_with_their_own_clocks():
 
 
 def test_pushed_offers_are_read_and_declined():
-    world, p, d, conn = rig()
+    world, p, d, conn = rig(CFG)
     leases = [p.offer("decode", 10 + i, seed=i) for i in range(3)]
     offered = [e for e in d.events if isinstance(e, Offered)]
     assert [e.offer.id for e in offered] == [lease.id for lease in leases]
@@ -131,14 +125,14 @@ def test_pushed_offers_are_read_and_declined():
 
 
 def test_offer_to_an_unknown_peer_takes_no_locks():
-    world, p, d, conn = rig()
+    world, p, d, conn = rig(CFG)
     with pytest.raises(PeerLost):
         p.offer("nobody", 8, seed=1)
     assert locked(p) == 0 and p.lender.active_leases == 0
 
 
 def test_resume_from_skips_what_an_earlier_fetch_read():
-    world, p, d, conn = rig()
+    world, p, d, conn = rig(CFG)
     t = p.ticket(40, seed=9)
     r = d.fetch_ticket(t, resume_from=16, seed=9)  # pages 0..3 were read by an earlier lease
     assert r.fetch.bound == 16
@@ -150,7 +144,7 @@ def test_resume_from_skips_what_an_earlier_fetch_read():
 
 # --------------------------------------------------------------------- tickets
 def test_unknown_ticket_fails_lease_unknown():
-    world, p, d, conn = rig()
+    world, p, d, conn = rig(CFG)
     t = p.ticket(8, seed=1)
     p.session.release(t.lease)
     world.pump()
@@ -160,7 +154,7 @@ def test_unknown_ticket_fails_lease_unknown():
 
 
 def test_expired_ticket_fails_lease_expired_before_the_prefill_ticks():
-    world, p, d, conn = rig()
+    world, p, d, conn = rig(CFG)
     t = p.ticket(8, seed=1)
     world.now += CFG.ttl + 1  # past expiry, the prefill has not ticked yet
     r = d.fetch_ticket(t)
@@ -169,7 +163,7 @@ def test_expired_ticket_fails_lease_expired_before_the_prefill_ticks():
 
 def test_expired_ticket_fails_lease_expired_after_the_prefill_ticked():
     """The lender remembers expired ids so a late claim hears LeaseExpired, not LeaseUnknown."""
-    world, p, d, conn = rig()
+    world, p, d, conn = rig(CFG)
     t = p.ticket(8, seed=1)
     world.advance(CFG.ttl + 1)
     assert (t.lease, "expired") in p.ended and locked(p) == 0
@@ -194,7 +188,7 @@ def test_ticket_is_bound_to_its_first_claimer():
 
 
 def test_same_ticket_twice_on_one_decode_is_refused_while_running():
-    world, p, d, conn = rig()
+    world, p, d, conn = rig(CFG)
     t = p.ticket(20, seed=4)
     d.fetch_ticket(t, seed=4)
     with pytest.raises(ProtocolError):
@@ -248,7 +242,7 @@ def test_a_claim_of_a_lease_never_lent_fails_after_claim_wait():
 
 
 def test_without_claim_wait_an_unlent_ticket_is_refused_at_once():
-    world, p, d, conn = rig()
+    world, p, d, conn = rig(CFG)
     r = d.fetch_ticket(minted(p, 20), seed=6)
     assert r.fetch.state is FetchState.FAILED and isinstance(r.fetch.error, LeaseUnknown)
 
@@ -306,7 +300,7 @@ def test_a_fetch_started_before_the_early_claims_answer_waits_for_that_answer():
 
 
 def test_an_early_claim_refused_fails_the_later_fetch_at_once():
-    world, p, d, conn = rig()
+    world, p, d, conn = rig(CFG)
     t = minted(p, 20)  # never lent, and no claim_wait: refused
     d.claim(t)
     r = d.fetch_ticket(t, seed=6)
@@ -398,7 +392,7 @@ def test_an_early_claim_for_another_prompt_fails_the_later_fetch():
 
 def test_a_lease_lent_without_a_digest_is_read_by_any_claim():
     """The raw API's engines (the toy engine, tickets that stay in trusted hands) lend without one."""
-    world, p, d, conn = rig()
+    world, p, d, conn = rig(CFG)
     records = [d.fetch_ticket(p.ticket(20, seed=i), seed=i, prompt_digest=digest)
                for i, digest in enumerate([None, PROMPT_A])]
     finish_all(world, d)
@@ -407,7 +401,7 @@ def test_a_lease_lent_without_a_digest_is_read_by_any_claim():
 
 @pytest.mark.parametrize("bad", [b"short", "a" * 32, bytes(33)])
 def test_a_malformed_digest_is_refused_before_anything_changes(bad):
-    world, p, d, conn = rig()
+    world, p, d, conn = rig(CFG)
     with pytest.raises(LeaseError, match="prompt_digest"):
         p.ticket(20, seed=1, prompt_digest=bad)
     assert locked(p) == 0
@@ -494,7 +488,7 @@ def test_heartbeats_keep_a_lease_alive_for_many_ttls():
 
 
 def test_unread_offer_is_kept_alive_too():
-    world, p, d, conn = rig()
+    world, p, d, conn = rig(CFG)
     lease = p.offer("decode", 8, seed=1)
     world.advance(10 * CFG.ttl, step=CFG.heartbeat)
     assert live(p, lease)
@@ -641,7 +635,7 @@ def test_a_renewal_the_lease_missed_does_not_confirm_it():
 
 
 def test_transfer_timeout_fails_typed_with_the_bound():
-    world, p, d, conn = rig()
+    world, p, d, conn = rig(CFG)
     p.offer("decode", 40, seed=1)
     r = d.fetch_offer(conn, d.offers[0][1])
     confirm(world)
@@ -664,7 +658,7 @@ def test_transfer_timeout_fails_typed_with_the_bound():
 
 
 def test_no_done_ack_is_a_timeout():
-    world, p, d, conn = rig()
+    world, p, d, conn = rig(CFG)
     p.offer("decode", 8, seed=1)
     r = d.fetch_offer(conn, d.offers[0][1])
     world.wire(d, conn).hold_to_decode = True  # the done ack never comes back
@@ -676,7 +670,7 @@ def test_no_done_ack_is_a_timeout():
 
 @pytest.mark.parametrize("path", ["offer", "ticket"])
 def test_a_per_fetch_timeout_overrides_the_config(path):
-    world, p, d, conn = rig()
+    world, p, d, conn = rig(CFG)
     if path == "offer":
         p.offer("decode", 40, seed=1)
         r = d.fetch_offer(conn, d.offers[0][1], timeout=2.0)
@@ -699,7 +693,7 @@ def test_a_per_fetch_timeout_overrides_the_config(path):
 
 @pytest.mark.parametrize("timeout", [0, -1.0, float("inf"), float("nan"), True, "5"])
 def test_a_bad_timeout_is_refused_before_anything_changes(timeout):
-    world, p, d, conn = rig()
+    world, p, d, conn = rig(CFG)
     p.offer("decode", 30, seed=1)
     offer = d.offers[0][1]
     t = p.ticket(30, seed=2)
@@ -718,7 +712,7 @@ def test_a_bad_timeout_is_refused_before_anything_changes(timeout):
 
 # ----------------------------------------------------------------------- kills
 def test_link_closed_mid_fetch_is_peer_lost_with_the_bound():
-    world, p, d, conn = rig()
+    world, p, d, conn = rig(CFG)
     p.offer("decode", 40, seed=1)
     r = d.fetch_offer(conn, d.offers[0][1])
     confirm(world)
@@ -738,7 +732,7 @@ def test_link_closed_mid_fetch_is_peer_lost_with_the_bound():
 
 
 def test_prefill_dies_mid_fetch():
-    world, p, d, conn = rig()
+    world, p, d, conn = rig(CFG)
     p.offer("decode", 40, seed=1)
     r = d.fetch_offer(conn, d.offers[0][1])
     world.kill_prefill(p)
@@ -747,7 +741,7 @@ def test_prefill_dies_mid_fetch():
 
 
 def test_decode_dies_and_the_prefill_drops_its_locks_after_expiry():
-    world, p, d, conn = rig()
+    world, p, d, conn = rig(CFG)
     p.offer("decode", 40, seed=1)
     d.fetch_offer(conn, d.offers[0][1])
     world.kill_decode(d)
@@ -759,7 +753,7 @@ def test_decode_dies_and_the_prefill_drops_its_locks_after_expiry():
 
 
 def test_restarted_decode_reconnects_after_the_old_link_dropped():
-    world, p, d, conn = rig()
+    world, p, d, conn = rig(CFG)
     world.kill_decode(d)
     d2 = world.add_decode("decode", config=CFG)
     c2 = world.connect(d2, p)
@@ -770,7 +764,7 @@ def test_restarted_decode_reconnects_after_the_old_link_dropped():
 
 
 def test_second_decode_with_a_live_identity_is_refused_and_the_first_keeps_working():
-    world, p, d, conn = rig()
+    world, p, d, conn = rig(CFG)
     impostor = world.add_decode("decode", config=CFG)
     c2 = impostor.session.link_to(*p.endpoint, impostor.now)
     world.pump()
@@ -799,7 +793,7 @@ def test_a_refused_certificate_fails_the_link_with_auth_error_and_waiting_fetche
 
 def test_half_open_old_link_refuses_the_restarted_decode():
     """A decode that died without its connection closing blocks its name until the prefill notices."""
-    world, p, d, conn = rig()
+    world, p, d, conn = rig(CFG)
     world.kill_decode(d, silent=True)
     d2 = world.add_decode("decode", config=CFG)
     c2 = d2.session.link_to(*p.endpoint, d2.now)
@@ -809,7 +803,7 @@ def test_half_open_old_link_refuses_the_restarted_decode():
 
 # -------------------------------------------------------- cancel and quiescence
 def test_late_completions_after_cancel_are_awaited_but_not_counted():
-    world, p, d, conn = rig()
+    world, p, d, conn = rig(CFG)
     lease = p.offer("decode", 60, seed=1)
     r = d.fetch_offer(conn, d.offers[0][1])
     reads = d.backend.in_flight()
@@ -838,7 +832,7 @@ def test_late_completions_after_cancel_are_awaited_but_not_counted():
 
 
 def test_done_reaches_the_prefill_only_after_the_last_read():
-    world, p, d, conn = rig()
+    world, p, d, conn = rig(CFG)
     lease = p.offer("decode", 60, seed=1)
     r = d.fetch_offer(conn, d.offers[0][1])
     *most, last = d.backend.in_flight()
@@ -865,7 +859,7 @@ def test_cancelled_lease_stays_renewed_while_reads_are_in_flight():
 
 
 def test_a_read_that_never_goes_quiet_tears_the_link_down():
-    world, p, d, conn = rig()
+    world, p, d, conn = rig(CFG)
     p.offer("decode", 40, seed=1)
     r = d.fetch_offer(conn, d.offers[0][1])
     d.cancel(r)
@@ -879,7 +873,7 @@ def test_a_read_that_never_goes_quiet_tears_the_link_down():
 
 
 def test_escalation_emits_remove_peer_then_close():
-    world, p, d, conn = rig()
+    world, p, d, conn = rig(CFG)
     p.offer("decode", 40, seed=1)
     r = d.fetch_offer(conn, d.offers[0][1])
     d.cancel(r)
@@ -896,7 +890,7 @@ def test_escalation_emits_remove_peer_then_close():
 
 
 def test_a_failed_read_cancels_the_rest_and_aborts_once_quiet():
-    world, p, d, conn = rig()
+    world, p, d, conn = rig(CFG)
     lease = p.offer("decode", 60, seed=1)
     r = d.fetch_offer(conn, d.offers[0][1])
     reads = d.backend.in_flight()
@@ -912,7 +906,7 @@ def test_a_failed_read_cancels_the_rest_and_aborts_once_quiet():
 
 
 def test_post_refused_by_the_backend_fails_the_fetch_cleanly():
-    world, p, d, conn = rig()
+    world, p, d, conn = rig(CFG)
     p.offer("decode", 20, seed=1)
     d.backend.peers.clear()  # the shell lost its backend peer: posts are refused before anything moves
     r = d.fetch_offer(conn, d.offers[0][1])
@@ -922,7 +916,7 @@ def test_post_refused_by_the_backend_fails_the_fetch_cleanly():
 
 # --------------------------------------------------------------------- bound
 def test_bound_advances_only_over_a_delivered_prefix():
-    world, p, d, conn = rig()
+    world, p, d, conn = rig(CFG)
     p.offer("decode", 48, seed=1)  # 12 pages: three chunks of 4
     r = d.fetch_offer(conn, d.offers[0][1])
     reads = d.backend.in_flight()
@@ -938,7 +932,7 @@ def test_bound_advances_only_over_a_delivered_prefix():
 
 
 def test_lease_missing_a_local_group_is_incomplete_not_a_smaller_success():
-    world, p, d, conn = rig()
+    world, p, d, conn = rig(CFG)
     full_only = RowSelection.named(*[b.name for b in p.layout.groups["full"].buffers])
     t = p.ticket(40, seed=1, selection=full_only)
     r = d.fetch_ticket(t, seed=1)
@@ -967,7 +961,7 @@ def _assert_clean(d, reads: int = 0):
 
 
 def test_bad_fetch_offer_arguments_change_nothing_and_a_retry_works():
-    world, p, d, conn = rig()
+    world, p, d, conn = rig(CFG)
     lease = p.offer("decode", 30, seed=1)
     offer = d.offers[0][1]
     confirm(world)
@@ -987,7 +981,7 @@ def test_bad_fetch_offer_arguments_change_nothing_and_a_retry_works():
 
 
 def test_bad_fetch_ticket_arguments_change_nothing_and_a_retry_works():
-    world, p, d, conn = rig()
+    world, p, d, conn = rig(CFG)
     t = p.ticket(30, seed=1)
     for resume in (-1, 31, 2.5, True):
         with pytest.raises(PageRangeError):
@@ -1023,7 +1017,7 @@ def _planner_failing_on(monkeypatch, call: int):
 
 @pytest.mark.parametrize("call", [1, 2, 3])
 def test_planner_bug_in_fetch_offer_leaves_nothing_behind(monkeypatch, call):
-    world, p, d, conn = rig()
+    world, p, d, conn = rig(CFG)
     p.offer("decode", 48, seed=1)  # three chunks: the planner runs three times
     offer = d.offers[0][1]
     confirm(world)
@@ -1042,7 +1036,7 @@ def test_planner_bug_in_fetch_offer_leaves_nothing_behind(monkeypatch, call):
 
 
 def test_tracker_bug_while_posting_leaves_nothing_behind(monkeypatch):
-    world, p, d, conn = rig()
+    world, p, d, conn = rig(CFG)
     p.offer("decode", 48, seed=1)
     offer = d.offers[0][1]
     tracker = d.session.tracker
@@ -1068,7 +1062,7 @@ def test_tracker_bug_while_posting_leaves_nothing_behind(monkeypatch):
 
 def test_bad_dst_for_a_ticket_on_a_ready_link_raises_before_anything_is_sent():
     """With the link ready, ``fetch_ticket`` checks the table itself: no claim goes out, the ticket stays unbound."""
-    world, p, d, conn = rig()
+    world, p, d, conn = rig(CFG)
     t = p.ticket(30, seed=1)
     good = d.alloc(30)
     bad_tables = [
@@ -1098,7 +1092,7 @@ def test_bad_dst_for_a_ticket_fails_typed_when_the_offer_arrives_and_a_retry_wor
     outside the pool passes ``fetch_ticket`` and fails when the reads are planned.
     """
     if ready:
-        world, p, d, conn = rig()
+        world, p, d, conn = rig(CFG)
     else:
         world = World(0)
         p = world.add_prefill(config=CFG)
@@ -1141,7 +1135,7 @@ def _assert_wrapped(fetch, what: str = "Boom"):
 
 def test_planner_bug_while_a_claimed_offer_arrives_fails_the_fetch_not_the_link(monkeypatch):
     """A ticket's plan is made inside ``receive()`` when its offer arrives; a bug there stays in that fetch."""
-    world, p, d, conn = rig()
+    world, p, d, conn = rig(CFG)
     t1 = p.ticket(30, seed=1)
     _planner_failing_on(monkeypatch, 1)
     r1 = d.fetch_ticket(t1, seed=1)  # nothing escapes: the shell's loop never sees the Boom
@@ -1158,7 +1152,7 @@ def test_planner_bug_while_a_claimed_offer_arrives_fails_the_fetch_not_the_link(
 
 def test_planner_bug_on_a_claimed_offer_does_not_wedge_the_lease(monkeypatch):
     """After the bug above, a retry of the same ticket works at once (not after the transfer timeout)."""
-    world, p, d, conn = rig()
+    world, p, d, conn = rig(CFG)
     t1 = p.ticket(30, seed=1)
     _planner_failing_on(monkeypatch, 1)
     first = d.fetch_ticket(t1, seed=1)
@@ -1173,7 +1167,7 @@ def test_planner_bug_on_a_claimed_offer_does_not_wedge_the_lease(monkeypatch):
 
 def test_planner_bug_inside_receive_keeps_the_other_messages_of_that_receive(monkeypatch):
     """Messages decoded in the same ``receive()`` after the failing offer are still handled."""
-    world, p, d, conn = rig()
+    world, p, d, conn = rig(CFG)
     t1 = p.ticket(30, seed=1)
     wire = world.wire(d, conn)
     wire.hold_to_decode = True
@@ -1199,7 +1193,7 @@ def test_planner_bug_inside_receive_keeps_the_other_messages_of_that_receive(mon
 @pytest.mark.parametrize("error", [Boom, PageRangeError])
 def test_failure_while_posting_a_claimed_offer_fails_the_fetch_and_keeps_the_lease(monkeypatch, error):
     """A start that fails half-way (the first chunk already staged) is undone; the engine's fetch finishes failed."""
-    world, p, d, conn = rig()
+    world, p, d, conn = rig(CFG)
     t = p.ticket(48, seed=1)
     tracker = d.session.tracker
     real, calls = tracker.post, []
@@ -1229,7 +1223,7 @@ def test_failure_while_posting_a_claimed_offer_fails_the_fetch_and_keeps_the_lea
 
 def test_one_offer_cannot_be_fetched_twice_at_once():
     """Two fetches of one lease: the first Done would release pages the second still reads."""
-    world, p, d, conn = rig()
+    world, p, d, conn = rig(CFG)
     p.offer("decode", 30, seed=1)
     offer = d.offers[0][1]
     d.fetch_offer(conn, offer)
@@ -1239,7 +1233,7 @@ def test_one_offer_cannot_be_fetched_twice_at_once():
 
 def test_refetching_a_failed_offer_is_refused_or_fails():
     """A refetch after a failure either is refused or reads safely (never a silent success on reused pages)."""
-    world, p, d, conn = rig()
+    world, p, d, conn = rig(CFG)
     p.offer("decode", 30, seed=1)
     offer = d.offers[0][1]
     r = d.fetch_offer(conn, offer)
@@ -1258,7 +1252,7 @@ def test_refetching_a_failed_offer_is_refused_or_fails():
 
 def test_tracker_bug_while_posting_keeps_the_offer_trusted_for_the_retry(monkeypatch):
     """The failed start must not consume the offer's timing: the retry's bound advances as reads land."""
-    world, p, d, conn = rig()
+    world, p, d, conn = rig(CFG)
     p.offer("decode", 48, seed=1)
     offer = d.offers[0][1]
     tracker = d.session.tracker
@@ -1291,7 +1285,7 @@ def test_tracker_bug_while_posting_keeps_the_offer_trusted_for_the_retry(monkeyp
 
 def test_decline_of_an_offer_being_read_is_refused():
     """Declining sends Abort: while reads are in flight that would free pages they still copy."""
-    world, p, d, conn = rig()
+    world, p, d, conn = rig(CFG)
     lease = p.offer("decode", 30, seed=1)
     offer = d.offers[0][1]
     r = d.fetch_offer(conn, offer)
@@ -1304,7 +1298,7 @@ def test_decline_of_an_offer_being_read_is_refused():
 
 
 def test_decline_while_a_cancel_is_waiting_for_quiet_is_refused_too():
-    world, p, d, conn = rig()
+    world, p, d, conn = rig(CFG)
     lease = p.offer("decode", 30, seed=1)
     offer = d.offers[0][1]
     r = d.fetch_offer(conn, offer)
@@ -1323,7 +1317,7 @@ def test_decline_while_a_cancel_is_waiting_for_quiet_is_refused_too():
 @pytest.mark.parametrize("how", ["cancel", "timeout"])
 def test_a_claim_given_up_on_leaves_no_stale_offer(how):
     """The prefill's answer to an abandoned claim must not surface as a fresh pushed offer."""
-    world, p, d, conn = rig()
+    world, p, d, conn = rig(CFG)
     t = p.ticket(20, seed=1)
     wire = world.wire(d, conn)
     wire.hold_to_decode = True  # the offer answering the claim is on its way
@@ -1357,7 +1351,7 @@ def test_handshake_timeout_fails_waiting_fetches():
 
 
 def test_prefill_drops_a_connection_that_never_completes_tls():
-    world, p, d, conn = rig()
+    world, p, d, conn = rig(CFG)
     p.session.accept(99, p.now)
     assert p.session.pending == 1
     world.advance(10.0)
@@ -1366,7 +1360,7 @@ def test_prefill_drops_a_connection_that_never_completes_tls():
 
 
 def test_prefill_shutdown_mid_fetch():
-    world, p, d, conn = rig()
+    world, p, d, conn = rig(CFG)
     lease = p.offer("decode", 40, seed=1)
     r = d.fetch_offer(conn, d.offers[0][1])
     p.session.shutdown("maintenance")
@@ -1379,7 +1373,7 @@ def test_prefill_shutdown_mid_fetch():
 
 
 def test_decode_disconnect_mid_fetch():
-    world, p, d, conn = rig()
+    world, p, d, conn = rig(CFG)
     p.offer("decode", 40, seed=1)
     r = d.fetch_offer(conn, d.offers[0][1])
     d.session.disconnect(conn, d.now)
@@ -1391,7 +1385,7 @@ def test_decode_disconnect_mid_fetch():
 
 
 def test_resume_after_a_lost_link_reads_only_the_rest():
-    world, p, d, conn = rig()
+    world, p, d, conn = rig(CFG)
     t = p.ticket(48, seed=5)
     r = d.fetch_ticket(t, seed=5)
     first = d.backend.in_flight()[0]
@@ -1408,7 +1402,7 @@ def test_resume_after_a_lost_link_reads_only_the_rest():
 
 
 def test_deadlines_are_never_in_the_past_after_a_tick():
-    world, p, d, conn = rig()
+    world, p, d, conn = rig(CFG)
     p.offer("decode", 40, seed=1)
     r = d.fetch_offer(conn, d.offers[0][1])
     d.cancel(r)
@@ -1560,7 +1554,7 @@ def test_a_release_of_an_offer_nobody_reads_is_acknowledged_at_once():
 
 # --------------------------------------------------------- the transport itself
 def test_transport_catches_a_write_after_finish():
-    world, p, d, conn = rig()
+    world, p, d, conn = rig(CFG)
     p.offer("decode", 8, seed=1)
     r = d.fetch_offer(conn, d.offers[0][1])
     read = d.backend.in_flight()[0]
@@ -1574,7 +1568,7 @@ def test_transport_catches_a_write_after_finish():
 
 
 def test_scribbled_pages_after_release():
-    world, p, d, conn = rig()
+    world, p, d, conn = rig(CFG)
     lease = p.offer("decode", 8, seed=1)
     tables = p.lent[lease.id].tables
     d.session.decline(conn, d.offers[0][1], "no")

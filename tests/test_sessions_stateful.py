@@ -28,13 +28,17 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, event, settings, strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
-from memory_transport import ContractError, World
 
 import kvlend.protocol.fetch as fetch_mod
 from kvlend.errors import KvlendError, PageRangeError, PeerLost, ProtocolError, UsageError
 from kvlend.protocol import states
 from kvlend.protocol.config import NodeConfig
 from kvlend.protocol.decode import FetchState
+
+from tests.support.memory_transport import ContractError, World
+from tests.support.profiles import examples
+
+pytestmark = pytest.mark.unit
 
 CFG = NodeConfig(ttl=4.0, heartbeat=1.0, handshake_timeout=3.0, transfer_timeout=12.0, cancel_grace=3.0,
                  chunk_pages=4)
@@ -557,12 +561,11 @@ def _reachable(moves, start, end) -> bool:
     return end in seen
 
 
-Sessions.TestCase.settings = settings(max_examples=80, stateful_step_count=40, deadline=None,
+Sessions.TestCase.settings = settings(max_examples=examples(80), stateful_step_count=40, deadline=None,
                                       suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
 test_sessions_stateful = Sessions.TestCase
 
 
-@pytest.mark.slow
 class TestSessionsLong(Sessions.TestCase):
-    settings = settings(max_examples=40, stateful_step_count=60, deadline=None,
+    settings = settings(max_examples=examples(40), stateful_step_count=60, deadline=None,
                         suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])

@@ -13,10 +13,6 @@ import time
 
 import numpy as np
 import pytest
-from conftest import FreeList, creds, make_layout, make_pools, nixl, prefill_request, slots
-from test_many_inflight import expected
-from raw_peer import RawDecode
-from test_ticket_fields import wire_text
 
 from kvlend.core.lender import LEASE_ID_BYTES
 from kvlend.errors import ConfigError, PeerLost, ProtocolError
@@ -24,17 +20,19 @@ from kvlend.protocol.connection import Connection
 from kvlend.protocol.wire import Claim
 from kvlend.runtime import DecodeNode, NodeConfig, PrefillNode
 
+from tests.support.agents import nixl
+from tests.support.certs import creds
+from tests.support.kvcache import FreeList, expected_pages, make_layout, make_pools, prefill_request, slots
+from tests.support.raw_peer import RawDecode
+from tests.support.wire import wire_text
+from tests.support.nodes import wait_until
+
+pytestmark = pytest.mark.nixl
+
 DEADLINE = 10.0  # a guard: anything that takes this long has hung
 PAGES = 64
 TPP = 4
 CONFIG = NodeConfig(handshake_timeout=DEADLINE, transfer_timeout=DEADLINE)
-
-
-def wait_for(condition, what: str, deadline: float = DEADLINE) -> None:
-    end = time.monotonic() + deadline
-    while not condition():
-        assert time.monotonic() < end, f"{what}: not within {deadline} s"
-        time.sleep(0.005)
 
 
 @contextlib.contextmanager
@@ -86,7 +84,7 @@ class Requests:
         tables = prefill_request(prefill.layout, src, free, num_tokens, seed)
         request = f"req-{seed}"
         table = {g: self.dfree[g].alloc(-(-num_tokens // TPP)) for g in self.decode.layout.groups}
-        self.want[request] = (table, expected(self.decode.layout, table, seed, num_tokens))
+        self.want[request] = (table, expected_pages(self.decode.layout, table, seed, num_tokens))
         return prefill.lend(request, num_tokens, tables, prefill.layout.full_selection()), table
 
     def check(self, handle) -> None:
@@ -129,7 +127,7 @@ def test_a_connect_that_raises_fails_only_its_link_and_the_rest_of_the_batch_run
         bad = threading.Thread(target=dial_bad_host, daemon=True)
         with held(decode):
             bad.start()
-            wait_for(lambda: any(decode.session.link_info(c)["endpoint"][0] == host for c in decode.session.links),
+            wait_until(lambda: any(decode.session.link_info(c)["endpoint"][0] == host for c in decode.session.links),
                      "the bad connect queued")
             handles = [decode.start_fetch(ticket.to_text(), table) for ticket, table in lent]
             assert all(ticket.pages is not None for ticket, _ in lent)  # small: read as the claim goes out
@@ -156,7 +154,6 @@ def test_a_ticket_with_a_bad_host_is_refused_before_anything_connects_and_others
         handle = decode.start_fetch(ticket.to_text(), table)
         decode.wait([handle], DEADLINE)
         requests.check(handle)
-
 
 
 def test_a_prefill_advertising_a_host_no_ticket_may_name_is_refused_at_construction():
@@ -189,7 +186,7 @@ def test_a_slow_name_lookup_holds_up_no_fetch_to_another_prefill(monkeypatch):
                 requests.lend(prefill, src, seed) for seed, prefill, src in zip((4, 5), prefills, srcs))
             assert (slow_ticket.host, fast_ticket.host) == ("slow.test", "fast.test")
             held_up = decode.start_fetch(slow_ticket.to_text(), slow_table)
-            wait_for(lambda: decode.session.links, "the slow lookup started")
+            wait_until(lambda: decode.session.links, "the slow lookup started")
             fast = decode.start_fetch(fast_ticket.to_text(), fast_table)
             decode.wait([fast], DEADLINE)
             requests.check(fast)
@@ -249,7 +246,7 @@ def test_a_decode_that_never_reads_its_replies_is_paused_then_dropped_and_others
             session_log.addHandler(drops)
             try:
                 threading.Thread(target=flood, daemon=True).start()
-                wait_for(lambda: "mute-decode" not in prefill.ready_peers(), "the mute decode dropped", 3 * DEADLINE)
+                wait_until(lambda: "mute-decode" not in prefill.ready_peers(), "the mute decode dropped", 3 * DEADLINE)
             finally:
                 session_log.removeHandler(drops)
                 session_log.setLevel(level)

@@ -17,6 +17,8 @@ import pytest
 from kvlend.errors import ConfigError
 from kvlend.runtime.sockets import READ_BYTES, Sockets
 
+pytestmark = pytest.mark.unit
+
 DEADLINE = 10.0  # a guard, not an expectation: anything that takes this long has hung
 HOST = "127.0.0.1"
 

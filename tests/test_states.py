@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pytest
-from memory_transport import World, finish_all
 
 from kvlend.errors import KvlendError
 from kvlend.protocol import states
@@ -11,6 +10,10 @@ from kvlend.protocol.states import (
     FETCH, LEASE, LOAN, FetchEvent, FetchState, IllegalTransition, LeaseEvent, LeaseState, LinkEvent, LinkState,
     LoanEvent, LoanState,
 )
+
+from tests.support.memory_transport import World, finish_all
+
+pytestmark = pytest.mark.unit
 
 
 def test_a_pair_outside_the_table_is_an_illegal_transition():

@@ -17,11 +17,17 @@ import queue
 import threading
 import time
 
+import pytest
 import numpy as np
-from conftest import FreeList, creds, group_layers, make_layout, make_pools, nixl, pattern, prefill_request, slots
 
 from kvlend.errors import TransferTimeout
 from kvlend.runtime import DecodeNode, NodeConfig, PrefillNode, Ticket
+
+from tests.support.agents import nixl
+from tests.support.certs import creds
+from tests.support.kvcache import FreeList, group_layers, make_layout, make_pools, pattern, prefill_request, slots
+
+pytestmark = pytest.mark.nixl
 
 DEADLINE = 20.0  # seconds the whole exchange may take before the test fails (it takes about one)
 REQUESTS = 240

@@ -2,25 +2,16 @@
 
 from __future__ import annotations
 
-import base64
 
-import msgpack
 import pytest
 
 from kvlend.errors import ProtocolError
-from kvlend.protocol.ticket import TEXT_PREFIX, TICKET_VERSION, Ticket
+from kvlend.protocol.ticket import Ticket
 
-LEASE = bytes(range(16))
-GOOD = dict(lease=LEASE, host="prefill-0.pool.example", port=5555, prefill="prefill-0", num_tokens=40,
-            layout_id="ab" * 32)
+from tests.support.wire import GOOD, wire_text
 
+pytestmark = pytest.mark.unit
 
-def wire_text(**fields) -> str:
-    """A ticket's text form built by hand, as a client could send it (nothing checked on the way)."""
-    f = {**GOOD, **fields}
-    data = msgpack.packb([TICKET_VERSION, f["lease"], f["host"], f["port"], f["prefill"], f["num_tokens"],
-                          f["layout_id"], None], use_bin_type=True)
-    return TEXT_PREFIX + base64.urlsafe_b64encode(data).rstrip(b"=").decode()
 
 
 @pytest.mark.parametrize("host", [

@@ -9,10 +9,13 @@ each side knows when its peer's certificate expires.
 from __future__ import annotations
 
 import pytest
-from conftest import creds
 
 from kvlend.errors import AuthError, ProtocolError
 from kvlend.runtime.tls import TlsChannel
+
+from tests.support.certs import creds
+
+pytestmark = pytest.mark.unit
 
 
 def pump(a: TlsChannel, b: TlsChannel, rounds: int = 8) -> bytes:

@@ -6,19 +6,19 @@ import dataclasses
 import json
 import subprocess
 import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings, strategies as st
+import toy_engine as te  # examples/ (pyproject's pytest pythonpath)
 
 from kvlend.errors import KvlendError, PageRangeError
 from kvlend.core.layout import MemoryKind, PageLayout, Role
 
-EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
-sys.path.insert(0, str(EXAMPLES))
-import toy_engine as te  # noqa: E402
+from tests.support.children import child_env
+from tests.support.profiles import examples
+
 
 TINY = te.preset("tiny")
 NEW_TOKENS = 8
@@ -64,6 +64,7 @@ def transfer(model, prompt, *, src_seed=1, dst_seed=2, corrupt=None):
     return src, dst, te.decode(model, b, dst, len(prompt), first, NEW_TOKENS)
 
 
+@pytest.mark.unit
 def test_models_built_apart_are_identical(model, references):
     other = te.ToyModel(te.preset("tiny"))
     assert list(other.weights) == list(model.weights)
@@ -75,25 +76,28 @@ def test_models_built_apart_are_identical(model, references):
     assert reseeded.config.scope != TINY.scope
 
 
+@pytest.mark.system
 def test_reference_is_identical_in_another_process(references):
     child = (
-        "import json, sys, torch; sys.path.insert(0, sys.argv[1]); import toy_engine as te; "
+        "import json, sys, torch; import toy_engine as te; "
         "torch.set_num_threads(2); m = te.ToyModel(te.preset('tiny')); "
-        "print(json.dumps([te.generate_reference(m, p, int(sys.argv[3])) for p in json.loads(sys.argv[2])]))"
+        "print(json.dumps([te.generate_reference(m, p, int(sys.argv[2])) for p in json.loads(sys.argv[1])]))"
     )
     out = subprocess.run(
-        [sys.executable, "-c", child, str(EXAMPLES), json.dumps(PROMPTS), str(NEW_TOKENS)],
-        capture_output=True, text=True, timeout=120, check=True,
+        [sys.executable, "-c", child, json.dumps(PROMPTS), str(NEW_TOKENS)],
+        capture_output=True, text=True, timeout=120, check=True, env=child_env(),
     )
     assert json.loads(out.stdout) == references
 
 
+@pytest.mark.unit
 def test_reference_is_a_real_generation(references):
     assert all(len(r) == NEW_TOKENS for r in references)
     assert len({tuple(r) for r in references}) == len(references)
     assert all(len(set(r)) > 1 for r in references)
 
 
+@pytest.mark.unit
 def test_decode_from_transferred_scattered_pages_equals_reference(model, references):
     for prompt, reference in zip(PROMPTS, references):
         src, dst, tokens = transfer(model, prompt)
@@ -104,6 +108,7 @@ def test_decode_from_transferred_scattered_pages_equals_reference(model, referen
     assert np.any(np.diff(long_src) != 1), "prefill pages should not be one contiguous run"
 
 
+@pytest.mark.unit
 def test_llama_shaped_bf16_pages_transfer():
     cfg = te.preset("llama", layers=2)
     llama = te.ToyModel(cfg)
@@ -115,6 +120,7 @@ def test_llama_shaped_bf16_pages_transfer():
     assert corrupted != reference
 
 
+@pytest.mark.unit
 def test_one_garbage_page_changes_the_output(model, references):
     changed = 0
     for prompt, reference in list(zip(PROMPTS, references))[:4]:
@@ -123,6 +129,7 @@ def test_one_garbage_page_changes_the_output(model, references):
     assert changed >= 1
 
 
+@pytest.mark.unit
 def test_pages_in_the_wrong_place_change_the_output(model, references):
     """K is rotated by its place in the table, so swapped pages are caught like corrupt ones."""
     changed = 0
@@ -139,6 +146,7 @@ def test_pages_in_the_wrong_place_change_the_output(model, references):
     assert changed >= 1
 
 
+@pytest.mark.unit
 def test_decode_uses_preallocated_pages_and_returns_its_own(model, references):
     prompt, reference = PROMPTS[0], references[0]
     cache = te.PagedKVCache(TINY, 32)
@@ -150,6 +158,7 @@ def test_decode_uses_preallocated_pages_and_returns_its_own(model, references):
     assert cache.num_free == free_before
 
 
+@pytest.mark.unit
 def test_bad_inputs_are_typed_errors_that_change_nothing(model):
     cache = te.PagedKVCache(TINY, 8)
     table, first = te.prefill(model, cache, list(range(20)))
@@ -176,7 +185,8 @@ def test_bad_inputs_are_typed_errors_that_change_nothing(model):
         te.preset("gpt5")
 
 
-@settings(max_examples=40, deadline=None)
+@pytest.mark.unit
+@settings(max_examples=examples(40), deadline=None)
 @given(st.lists(st.tuples(st.booleans(), st.integers(0, 12)), max_size=40), st.integers(0, 3))
 def test_allocator_never_hands_out_a_page_twice(ops, seed):
     cache = te.PagedKVCache(TINY, 24, seed=seed)
@@ -204,6 +214,7 @@ def test_allocator_never_hands_out_a_page_twice(ops, seed):
         assert cache.num_free == 24 - sum(h.size for h in held)
 
 
+@pytest.mark.unit
 def test_allocator_scatters_in_runs_and_refuses_bad_frees():
     scattered = te.PagedKVCache(TINY, 64, seed=4).alloc(64)
     assert sorted(scattered.tolist()) == list(range(64))
@@ -220,6 +231,7 @@ def test_allocator_scatters_in_runs_and_refuses_bad_frees():
     assert cache.num_free == 5
 
 
+@pytest.mark.unit
 def test_layout_describes_the_pools():
     cache = te.PagedKVCache(TINY, 12)
     layout = cache.layout()

@@ -8,6 +8,11 @@ from kvlend.errors import KvlendError, PageRangeError, TrackerError
 from kvlend.core.layout import BufferDesc, LayerIdentity, LayerKind, MemoryKind, MemoryRegion, PageLayout, Role
 from kvlend.core.tracker import DeliveryTracker, TrackerStats
 
+from tests.support.profiles import examples
+from tests.support.reference import reference_bound
+
+pytestmark = pytest.mark.unit
+
 ATT, REC = LayerKind.ATTENTION, LayerKind.RECURRENT
 
 
@@ -253,23 +258,6 @@ def test_uses_the_local_layout_even_with_host_regions():
 
 
 # --------------------------------------------------------------- properties
-def reference_bound(lay: PageLayout, n: int, delivered: dict[str, set], reads=None) -> int:
-    """Brute force over every token position, straight from the definition (``reads``: a cache of
-    ``pages_read`` as sets, keyed by (group, position), for callers that ask often)."""
-    reads = {} if reads is None else reads
-    best = 0
-    for t in range(n + 1):
-        ok = True
-        for name, g in lay.groups.items():
-            if g.recurrent:
-                ok &= t == n and 0 in delivered[name]
-            else:
-                if (name, t) not in reads:
-                    reads[name, t] = set(g.pages_read(t, lay.tokens_per_page).tolist())
-                ok &= reads[name, t] <= delivered[name]
-        if ok:
-            best = t
-    return best
 
 
 @st.composite
@@ -286,7 +274,7 @@ def scenarios(draw):
     return lay, n, events
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=examples(150), deadline=None)
 @given(scenarios())
 def test_bound_matches_a_brute_force_reference_over_random_delivery_orders(scenario):
     lay, n, events = scenario
@@ -305,7 +293,7 @@ def test_bound_matches_a_brute_force_reference_over_random_delivery_orders(scena
         assert t.bound("r") == n
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=examples(60), deadline=None)
 @given(st.permutations(list(range(6))), st.integers(1, 6))
 def test_bound_never_decreases_as_full_pages_arrive_in_any_order(order, chunk):
     t = DeliveryTracker(layout(["full"]))

@@ -23,11 +23,14 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from types import SimpleNamespace
 
 import pytest
-from vllm_rig import (
+
+from kvlend_vllm import launch
+
+from tests.support.vllm_rig import (
     Rig, completion, decode_with, ensure_model, fetch_stats, generate, kv_usage, post, prefill_only,
 )
 
-from kvlend_vllm import launch
+pytestmark = pytest.mark.system
 
 LENGTHS = [3, 17, 64, 100, 127, 128, 129, 150, 200, 255, 256, 257, 300, 383, 384, 385,
            400, 450, 500, 511, 512, 513, 600, 640, 700, 777, 800, 900, 1000, 1023, 1024, 1100]

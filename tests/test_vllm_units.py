@@ -22,6 +22,8 @@ from kvlend.core.negotiate import negotiate
 from kvlend.errors import LayoutError, LayoutMismatch
 from kvlend.protocol.ticket import Ticket
 
+pytestmark = pytest.mark.unit
+
 BS = 16
 
 

@@ -17,7 +17,6 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from conftest import creds
 from kvlend_vllm.layout import layout_from_kv_caches
 from kvlend_vllm.scheduler import TICKET_KEY, ConsumerScheduler, ProducerScheduler
 from kvlend_vllm.worker import ConsumerWorker, ProducerWorker, WorkerSettings
@@ -26,6 +25,10 @@ import kvlend.protocol.prefill
 from kvlend.protocol.config import NodeConfig
 from kvlend.protocol.ticket import Ticket
 from kvlend.security.certs import Authority
+
+from tests.support.certs import creds
+
+pytestmark = pytest.mark.nixl
 
 BS, BLOCKS, HEADS, HEAD = 16, 32, 2, 8
 CONFIG = NodeConfig(ttl=5.0, heartbeat=0.5, claim_wait=2.0, transfer_timeout=5.0)

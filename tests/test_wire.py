@@ -25,68 +25,16 @@ from kvlend.protocol.wire import (
     Done, DoneAck, Extend, FrameDecoder, Handshake, Heartbeat, LeaseOffer, Offer, encode_frame, message_from_wire,
 )
 
-HEAD = b"\x92" + msgpack.packb(PROTOCOL_VERSION)  # a payload's opening: [version, ...
-LID, LID2 = bytes(range(16)), bytes(range(16, 32))
+from tests.support.profiles import examples
+from tests.support.wire import (
+    BIG_OFFER, HEAD, HUGE_CLAIMS, LID, META, OFFER, SAMPLES, decode_all, framed, lease, mutate, nested_empty_maps,
+    random_value, raw_map, wire_bytes, wrong_shape,
+)
 
-
-def lease(selection=RowSelection.all(), meta=None, n_full=4) -> LeaseOffer:
-    return LeaseOffer(
-        id=LID, request="req-1", num_tokens=300,
-        pages={
-            "full": GroupPages(np.arange(n_full) * 3, np.arange(n_full)[::-1] + 7),
-            "mamba": GroupPages(np.array([0]), np.array([42])),
-            "swa": GroupPages(np.array([], dtype=np.int64), np.array([], dtype=np.int64)),
-        },
-        selection=selection, ttl=2.5, meta=meta or {},
-    )
-
-
-META = {"first_token": 17, "logprobs": [1, -2, 2**63 - 1], "note": "x", "f": 0.5, "flag": True,
-        "none": None, "raw": b"\x00\xff"}
-OFFER = Offer(lease())
-BIG_OFFER = Offer(lease(RowSelection.named("L0.K", "L0.V"), META, n_full=5000))
-SAMPLES = [
-    Handshake(b"layout-bytes", "nixl", b"\x00agent-metadata"),
-    OFFER,
-    BIG_OFFER,
-    Heartbeat((LID, LID2)),
-    Heartbeat(()),
-    Renewed((LID,)),
-    Done(LID, 300),
-    DoneAck(LID, Code.OK, ""),
-    DoneAck(LID2, Code.LEASE_EXPIRED, "LeaseExpired: gone"),
-    Abort(LID, Code.CANCELLED, "decode gave up"),
-    Claim(LID2),
-    Claim(LID, bytes(range(32))),  # bound to the claimer's prompt
-    Bye(Code.OK, "shutdown"),
-    Offer(LeaseOffer(LID2, "req-2", 300, {"full": GroupPages(np.arange(2), np.array([5, 9]))}, RowSelection.all(),
-                     2.5, ready=40)),  # progressive: 2 pages of 16 tokens committed so far
-    Extend(LID2, 72, {"full": GroupPages(np.array([2, 3]), np.array([1, 0]))}),
-    Extend(LID2, 299, {}, {"first": 17}),
-    Extend(LID2, 300, {}),  # final, nothing more to read
-]
-
-
-def wire_bytes(m) -> bytes:
-    """A canonical byte form for comparing messages (LeaseOffer has no ==; NaN != NaN)."""
-    return msgpack.packb(m.to_wire(), use_bin_type=True)
+pytestmark = pytest.mark.unit
 
 
 SMALL = [m for m in SAMPLES if m is not BIG_OFFER]  # for byte-at-a-time loops: O(n^2) in the frame size
-
-
-def framed(payload: bytes) -> bytes:
-    """A frame around arbitrary payload bytes, so they reach the decoder's checks."""
-    return struct.pack(">I", len(payload)) + payload
-
-
-def decode_all(data: bytes) -> list:
-    dec = FrameDecoder()
-    dec.feed(data)
-    out = []
-    while (m := dec.next_message()) is not None:
-        out.append(m)
-    return out
 
 
 # ------------------------------------------------------------------ round trips
@@ -388,99 +336,17 @@ def test_deeply_nested_values_in_a_frame_are_protocol_errors():
 
 
 # ----------------------------------------------------------------------- fuzz
-MSGPACK_MARKERS = [
-    0x00, 0x7F, 0x80, 0x8F, 0x90, 0x9F, 0xA0, 0xBF, 0xC0, 0xC1, 0xC2, 0xC3, 0xC4, 0xC5, 0xC6, 0xC7,
-    0xC8, 0xC9, 0xCA, 0xCB, 0xCC, 0xCF, 0xD0, 0xD3, 0xD4, 0xD8, 0xD9, 0xDA, 0xDB, 0xDC, 0xDD, 0xDE,
-    0xDF, 0xE0, 0xFF,
-]
-HUGE_CLAIMS = [
-    b"\xdd\xff\xff\xff\xff", b"\xdf\xff\xff\xff\xff", b"\xc6\xff\xff\xff\xff", b"\xdb\xff\xff\xff\xff",
-    b"\xc9\xff\xff\xff\xff\x01", b"\xdc\xff\xff", b"\xde\xff\xff", b"\xc5\xff\xff", b"\xda\xff\xff",
-    b"\xdd\x00\x01\x00\x00", b"\xdd\x00\x01\x00\x01", b"\xdf\x00\x00\x04\x01", b"\xc6\x01\x00\x00\x00",
-    b"\xc6\x00\xff\xff\xff" + b"\x00" * 64, b"\xdc\xff\xff" + b"\xc0" * 100, b"\xde\x04\x00",
-    b"\xd8\xff" + b"\x00" * 16, b"\xc7\x0c\xff" + b"\x00" * 12, b"\xd6\xff\x00\x00\x00\x00",
-    b"\xcf\xff\xff\xff\xff\xff\xff\xff\xff", b"\xd3\x80\x00\x00\x00\x00\x00\x00\x00",
-    b"\xcb\x7f\xf8\x00\x00\x00\x00\x00\x00", b"\x91" * 1000 + b"\xc0", b"\x81" * 600 + b"\xc0",
-]
-
-
-def _raw_map(items) -> bytes:
-    """A msgpack map whose values are raw (possibly malformed) msgpack bytes."""
-    assert len(items) < 16
-    return bytes([0x80 | len(items)]) + b"".join(msgpack.packb(k) + v for k, v in items)
-
-
 def huge_claim_payloads(claim: bytes) -> tuple[bytes, ...]:
     """Frame payloads carrying ``claim`` where the version, the message and its fields go."""
     return (
-        claim, b"\x92" + claim + b"\x81\xa1t\xa3bye", HEAD + claim, HEAD + _raw_map([("t", claim)]),
-        HEAD + _raw_map([("t", msgpack.packb("bye")), ("detail", claim)]),
-        HEAD + _raw_map([("t", msgpack.packb("offer")), ("lease", claim)]),
-        HEAD + _raw_map([("t", msgpack.packb("heartbeat")), ("leases", claim)]),
-        HEAD + _raw_map([("t", msgpack.packb("offer")), ("lease", _raw_map(
+        claim, b"\x92" + claim + b"\x81\xa1t\xa3bye", HEAD + claim, HEAD + raw_map([("t", claim)]),
+        HEAD + raw_map([("t", msgpack.packb("bye")), ("detail", claim)]),
+        HEAD + raw_map([("t", msgpack.packb("offer")), ("lease", claim)]),
+        HEAD + raw_map([("t", msgpack.packb("heartbeat")), ("leases", claim)]),
+        HEAD + raw_map([("t", msgpack.packb("offer")), ("lease", raw_map(
             [(k, claim if k in ("pages", "meta", "selection") else msgpack.packb(v, use_bin_type=True))
              for k, v in lease().to_wire().items()]))]),
     )
-
-
-def _random_value(rng: random.Random, depth: int = 0):
-    r = rng.random()
-    if depth > 3 or r < 0.5:
-        return rng.choice([
-            None, True, False, 0, -1, 1, 15, 16, 2**31, 2**63 - 1, -2**63, 2**64 - 1, 0.0, -0.0,
-            float("nan"), float("inf"), 1e308, "", "x", "ALL", "NAMED", "bye", "é" * 3, "x" * 5000,
-            b"", b"\x00" * 15, b"\x00" * 16, b"\x00" * 17, b"\x01" * 8, b"\x00" * 24, LID,
-        ])
-    if r < 0.75:
-        return [_random_value(rng, depth + 1) for _ in range(rng.randrange(4))]
-    keys = ["t", "id", "lease", "pages", "x", "meta", "selection", "code", "detail"]
-    return {rng.choice(keys): _random_value(rng, depth + 1) for _ in range(rng.randrange(4))}
-
-
-def _mutate(rng: random.Random, data: bytes) -> bytes:
-    b = bytearray(data)
-    for _ in range(rng.randrange(1, 4)):
-        op = rng.randrange(7)
-        pos = rng.randrange(len(b) + 1)
-        if op == 0 and b:
-            b[min(pos, len(b) - 1)] ^= 1 << rng.randrange(8)
-        elif op == 1 and b:
-            b[min(pos, len(b) - 1)] = rng.choice(MSGPACK_MARKERS)
-        elif op == 2:
-            b[pos:pos] = bytes(rng.randrange(256) for _ in range(rng.randrange(1, 9)))
-        elif op == 3:
-            del b[pos:pos + rng.randrange(1, 9)]
-        elif op == 4:
-            del b[pos:]
-        elif op == 5:
-            b[pos:pos] = rng.choice(HUGE_CLAIMS)
-        else:
-            end = min(len(b), pos + rng.randrange(1, 17))
-            b[pos:pos] = b[pos:end]
-    return bytes(b)
-
-
-def _wrong_shape(rng: random.Random, m) -> object:
-    body = m.to_wire()
-    target = body["lease"] if isinstance(m, Offer) and rng.random() < 0.6 else body
-    op = rng.randrange(5)
-    key = rng.choice(sorted(target))
-    if op == 0:
-        target[key] = _random_value(rng)
-    elif op == 1:
-        del target[key]
-    elif op == 2:
-        target[rng.choice(["extra", "t2", "", "id"])] = _random_value(rng)
-    elif op == 3 and isinstance(m, Offer):
-        g = rng.choice(sorted(body["lease"]["pages"]))
-        body["lease"]["pages"][g] = rng.choice([
-            [_random_value(rng), _random_value(rng)], _random_value(rng),
-            [np.array([5, 3], "<i8").tobytes(), np.array([1, 2], "<i8").tobytes()],
-            [np.array([0], "<i8").tobytes(), np.array([-7], "<i8").tobytes()],
-        ])
-    else:
-        return _random_value(rng)
-    return body
 
 
 def _classify(counts: Counter, data: bytes) -> None:
@@ -503,12 +369,12 @@ def test_fuzz_frames_raise_only_kvlend_errors():
     payloads = [msgpack.packb([PROTOCOL_VERSION, m.to_wire()], use_bin_type=True) for m in SMALL]
     frames = [framed(p) for p in payloads]
     for _ in range(6000):  # raw frame bytes mutated: bad lengths, msgpack and schema failures
-        _classify(counts, _mutate(rng, rng.choice(frames)))
+        _classify(counts, mutate(rng, rng.choice(frames)))
     for _ in range(9000):  # payload mutated, then framed right: reaches msgpack and the schema
-        _classify(counts, framed(_mutate(rng, rng.choice(payloads))))
+        _classify(counts, framed(mutate(rng, rng.choice(payloads))))
     for _ in range(5000):  # well-formed msgpack of the wrong shape
-        body = _wrong_shape(rng, rng.choice(SMALL))
-        head = [PROTOCOL_VERSION] if rng.random() < 0.9 else [_random_value(rng)]
+        body = wrong_shape(rng, rng.choice(SMALL))
+        head = [PROTOCOL_VERSION] if rng.random() < 0.9 else [random_value(rng)]
         _classify(counts, framed(msgpack.packb(head + [body], use_bin_type=True)))
     for claim in HUGE_CLAIMS:  # huge claimed sizes in every position of the payload
         for payload in huge_claim_payloads(claim):
@@ -532,13 +398,7 @@ def test_huge_claims_do_not_allocate_what_they_claim():
     assert peak < 8 << 20
 
 
-
 # ------------------------------------------------------------ structural limits
-def nested_empty_maps(arrays: int, maps: int = 240) -> bytes:
-    """The hostile payload of issue 22: an array of ``arrays`` arrays of ``maps`` empty maps (tiny on the wire,
-    a dict each once built)."""
-    inner = b"\xdc" + struct.pack(">H", maps) + b"\x80" * maps
-    return b"\xdc" + struct.pack(">H", arrays) + inner * arrays
 
 
 @pytest.mark.parametrize("payload, limit", [
@@ -618,7 +478,7 @@ valid_messages = st.one_of(
 )
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=examples(150), deadline=None)
 @given(st.lists(valid_messages, min_size=1, max_size=4), st.data())
 def test_hypothesis_valid_messages_round_trip(messages, data):
     stream = b"".join(encode_frame(m) for m in messages)
@@ -658,7 +518,7 @@ def message_dicts(draw):
     return out
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=examples(300), deadline=None)
 @given(st.one_of(message_dicts(), anything))
 def test_hypothesis_message_from_wire_accepts_or_raises_protocol_error(obj):
     try:

@@ -49,7 +49,6 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import numpy as np
-from conftest import SENTINEL, FreeList, group_layers, make_layout, make_pools, pattern, prefill_request, slots
 
 from kvlend.core.layout import RowSelection
 from kvlend.errors import BackendError, KvlendError, PeerLost, TransferCancelled
@@ -59,6 +58,8 @@ from kvlend.protocol.actions import (
 from kvlend.protocol.config import NodeConfig
 from kvlend.protocol.decode import DecodeSession, Fetch, FetchState
 from kvlend.protocol.prefill import PrefillSession
+
+from .kvcache import SENTINEL, FreeList, group_layers, make_layout, make_pools, pattern, prefill_request, slots
 
 KIND = "memory"
 SCRIBBLE = 0xEE  # what a prefill engine writes into pages it got back (reused by another request)
@@ -1005,3 +1006,20 @@ def finish_all(world: World, d: DecodeEnd, *, conn: int | None = None) -> int:
             d.backend.finish(read.tag)
     world.pump()
     return len(reads)
+
+
+def connected(world: World, prefill: PrefillEnd, decode: DecodeEnd) -> int:
+    """Link ``decode`` to ``prefill``, check that both ends see it ready, and return the link id."""
+    conn = world.connect(decode, prefill)
+    assert decode.session.ready(conn) and prefill.session.peers == [decode.name]
+    return conn
+
+
+def rig(config: NodeConfig, *, decode_config: NodeConfig | None = None, seed: int = 0, offset: float = 0.0,
+        decode: str = "decode", **world_kw) -> tuple[World, PrefillEnd, DecodeEnd, int]:
+    """A fresh world (``world_kw``) with one prefill on ``config`` and one decode on ``decode_config``
+    (else ``config``) linked to it: ``(world, prefill, decode, link id)``."""
+    world = World(seed, **world_kw)
+    prefill = world.add_prefill(config=config, offset=offset)
+    end = world.add_decode(decode, config=decode_config or config)
+    return world, prefill, end, connected(world, prefill, end)

@@ -25,7 +25,7 @@ A failed fetch reports ``failed`` (type, ``error.bound``) and dumps the pages be
 ``resume_from=bound``.  A fetch that completes reports ``fetched`` (its ``FetchResult``), then
 decodes ``--new-tokens`` tokens and reports them (``tokens``, with the prompt's KV digest).
 
-Run as ``python tests/progressive_rank.py MODE ...`` with ``$KVLEND_CA``, ``$KVLEND_CERT`` and
+Run as ``python -m tests.support.progressive_rank MODE ...`` with ``$KVLEND_CA``, ``$KVLEND_CERT`` and
 ``$KVLEND_KEY`` naming the rank's credentials.
 """
 
@@ -39,17 +39,15 @@ import queue
 import sys
 import time
 
-TESTS = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.join(os.path.dirname(TESTS), "examples"))
+import numpy as np
+import toy_engine  # examples/, on PYTHONPATH (tests.support.children.child_env)
 
-import numpy as np  # noqa: E402
-import toy_engine  # noqa: E402
-from fault_ranks import Stdin  # noqa: E402  (the parent's commands, without blocking; EOF reads as stop)
+from kvlend.errors import KvlendError, PeerLost, TransferTimeout
+from kvlend.runtime import DecodeNode, NodeConfig, PrefillNode
+from kvlend.security.credentials import Credentials
+from kvlend.transport import load_backend
 
-from kvlend.errors import KvlendError, PeerLost, TransferTimeout  # noqa: E402
-from kvlend.runtime import DecodeNode, NodeConfig, PrefillNode  # noqa: E402
-from kvlend.security.credentials import Credentials  # noqa: E402
-from kvlend.transport import load_backend  # noqa: E402
+from .fault_ranks import Stdin  # the parent's commands, without blocking; EOF reads as stop
 
 MARK = "@@progressive "
 

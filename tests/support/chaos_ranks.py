@@ -1,7 +1,7 @@
 """Chaos over ``UCX_TLS=tcp``: two prefill processes, one decode with many fetches in flight.
 
 ``run`` (the driver, what ``scripts/chaos`` and ``tests/test_chaos.py`` start) spawns two
-``fault_ranks.py prefill`` ranks and one ``decode`` rank of this file, then for ``--seconds``
+``fault_ranks prefill`` ranks and one ``decode`` rank of this module, then for ``--seconds``
 SIGKILLs and restarts the prefills, or SIGSTOPs one for 1-7 s, at random.  The decode keeps
 ``--inflight`` fetches going (a share of them cancelled, a few of 8-16 MiB), and checks:
 
@@ -27,16 +27,15 @@ import sys
 import threading
 import time
 
-TESTS = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, TESTS)
+import numpy as np
 
-import numpy as np  # noqa: E402
-from conftest import SENTINEL, TPP, FreeList, group_layers, make_layout, make_pools, nixl, slots  # noqa: E402
-from fault_ranks import Stdin, emit, verify  # noqa: E402
+from kvlend.errors import KvlendError, PeerLost, TransferTimeout
+from kvlend.runtime import DecodeNode, NodeConfig
+from kvlend.security.credentials import Credentials
 
-from kvlend.errors import KvlendError, PeerLost, TransferTimeout  # noqa: E402
-from kvlend.runtime import DecodeNode, NodeConfig  # noqa: E402
-from kvlend.security.credentials import Credentials  # noqa: E402
+from .agents import nixl
+from .fault_ranks import Stdin, emit, verify
+from .kvcache import SENTINEL, TPP, FreeList, group_layers, make_layout, make_pools, slots
 
 PAGES = 3072  # per layer pool, both sides
 HEAD_DIM = 256  # 8 KiB slots: a full-attention token page is 16 KiB over its two layers
@@ -224,7 +223,7 @@ def chaos(seconds: float, seed: int, inflight: int = 48, cancel: float = 0.05, s
 
 
 def _chaos(seconds: float, seed: int, inflight: int, cancel: float, stops: float, log) -> dict:
-    from test_faults import Rank
+    from .ranks import Rank
 
     rng = np.random.default_rng(seed)
     violations: list[str] = []
@@ -251,7 +250,7 @@ def _chaos(seconds: float, seed: int, inflight: int, cancel: float, stops: float
     prefills = [start_prefill(), start_prefill()]
     gen[0] += 1
     decode = Rank(f"decode{gen[0]}", "decode", "--gen", str(seed * 100 + gen[0]), "--seed", str(seed),
-                  "--inflight", str(inflight), "--cancel", str(cancel), script="chaos_ranks.py")
+                  "--inflight", str(inflight), "--cancel", str(cancel), module="chaos_ranks")
     decode_events: list[dict] = []
     stopped: dict[int, float] = {}  # prefill index -> when to SIGCONT it
     try:

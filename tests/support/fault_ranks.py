@@ -19,7 +19,7 @@ before some fetches (a few past the TTL).
 
 ``toy-prefill``: prefills one toy-engine prompt and lends it; serves until killed.
 
-Run as ``python tests/fault_ranks.py MODE ...`` with ``$KVLEND_CA``, ``$KVLEND_CERT`` and ``$KVLEND_KEY``
+Run as ``python -m tests.support.fault_ranks MODE ...`` with ``$KVLEND_CA``, ``$KVLEND_CERT`` and ``$KVLEND_KEY``
 naming the rank's credentials; its certificate names its identity (the tests issue
 ``prefill<gen>``, ``decode<gen>`` and ``toy-prefill``).
 """
@@ -34,16 +34,14 @@ import select
 import sys
 import time
 
-TESTS = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, TESTS)
-sys.path.insert(0, os.path.join(os.path.dirname(TESTS), "examples"))
+import numpy as np
 
-import numpy as np  # noqa: E402
-from conftest import SENTINEL, TPP, FreeList, group_layers, make_layout, make_pools, nixl, pattern, prefill_request, slots  # noqa: E402,E501
+from kvlend.errors import KvlendError, PeerLost, TransferTimeout
+from kvlend.runtime import DecodeNode, NodeConfig, PrefillNode
+from kvlend.security.credentials import Credentials
 
-from kvlend.errors import KvlendError, PeerLost, TransferTimeout  # noqa: E402
-from kvlend.runtime import DecodeNode, NodeConfig, PrefillNode  # noqa: E402
-from kvlend.security.credentials import Credentials  # noqa: E402
+from .agents import nixl
+from .kvcache import SENTINEL, TPP, FreeList, group_layers, make_layout, make_pools, pattern, prefill_request, slots
 
 MARK = "@@kvlend "
 SRC_PAGES = 512

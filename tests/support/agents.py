@@ -1,24 +1,30 @@
-"""Shared bits of the NIXL backend tests: regions over numpy arrays, a
-backing-off poll loop, and the lender that runs in a child process."""
+"""Real NIXL agents for the tests: one per call under a unique name, regions over numpy arrays,
+a backing-off poll loop, and the lender that runs in a child process."""
 
 from __future__ import annotations
 
+import secrets
 import struct
 import time
 
 import numpy as np
 
-from kvlend.transport import Completion
 from kvlend.core.layout import MemoryKind, MemoryRegion
+from kvlend.transport import Completion, load_backend
 
 PAGE = 4096
+
+
+def nixl(prefix: str):
+    """A real NIXL agent (UCX) under a name unique to this process and call."""
+    return load_backend("nixl", name=f"{prefix}-{secrets.token_hex(4)}")
 
 
 def host_region(arr: np.ndarray, name: str, page: int = PAGE) -> MemoryRegion:
     return MemoryRegion(name, MemoryKind.HOST, 0, arr.nbytes, page, arr.nbytes // page, arr.ctypes.data)
 
 
-def pattern(size: int, seed: int) -> np.ndarray:
+def random_bytes(size: int, seed: int) -> np.ndarray:
     """``size`` random bytes from ``seed`` (raw generator output: 0.3 s for 256 MiB)."""
     words = np.random.default_rng(seed).bit_generator.random_raw(-(-size // 8))
     return words.view(np.uint8)[:size]
@@ -54,7 +60,7 @@ def lender_main(conn, name: str, size: int, seed: int) -> None:
     """
     from kvlend_nixl import NixlBackend
 
-    buf = pattern(size, seed)
+    buf = random_bytes(size, seed)
     with NixlBackend(name) as backend:
         backend.register([host_region(buf, "lent")])
         conn.send_bytes(backend.metadata())

@@ -1,0 +1,12 @@
+"""What the test modules share; no test module imports from another.
+
+In one process: ``kvcache`` (a toy paged KV cache in numpy), ``certs`` (the tests' CA), ``wire``
+(hand-built messages and frames, wire fuzzers), ``layout_fuzz`` (hostile layout encodings),
+``strategies`` (hypothesis layouts), ``reference`` (brute-force references), ``profiles`` (hypothesis
+example counts), ``memory_transport`` (sessions over an in-memory network, backend and clock).
+Over real NIXL agents: ``agents`` and ``nodes`` (a started prefill and a connected decode).
+With other processes or services: ``children`` (how a child is started), ``ranks`` (the parent's
+handle on a rank child), ``raw_peer``, ``etcd``, ``example_pair`` and ``vllm_rig``.
+Child processes, run as ``python -m tests.support.<name>``: ``fault_ranks``, ``chaos_ranks``,
+``progressive_rank``; ``quiet_ranks`` holds ``multiprocessing`` targets.
+"""
