@@ -21,7 +21,7 @@ from kvlend_vllm.layout import layout_from_kv_caches
 from kvlend_vllm.scheduler import TICKET_KEY, ConsumerScheduler, ProducerScheduler
 from kvlend_vllm.worker import ConsumerWorker, ProducerWorker, WorkerSettings
 
-import kvlend.protocol.prefill
+import kvlend.protocol.wire
 from kvlend.protocol.config import NodeConfig
 from kvlend.protocol.ticket import Ticket
 from kvlend.security.certs import Authority
@@ -249,7 +249,7 @@ def test_a_ticket_put_on_another_prompt_gets_no_kv_and_the_lease_stays_its_promp
 def test_a_prefills_abort_reason_is_logged_escaped(pair, monkeypatch, caplog):
     """Issue 22, 9: the worker logged a prefill's Abort reason raw, so a prefill could forge log lines."""
     evil = "gone\n2030-01-01 00:00:00 CRITICAL kvlend forged\x1b[2J"
-    monkeypatch.setattr(kvlend.protocol.prefill, "_error_text", lambda exc: f"{type(exc).__name__}: {evil}")
+    monkeypatch.setattr(kvlend.protocol.wire, "detail_of", lambda exc: f"{type(exc).__name__}: {evil}")
     params = lend(pair, "r1", 40, [5, 2, 9])
     pair.producer.start(pair.p.take_plan())
     pair.producer.node.release(Ticket.from_text(params[TICKET_KEY]).lease)  # its claim is refused: the reason
