@@ -31,20 +31,20 @@ from dataclasses import dataclass, field
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-import numpy as np  # noqa: E402
-import toy_engine  # noqa: E402
-from prefill import model_config  # noqa: E402
-from workload import add_workload_args, run_rank  # noqa: E402
+import numpy as np
 
-from kvlend.core.layout import ReplicaRank  # noqa: E402
-from kvlend.errors import ConfigError, KvlendError, PeerLost, PeerProtocolError, TransferTimeout  # noqa: E402
-from kvlend.metrics import METRICS  # noqa: E402
-from kvlend.runtime import DecodeNode, NodeConfig, reload_on_sighup  # noqa: E402
-from kvlend.security.credentials import Credentials  # noqa: E402
-from kvlend.transport import load_backend  # noqa: E402
+import toy_engine
+from kvlend.core.layout import ReplicaRank
+from kvlend.errors import ConfigError, KvlendError, PeerLost, PeerProtocolError, TransferTimeout
+from kvlend.metrics import METRICS
+from kvlend.runtime import DecodeNode, NodeConfig, reload_on_sighup
+from kvlend.security.credentials import Credentials
+from kvlend.transport import load_backend
+from prefill import model_config
+from workload import add_workload_args, run_rank
 
 try:
-    from kvlend.core.fetchplan import destination_pages  # noqa: E402
+    from kvlend.core.fetchplan import destination_pages
 except ImportError:  # an older kvlend: whole remote pages, counted below
     destination_pages = None
 
@@ -102,7 +102,8 @@ def _progressive_report(args, after: dict[str, list[float]], read_times: list[fl
     if args.chunk_tokens is None:
         return {}
     out: dict = {"chunk_tokens": args.chunk_tokens, "progressive": args.progressive, "after_last_chunk": {
-        mode: {"requests": len(v), "p50_ms": float(np.percentile(v, 50) * 1e3), "p99_ms": float(np.percentile(v, 99) * 1e3)}
+        mode: {"requests": len(v), "p50_ms": float(np.percentile(v, 50) * 1e3),
+               "p99_ms": float(np.percentile(v, 99) * 1e3)}
         for mode, v in after.items() if v}}
     if after["on"] and after["off"]:
         on, off = np.median(after["on"]), np.median(after["off"])
@@ -136,7 +137,8 @@ def main(argv=None) -> int:
         p.error(f"--connect: an address is named twice in {args.connect}")
     if args.inflight < 1:
         p.error(f"--inflight: must be >= 1, got {args.inflight}")
-    logging.basicConfig(level=os.environ.get("KVLEND_LOG", "WARNING"), format="decode %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(level=os.environ.get("KVLEND_LOG", "WARNING"),
+                        format="decode %(levelname)s %(name)s: %(message)s")
     credentials = rank_credentials(args.decode_tp)  # before any work: a rank without credentials stops here
 
     config = model_config(args, "decode")
@@ -197,7 +199,8 @@ def main(argv=None) -> int:
             if got:
                 other = min(got)
                 other_link, other_offer = got[other]
-                if (by_link[rank][link.id], offer.num_tokens) != (by_link[other][other_link.id], other_offer.num_tokens):
+                if ((by_link[rank][link.id], offer.num_tokens)
+                        != (by_link[other][other_link.id], other_offer.num_tokens)):
                     raise PeerProtocolError(f"the decode ranks were offered request {name!r} by different prefill "
                                             "ranks or with different lengths")
             got[rank] = (link, offer)
@@ -338,7 +341,7 @@ def main(argv=None) -> int:
         # On a failure, cancel what is still in flight and let it go quiet on the nodes' own threads
         # before closing them (close() steps the loop itself while fetches are in flight).
         left = [(rank, h) for req in active.values() for rank, h in enumerate(req.handles) if not h.done]
-        for rank, handle in left:
+        for _rank, handle in left:
             handle.cancel()
         for rank, node in enumerate(nodes):
             try:

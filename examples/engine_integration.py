@@ -25,15 +25,14 @@ from collections import deque
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-import toy_engine  # noqa: E402
-from workload import run_rank  # noqa: E402
-
-from kvlend import prompt_digest  # noqa: E402
-from kvlend.core.fetchplan import destination_pages  # noqa: E402
-from kvlend.errors import TransferCancelled, TransferTimeout  # noqa: E402
-from kvlend.runtime import DecodeNode, NodeConfig, PrefillNode, Ticket  # noqa: E402
-from kvlend.security.certs import Authority  # noqa: E402
-from kvlend.transport import load_backend  # noqa: E402
+import toy_engine
+from kvlend import prompt_digest
+from kvlend.core.fetchplan import destination_pages
+from kvlend.errors import TransferCancelled, TransferTimeout
+from kvlend.runtime import DecodeNode, NodeConfig, PrefillNode, Ticket
+from kvlend.security.certs import Authority
+from kvlend.transport import load_backend
+from workload import run_rank
 
 REQUESTS = 4
 CANCELLED = "req-1"  # the decode engine cancels this request's first fetch on purpose

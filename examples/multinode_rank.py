@@ -23,13 +23,13 @@ import sys
 import time
 
 import numpy as np
-from workload import run_rank  # examples/, this script's folder
 
-from kvlend.transport import load_backend
-from kvlend.errors import KvlendError
 from kvlend.core.layout import ReplicaRank, layout_from_pools
+from kvlend.errors import KvlendError
 from kvlend.runtime import DecodeNode, NodeConfig, PrefillNode, reload_on_sighup
 from kvlend.security.credentials import Credentials
+from kvlend.transport import load_backend
+from workload import run_rank  # examples/, this script's folder
 
 DTYPE = np.float16
 
@@ -37,7 +37,8 @@ DTYPE = np.float16
 def pool_pattern(seed: int, layer: int, role: int, shape: tuple[int, ...]) -> np.ndarray:
     """The prefill's pool bytes: both ends derive them, so decode checks without trusting the peer."""
     rng = np.random.default_rng([seed, layer, role])
-    return rng.integers(0, 256, int(np.prod(shape)) * np.dtype(DTYPE).itemsize, dtype=np.uint8).view(DTYPE).reshape(shape)
+    nbytes = int(np.prod(shape)) * np.dtype(DTYPE).itemsize
+    return rng.integers(0, 256, nbytes, dtype=np.uint8).view(DTYPE).reshape(shape)
 
 
 def source_table(seed: int, request: int, pool_pages: int, request_pages: int) -> np.ndarray:

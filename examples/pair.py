@@ -28,11 +28,10 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
-from workload import add_workload_args, workload_argv, run_rank  # noqa: E402
-
 from kvlend.errors import KvlendError, TransferTimeout  # noqa: E402
 from kvlend.security.certs import Authority, save_rank  # noqa: E402
 from kvlend.security.credentials import CA_ENV, CERT_ENV, KEY_ENV, RANK  # noqa: E402
+from workload import add_workload_args, run_rank, workload_argv  # noqa: E402
 
 
 def _stop(proc: subprocess.Popen) -> None:
@@ -224,7 +223,8 @@ def format_report(r: dict) -> str:
         f"  handshake             {r['handshake_ms']:.1f} ms",
         *_progressive_lines(r),
         f"  wall time             {r['wall_s']:.1f} s",
-        f"  verified              {'yes' if r['verified'] else 'NO: ' + ', '.join(r['mismatched'] or ['a rank failed'])}",
+        "  verified              "
+        + ("yes" if r["verified"] else "NO: " + ", ".join(r["mismatched"] or ["a rank failed"])),
     ])
 
 

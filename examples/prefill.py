@@ -27,14 +27,13 @@ from collections import Counter
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-import toy_engine  # noqa: E402
-from workload import add_workload_args, progressive, run_rank  # noqa: E402
-
-from kvlend.transport import load_backend  # noqa: E402
-from kvlend.errors import TransferTimeout  # noqa: E402
-from kvlend.metrics import METRICS  # noqa: E402
-from kvlend.runtime import NodeConfig, PrefillNode, reload_on_sighup  # noqa: E402
-from kvlend.security.credentials import Credentials  # noqa: E402
+import toy_engine
+from kvlend.errors import TransferTimeout
+from kvlend.metrics import METRICS
+from kvlend.runtime import NodeConfig, PrefillNode, reload_on_sighup
+from kvlend.security.credentials import Credentials
+from kvlend.transport import load_backend
+from workload import add_workload_args, progressive, run_rank
 
 
 def model_config(args, side: str = "prefill") -> toy_engine.ModelConfig:
@@ -65,7 +64,8 @@ def main(argv=None) -> int:
         p.error(f"--max-inflight: must be >= 1, got {args.max_inflight}")
     if not 0 <= args.rank < args.prefills:
         p.error(f"--rank: must be in [0, --prefills {args.prefills}), got {args.rank}")
-    logging.basicConfig(level=os.environ.get("KVLEND_LOG", "WARNING"), format="prefill %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(level=os.environ.get("KVLEND_LOG", "WARNING"),
+                        format="prefill %(levelname)s %(name)s: %(message)s")
     credentials = Credentials.from_env()  # before any work: a rank without credentials stops here
 
     config = model_config(args)
@@ -95,7 +95,8 @@ def main(argv=None) -> int:
         METRICS.serve(args.metrics_port + 1 + args.rank)  # the decode serves on --metrics-port itself
     backend = load_backend("nixl", name=f"prefill-{os.getpid()}", timeout=args.timeout)
     node = PrefillNode(layout, backend, credentials, host=args.host, port=args.port,
-                       config=NodeConfig(transfer_timeout=args.timeout), on_release=lambda lease, reason: released.put(lease.request))
+                       config=NodeConfig(transfer_timeout=args.timeout),
+                       on_release=lambda lease, reason: released.put(lease.request))
     reload_on_sighup(node)  # renewed certificate files take over for new links
     print(f"LISTENING {node.address[0]} {node.address[1]}", flush=True)
     node.start()

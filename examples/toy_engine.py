@@ -18,14 +18,20 @@ K/V are rounded to it when written, so the reference sees the same rounding.
 Not a package: import it with ``examples/`` on ``sys.path``.
 """
 
+from kvlend.errors import PageRangeError
 from toy.cache import PagedKVCache, merge_shards
 from toy.config import (
-    HYBRID_PATTERN, LAYER_KINDS, MODEL_VERSION, PRESETS, ModelConfig, ToyEngineError, hybrid, preset,
+    HYBRID_PATTERN,
+    LAYER_KINDS,
+    MODEL_VERSION,
+    PRESETS,
+    ModelConfig,
+    ToyEngineError,
+    hybrid,
+    preset,
 )
 from toy.inference import decode, generate_reference, kv_digest, lent_bytes, make_prompts, prefill, prefill_chunks
 from toy.model import ToyModel
-
-from kvlend.errors import PageRangeError
 
 __all__ = [
     "HYBRID_PATTERN", "LAYER_KINDS", "MODEL_VERSION", "PRESETS", "ModelConfig", "PageRangeError", "PagedKVCache",

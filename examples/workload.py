@@ -22,7 +22,8 @@ def add_workload_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="llama", choices=MODEL_NAMES,
                    help="layer kinds: llama (full attention everywhere) or hybrid (sliding-window attention "
                         "over 64 tokens plus a sink, Mamba-style recurrent state, full attention) (default llama)")
-    p.add_argument("--tokens-per-page", type=int, default=None, help="the prefill's page size (default: the preset's, 16)")
+    p.add_argument("--tokens-per-page", type=int, default=None,
+                   help="the prefill's page size (default: the preset's, 16)")
     p.add_argument("--decode-tokens-per-page", type=int, default=None,
                    help="the decode's page size, an integer multiple or fraction of the prefill's (default: the same)")
     p.add_argument("--decode-tp", type=int, default=1,

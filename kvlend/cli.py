@@ -24,8 +24,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Sequence
 
-from .errors import KvlendError, LayoutError, LayoutMismatch
 from .core.layout import LayerGroup, PageLayout
+from .errors import KvlendError, LayoutError, LayoutMismatch
 
 EXIT_OK = 0
 EXIT_MISMATCH = 1  # layouts cannot exchange pages; the demo's tokens did not verify
@@ -344,7 +344,8 @@ def _run_cluster_status(args: argparse.Namespace) -> int:
         print(json.dumps(status, indent=1))
         return EXIT_OK
     ranks = status["ranks"]
-    print(f"cluster {args.prefix} at etcd {status['endpoint']} (revision {status['revision']}): {len(ranks)} live ranks")
+    print(f"cluster {args.prefix} at etcd {status['endpoint']} (revision {status['revision']}): "
+          f"{len(ranks)} live ranks")
     rows = [("IDENTITY", "ROLE", "ENDPOINT", "LAYOUT", "TP", "PP", "LOAD", "HEALTH")] + [
         (r["identity"], r["role"], r["endpoint"], r["layout_id"] or "-", r["tp"], r["pp"],
          f"{r['load']}/{r['capacity']}", "ok" if r["healthy"] else "UNHEALTHY") for r in ranks]
@@ -366,7 +367,8 @@ COMMANDS: tuple[Command, ...] = (
                        "many fetches in flight, with a report",
             _add_demo, _run_demo,
             "exit status: 0 every request verified, 1 a request did not verify or a rank exited non-zero "
-            "after the report, 2 bad options or a rank failed before reporting (one line on stderr). Environment: KVLEND_LOG sets the ranks' log level, "
+            "after the report, 2 bad options or a rank failed before reporting (one line on stderr). "
+            "Environment: KVLEND_LOG sets the ranks' log level, "
             "KVLEND_EXAMPLES where examples/pair.py is."),
     Command(("bench",), "measure kvlend's reads against raw NIXL, memcpy, per-page and staging baselines",
             _add_bench, _run_bench),
@@ -400,7 +402,8 @@ def build_parser() -> argparse.ArgumentParser:
                 group.set_defaults(run=None, parser=group)
                 subparsers[prefix] = group.add_subparsers(title="commands", metavar="COMMAND")
         leaf = subparsers[cmd.path[:-1]].add_parser(cmd.path[-1], help=cmd.help, description=cmd.help,
-                                                    epilog=textwrap.fill(cmd.exits, 78), formatter_class=DefaultsFormatter)
+                                                    epilog=textwrap.fill(cmd.exits, 78),
+                                                    formatter_class=DefaultsFormatter)
         leaf.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="show tracebacks of errors")
         cmd.add_arguments(leaf)
         leaf.set_defaults(run=cmd.run, parser=leaf)

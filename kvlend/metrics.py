@@ -47,9 +47,10 @@ class _Spec:
 
 SPECS = {
     s.name: s for s in (
-        _Spec("kvlend_transfer_seconds", "One lease: start of fetch (planning included) to the prefill's done ack", "histogram",
+        _Spec("kvlend_transfer_seconds", "One lease: start of fetch (planning included) to the prefill's done ack",
+              "histogram", buckets=TIME_BUCKETS),
+        _Spec("kvlend_post_seconds", "One lease: planning and posting its reads to the backend", "histogram",
               buckets=TIME_BUCKETS),
-        _Spec("kvlend_post_seconds", "One lease: planning and posting its reads to the backend", "histogram", buckets=TIME_BUCKETS),
         _Spec("kvlend_transfer_bytes", "Bytes read per lease", "histogram", buckets=SIZE_BUCKETS),
         _Spec("kvlend_transfer_descriptors", "Coalesced descriptors posted per lease", "histogram",
               buckets=SIZE_BUCKETS),

@@ -93,8 +93,9 @@ def test_show_llama(capsys):
     assert code == 0 and err == ""
     lay = load(LLAMA)
     assert lay.layout_id in out
-    for expected in ("tokens per page        16", "dtype                  bfloat16", "replica                tp 0/1, pp 0/1",
-                     "attention bytes/token  131072", "regions (32):", "buffers (64):", "groups (1):",
+    for expected in ("tokens per page        16", "dtype                  bfloat16",
+                     "replica                tp 0/1, pp 0/1", "attention bytes/token  131072",
+                     "regions (32):", "buffers (64):", "groups (1):",
                      "full: ATTENTION, 32 layers, 64 buffers, read window 131072 tokens (8192 pages), 0 sink pages"):
         assert expected in out, expected
     assert has_row(out, "L31.kv DEVICE 0 4096 65536 256.0 MiB")
@@ -142,7 +143,8 @@ def test_console_script(llama_fp16):
     assert script.exists(), f"{script}: run scripts/setup to install the console script"
     show = subprocess.run([str(script), "layout", "show", JAMBA], capture_output=True, text=True, timeout=60)
     assert show.returncode == 0 and load(JAMBA).layout_id in show.stdout
-    check = subprocess.run([str(script), "layout", "check", LLAMA, llama_fp16], capture_output=True, text=True, timeout=60)
+    check = subprocess.run([str(script), "layout", "check", LLAMA, llama_fp16], capture_output=True, text=True,
+                           timeout=60)
     assert check.returncode == 1 and "dtype" in check.stdout, check.stderr
 
 
@@ -319,7 +321,8 @@ def test_cluster_status_lists_the_live_ranks_from_a_real_etcd(capsys):
         assert rank.wait_for(lambda view: view.get("prefill-7") is not None, 10)
         code, out, err = run(capsys, "cluster", "status", "--etcd", etcd.endpoints[0], "--prefix", "/kvlend/cli-test")
         assert code == 0, err
-        assert "1 live ranks" in out and has_row(out, f"prefill-7 prefill 10.1.2.3:4100 {layout.layout_id[:16]} 0/1 0/1 3/8 ok")
+        assert "1 live ranks" in out and has_row(
+            out, f"prefill-7 prefill 10.1.2.3:4100 {layout.layout_id[:16]} 0/1 0/1 3/8 ok")
         code, out, _ = run(capsys, "cluster", "status", "--etcd", etcd.endpoints[0], "--prefix", "/kvlend/cli-test",
                            "--json")
         assert code == 0 and [r["identity"] for r in json.loads(out)["ranks"]] == ["prefill-7"]

@@ -27,12 +27,19 @@ from kvlend.cluster.router import Router
 from kvlend.core.lender import LEASE_ID_BYTES
 from kvlend.errors import ConfigError, LeaseUnknown, PeerLost, RegistryError
 from kvlend.runtime import DecodeNode, NodeConfig, PrefillNode, Ticket
-
 from tests.support.agents import nixl
 from tests.support.certs import creds
 from tests.support.etcd import Raw
 from tests.support.kvcache import (
-    SENTINEL, TPP, FreeList, group_layers, make_layout, make_pools, pattern, prefill_request, slots,
+    SENTINEL,
+    TPP,
+    FreeList,
+    group_layers,
+    make_layout,
+    make_pools,
+    pattern,
+    prefill_request,
+    slots,
 )
 from tests.support.nodes import wait_until
 

@@ -17,12 +17,17 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 from kvlend.cluster import JOINED, LEFT, UPDATED, Change, ClusterView, RankRecord, ranks_prefix, record_key
 from kvlend.cluster.records import (
-    _FIELDS, MAX_CAPACITY, MAX_LOAD, MAX_RECORD_BYTES, RECORD_VERSION, ROLES, layout_digest,
+    _FIELDS,
+    MAX_CAPACITY,
+    MAX_LOAD,
+    MAX_RECORD_BYTES,
+    RECORD_VERSION,
+    ROLES,
+    layout_digest,
 )
 from kvlend.core.layout import PageLayout, layout_from_pools
 from kvlend.core.negotiate import negotiate
 from kvlend.errors import ConfigError, KvlendError, RegistryError
-
 from tests.support.profiles import examples
 
 pytestmark = pytest.mark.unit

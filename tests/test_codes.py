@@ -8,12 +8,23 @@ import msgpack
 import pytest
 
 from kvlend.errors import (
-    AuthError, LayoutMismatch, LeaseDenied, LeaseExpired, LeaseLifetimeExceeded, LeaseUnknown, NegotiationLimit,
-    PeerLost, PeerProtocolError, PromptMismatch, QuotaExceeded, TransferCancelled, TransferTimeout, UsageError,
+    AuthError,
+    LayoutMismatch,
+    LeaseDenied,
+    LeaseExpired,
+    LeaseLifetimeExceeded,
+    LeaseUnknown,
+    NegotiationLimit,
+    PeerLost,
+    PeerProtocolError,
+    PromptMismatch,
+    QuotaExceeded,
+    TransferCancelled,
+    TransferTimeout,
+    UsageError,
 )
 from kvlend.protocol.codes import Code, code_of, detail_of, lease_error, link_error
 from kvlend.protocol.wire import PROTOCOL_VERSION, Abort, Bye, DoneAck, FrameDecoder, encode_frame
-
 from tests.support.memory_transport import World
 
 pytestmark = pytest.mark.unit

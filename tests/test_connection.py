@@ -19,7 +19,6 @@ from kvlend.errors import PeerProtocolError, ProtocolError, UsageError
 from kvlend.protocol.codes import Code
 from kvlend.protocol.connection import AUTH_TIMEOUT, Connection
 from kvlend.protocol.wire import MAX_FRAME_BYTES, PROTOCOL_VERSION, Bye, Handshake, Heartbeat, encode_frame
-
 from tests.support.profiles import examples
 from tests.support.wire import LID, SAMPLES, decode_all, wire_bytes
 

@@ -23,7 +23,6 @@ from kvlend.runtime import DecodeNode, NodeConfig, PrefillNode
 from kvlend.runtime.tls import TlsChannel
 from kvlend.security.certs import Authority
 from kvlend.security.credentials import Credentials
-
 from tests.support.agents import nixl
 from tests.support.certs import CA, creds
 from tests.support.kvcache import FreeList, group_layers, make_layout, make_pools, pattern, prefill_request, slots

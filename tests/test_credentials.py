@@ -16,7 +16,6 @@ from kvlend import cli
 from kvlend.errors import AuthError, ConfigError
 from kvlend.security.certs import Authority, check_identity, save_rank
 from kvlend.security.credentials import CA_ENV, CERT_ENV, KEY_ENV, Credentials
-
 from tests.support.certs import CA, creds
 
 pytestmark = pytest.mark.unit
@@ -115,7 +114,10 @@ def test_kvlend_certs_keeps_keys_private_whatever_the_umask_and_rank_keys_apart_
     finally:
         os.umask(umask)
     ranks = ca_dir / "ranks"
-    mode = lambda path: stat.S_IMODE(os.stat(path).st_mode)
+
+    def mode(path):
+        return stat.S_IMODE(os.stat(path).st_mode)
+
     assert [mode(d) for d in (tmp_path / "cluster", ca_dir, ranks)] == [0o700] * 3
     assert mode(ca_dir / "ca.key") == mode(exports[KEY_ENV]) == 0o600
     assert exports == {CA_ENV: str(ranks / "ca.pem"), CERT_ENV: str(ranks / "prefill-0.pem"),

@@ -19,24 +19,30 @@ from collections import deque
 
 import numpy as np
 import pytest
-import toy_engine  # examples/ (pyproject's pytest pythonpath)
 
+import toy_engine  # examples/ (pyproject's pytest pythonpath)
 from kvlend.errors import AuthError, KvlendError, PeerLost, TransferTimeout
 from kvlend.protocol.codes import Code
 from kvlend.protocol.wire import Done, DoneAck, Heartbeat
 from kvlend.runtime import DecodeNode, NodeConfig
 from kvlend.security.certs import Authority
-
 from tests.support.agents import nixl
 from tests.support.certs import creds
 from tests.support.kvcache import prefill_request
 from tests.support.nodes import (
-    DEADLINE, DECODE_CONFIG, DST_PAGES, MAX_TOKENS, SRC_PAGES, assert_locked, fetch_and_verify, free_lists, intercept,
+    DEADLINE,
+    DECODE_CONFIG,
+    DST_PAGES,
+    MAX_TOKENS,
+    SRC_PAGES,
+    assert_locked,
+    fetch_and_verify,
+    free_lists,
+    intercept,
     rig,
 )
 from tests.support.ranks import Rank
 from tests.support.raw_peer import RawDecode
-
 
 TTL, BEAT = 1.5, 0.3
 FAULT_CONFIG = NodeConfig(ttl=TTL, heartbeat=BEAT, chunk_pages=1, handshake_timeout=DEADLINE,
@@ -113,7 +119,8 @@ def test_sigkill_decode_mid_transfer_frees_locks_within_ttl_and_a_new_decode_ser
                 time.sleep(0.005)
             assert list(released) == [("doomed", "expired")]
             assert "decode7" not in r.prefill.ready_peers()
-            print(f"\nlocks of the killed decode dropped {freed_after:.2f} s after SIGKILL (ttl {TTL}, heartbeat {BEAT})")
+            print(f"\nlocks of the killed decode dropped {freed_after:.2f} s after SIGKILL "
+                  f"(ttl {TTL}, heartbeat {BEAT})")
             for name, table in tables.items():
                 src_free[name].release(table)
 

@@ -13,19 +13,24 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
+from hypothesis import HealthCheck, given, settings, strategies as st
 
 from kvlend.core.fetchplan import destination_pages, needed_pages, skip_below, split_chunks
 from kvlend.core.layout import (
-    BufferDesc, HeadGeometry, LayerIdentity, LayerKind, MemoryKind, MemoryRegion, PageLayout, Role,
+    BufferDesc,
+    HeadGeometry,
+    LayerIdentity,
+    LayerKind,
+    MemoryKind,
+    MemoryRegion,
+    PageLayout,
+    Role,
 )
 from kvlend.core.negotiate import TransferPlan, negotiate
 from kvlend.core.pages import GroupPages
 from kvlend.core.plan import plan_reads
 from kvlend.core.tracker import DeliveryTracker
 from kvlend.errors import PageRangeError
-
 from tests.support.profiles import examples
 
 pytestmark = pytest.mark.unit

@@ -32,10 +32,9 @@ from collections import Counter
 import pytest
 
 import kvlend.protocol.prefill
-from kvlend.protocol.prefill import MAX_PENDING_PER_SOURCE
 from kvlend.errors import PeerLost
+from kvlend.protocol.prefill import MAX_PENDING_PER_SOURCE
 from kvlend.protocol.wire import MAX_FRAME_BYTES, Heartbeat
-
 from tests.support.certs import creds
 from tests.support.kvcache import prefill_request
 from tests.support.nodes import DEADLINE, DST_PAGES, SRC_PAGES, fetch_and_verify, free_lists, rig

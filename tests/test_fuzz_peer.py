@@ -31,19 +31,35 @@ import numpy as np
 import pytest
 
 import kvlend.protocol.prefill
-from kvlend.errors import AuthError, KvlendError, LayoutError, PeerLost, PeerProtocolError, TransferTimeout
 from kvlend.core.layout import PageLayout
+from kvlend.errors import AuthError, KvlendError, LayoutError, PeerLost, PeerProtocolError, TransferTimeout
 from kvlend.protocol.wire import (
-    MESSAGES, PROTOCOL_VERSION, Abort, Claim, Done, FrameDecoder, Handshake, Heartbeat, LeaseOffer, Offer,
-    encode_frame, message_from_wire,
+    MESSAGES,
+    PROTOCOL_VERSION,
+    Abort,
+    Claim,
+    Done,
+    FrameDecoder,
+    Handshake,
+    Heartbeat,
+    LeaseOffer,
+    Offer,
+    encode_frame,
+    message_from_wire,
 )
 from kvlend.runtime.tls import TlsChannel
-
 from tests.support import layout_fuzz as lf, wire as tw
 from tests.support.certs import creds
 from tests.support.kvcache import prefill_request
 from tests.support.nodes import (
-    DEADLINE, DST_PAGES, SRC_PAGES, fetch_and_verify, free_lists, read_until_eof, rig, wait_until,
+    DEADLINE,
+    DST_PAGES,
+    SRC_PAGES,
+    fetch_and_verify,
+    free_lists,
+    read_until_eof,
+    rig,
+    wait_until,
 )
 from tests.support.raw_peer import RawDecode
 

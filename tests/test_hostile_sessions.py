@@ -23,9 +23,18 @@ from kvlend.protocol.config import NodeConfig, Quotas
 from kvlend.protocol.connection import FrameReader
 from kvlend.protocol.prefill import LOG_EVERY
 from kvlend.protocol.wire import (
-    PROTOCOL_VERSION, Abort, Bye, Claim, Done, DoneAck, Handshake, Heartbeat, Offer, Renewed, encode_frame,
+    PROTOCOL_VERSION,
+    Abort,
+    Bye,
+    Claim,
+    Done,
+    DoneAck,
+    Handshake,
+    Heartbeat,
+    Offer,
+    Renewed,
+    encode_frame,
 )
-
 from tests.support.memory_transport import KIND, World
 
 pytestmark = pytest.mark.unit

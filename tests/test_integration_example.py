@@ -40,7 +40,6 @@ def test_engine_integration_example_verifies():
 
 def _classes() -> dict[str, object]:
     import toy_engine  # examples/ (pyproject's pytest pythonpath)
-
     from kvlend.core.layout import PageLayout
     from kvlend.core.lender import Lease
     from kvlend.metrics import METRICS

@@ -9,17 +9,27 @@ import json
 import numpy as np
 import pytest
 import torch
-from hypothesis import assume, given, settings
-from hypothesis import strategies as st
+from hypothesis import assume, given, settings, strategies as st
 
 import kvlend.core.layout as layout_module
-from kvlend.errors import KvlendError, LayoutError
 from kvlend.core.layout import (
-    BufferDesc, HeadGeometry, HeadOrder, LayerGroup, LayerIdentity, LayerKind, MemoryKind,
-    MemoryRegion, PageLayout, ReplicaRank, Role, RowSelection, SelectionMode, Sharding,
+    BufferDesc,
+    HeadGeometry,
+    HeadOrder,
+    LayerGroup,
+    LayerIdentity,
+    LayerKind,
+    MemoryKind,
+    MemoryRegion,
+    PageLayout,
+    ReplicaRank,
+    Role,
+    RowSelection,
+    SelectionMode,
+    Sharding,
     layout_from_pools,
 )
-
+from kvlend.errors import KvlendError, LayoutError
 from tests.support.profiles import examples
 from tests.support.strategies import layouts
 
@@ -35,7 +45,8 @@ def region(name="r0", kind=MemoryKind.DEVICE, stride=1024, pages=4, size=None, a
 
 def buf(name="b0", region="r0", offset=0, page_bytes=512, layer=0, kind=A, role=Role.K, group="g",
         geometry=None, window=None, sinks=0):
-    return BufferDesc(name, region, offset, page_bytes, LayerIdentity(layer, kind, role), group, geometry, window, sinks)
+    return BufferDesc(name, region, offset, page_bytes, LayerIdentity(layer, kind, role), group, geometry, window,
+                      sinks)
 
 
 def make(regions=None, buffers=None, tpp=16, kept=4096, dtype="bfloat16", scope="", replica=ReplicaRank()):
@@ -80,7 +91,8 @@ def test_region_must_hold_its_pages():
 
 
 def test_buffer_must_fit_inside_its_page_slot():
-    with pytest.raises(LayoutError, match=r"buffer 'b0'\.offset.*offset 600 \+ page_bytes 512 exceeds the page stride 1024"):
+    with pytest.raises(LayoutError,
+                       match=r"buffer 'b0'\.offset.*offset 600 \+ page_bytes 512 exceeds the page stride 1024"):
         make(buffers=[buf(offset=600)])
     assert make(buffers=[buf(offset=512)]).buffers[0].offset == 512  # ends exactly at the stride
 
@@ -111,7 +123,8 @@ def test_attention_geometry_times_tokens_per_page_is_page_bytes(role, heads, bph
     if ok:
         assert make(regions=[region(stride=2048)], buffers=[b]).tokens_per_page == 16
     else:
-        with pytest.raises(LayoutError, match=rf"buffer 'b0'\.geometry.*heads 2 x bytes_per_head 16 .*page_bytes is {page_bytes}"):
+        with pytest.raises(LayoutError,
+                           match=rf"buffer 'b0'\.geometry.*heads 2 x bytes_per_head 16 .*page_bytes is {page_bytes}"):
             make(regions=[region(stride=2048)], buffers=[b])
 
 
@@ -239,7 +252,8 @@ def test_missing_or_non_positive_window_means_the_kept_window(declared):
 def test_group_read_window_and_sinks_are_the_max_over_members():
     buffers = [
         buf("a", layer=0, window=100, sinks=2), buf("b", layer=1, offset=512, window=300, sinks=1),
-        buf("c", region="r1", layer=2, group="h", window=50), buf("d", region="r1", layer=3, offset=512, group="h", window=70),
+        buf("c", region="r1", layer=2, group="h", window=50),
+        buf("d", region="r1", layer=3, offset=512, group="h", window=70),
     ]
     lay = make(regions=[region("r0"), region("r1")], buffers=buffers, kept=4096)
     assert (lay.groups["g"].read_window, lay.groups["g"].sinks) == (300, 2)

@@ -13,17 +13,26 @@ import random
 
 import msgpack
 import pytest
-from hypothesis import given, settings
-from hypothesis import strategies as st
+from hypothesis import given, settings, strategies as st
 
-from kvlend.errors import LayoutError
 from kvlend.core.layout import (
     PageLayout,
 )
-
+from kvlend.errors import LayoutError
 from tests.support.layout_fuzz import (
-    ENUM_STRINGS, FIELDS, HANG_GUARD_S, HUGE_CLAIMS, SEEDS, SEED_DICTS, containers, decode_or_layout_error,
-    hang_guard, huge_claim_inside_a_layout, mutate_bytes, mutate_structure, seed_layouts,
+    ENUM_STRINGS,
+    FIELDS,
+    HANG_GUARD_S,
+    HUGE_CLAIMS,
+    SEED_DICTS,
+    SEEDS,
+    containers,
+    decode_or_layout_error,
+    hang_guard,
+    huge_claim_inside_a_layout,
+    mutate_bytes,
+    mutate_structure,
+    seed_layouts,
 )
 from tests.support.profiles import examples
 from tests.support.strategies import layouts
@@ -84,9 +93,11 @@ def test_wrong_types_missing_and_unknown_fields_name_the_field():
         ({**d, "colour": 1}, r"layout: missing fields \[\], unknown fields \['colour'\]"),
         ({**d, "regions": {}}, "regions: expected a list, got dict"),
         ({**d, "regions": [[]]}, "region: expected a map, got list"),
-        ({**d, "regions": [{**d["regions"][0], "kind": "GPU"}]}, r"region\.kind: 'GPU' is not one of \['HOST', 'DEVICE'\]"),
+        ({**d, "regions": [{**d["regions"][0], "kind": "GPU"}]},
+         r"region\.kind: 'GPU' is not one of \['HOST', 'DEVICE'\]"),
         ({**d, "buffers": [{**d["buffers"][0], "role": ["K"]}]}, r"buffer\.role: \['K'\] is not one of"),
-        ({**d, "buffers": [{**d["buffers"][0], "window": 1.5}]}, r"buffer 'a'\.window: must be an int or None, got 1\.5"),
+        ({**d, "buffers": [{**d["buffers"][0], "window": 1.5}]},
+         r"buffer 'a'\.window: must be an int or None, got 1\.5"),
         ({**d, "replica": {"tp_size": 1}}, r"replica: missing fields \['pp_rank', 'pp_size', 'tp_rank'\]"),
         ([d], "layout: expected a map, got list"),
     ]

@@ -7,17 +7,31 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from kvlend.errors import (
-    KvlendError, LayoutError, LeaseDenied, LeaseError, LeaseExpired, LeaseLifetimeExceeded, LeaseUnknown,
-    PageRangeError, PromptMismatch, QuotaExceeded,
-)
-from kvlend.core.prompt import prompt_digest
 from kvlend.core.layout import (
-    BufferDesc, LayerIdentity, LayerKind, MemoryKind, MemoryRegion, PageLayout, Role, RowSelection,
+    BufferDesc,
+    LayerIdentity,
+    LayerKind,
+    MemoryKind,
+    MemoryRegion,
+    PageLayout,
+    Role,
+    RowSelection,
 )
 from kvlend.core.lender import Lease, LeaseLimits, Lender
 from kvlend.core.locks import PageLocks
-
+from kvlend.core.prompt import prompt_digest
+from kvlend.errors import (
+    KvlendError,
+    LayoutError,
+    LeaseDenied,
+    LeaseError,
+    LeaseExpired,
+    LeaseLifetimeExceeded,
+    LeaseUnknown,
+    PageRangeError,
+    PromptMismatch,
+    QuotaExceeded,
+)
 from tests.support.profiles import examples
 
 pytestmark = pytest.mark.unit

@@ -6,10 +6,9 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from kvlend.errors import KvlendError, PageRangeError
 from kvlend.core.layout import BufferDesc, LayerIdentity, LayerKind, MemoryKind, MemoryRegion, PageLayout, Role
 from kvlend.core.locks import PageLocks
-
+from kvlend.errors import KvlendError, PageRangeError
 from tests.support.profiles import examples
 
 pytestmark = pytest.mark.unit

@@ -11,11 +11,10 @@ from __future__ import annotations
 
 import time
 
-import pytest
 import numpy as np
+import pytest
 
 from kvlend.runtime import DecodeNode, NodeConfig, PrefillNode
-
 from tests.support.agents import nixl
 from tests.support.certs import creds
 from tests.support.kvcache import FreeList, expected_pages, make_layout, make_pools, prefill_request, slots
@@ -75,7 +74,7 @@ def test_two_prefills_many_fetches_in_flight_tickets_and_offers_share_links():
             table, exp = want[h.request]
             for (group, layer), (rows, data) in exp.items():
                 np.testing.assert_array_equal(slots(dst[layer])[table[group][rows]], data, err_msg=h.request)
-        assert len(decode.links) == 2 and {l.id for l in decode.links} == {l.id for l in links}
+        assert len(decode.links) == 2 and {link.id for link in decode.links} == {link.id for link in links}
         end = time.monotonic() + DEADLINE
         while any(p.lender.active_leases for p in prefills):
             assert time.monotonic() < end, "leases not released"

@@ -16,17 +16,15 @@ import time
 
 import numpy as np
 import pytest
-import toy_engine as te  # examples/ (pyproject's pytest pythonpath)
 
-from kvlend.errors import LayoutMismatch, PeerLost
+import toy_engine as te  # examples/ (pyproject's pytest pythonpath)
 from kvlend.core.layout import HeadOrder, PageLayout, ReplicaRank
 from kvlend.core.negotiate import negotiate
+from kvlend.errors import LayoutMismatch, PeerLost
 from kvlend.runtime import DecodeNode, NodeConfig, PrefillNode
-
 from tests.support.agents import nixl
 from tests.support.certs import creds
 from tests.support.example_pair import expected_bytes, pair
-
 
 TINY = te.preset("tiny")
 FAST = NodeConfig(handshake_timeout=5.0)

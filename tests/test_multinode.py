@@ -116,7 +116,7 @@ def test_cluster_decodes_find_prefills_in_etcd_and_every_pair_verifies():
     pairs, decodes, prefills, _ = cluster("--requests", "24")
     for pair in pairs.values():  # the router spread each decode's requests over both prefills
         assert pair["requests"] > 0 and pair["bytes"] == pair["requests"] * MIB2 and pair["gbps"] > 0, pair
-    for host, d in decodes.items():
+    for _host, d in decodes.items():
         assert d["started"] == d["requests"] == 24 and d["verified"] is True, d
         assert d["failures"] == [] and d["lost"] == d["mismatched"] == d["stuck"] == 0
         assert d["bytes"] == 24 * MIB2 <= d["rx_bytes"]  # the bytes crossed this host's link
@@ -132,7 +132,7 @@ def test_cluster_killed_prefill_host_fails_typed_and_p0_serves_its_requests():
     killed = summary["killed_at"]
     assert summary["in_flight_at_kill"], "no request was in flight on p1 when it died"
     assert summary["listed_after_left"] == ["d0-decode", "d1-decode", "p0-prefill"]  # etcd itself, asked from e0
-    for host, d in decodes.items():
+    for _host, d in decodes.items():
         assert d["verified"] is True and d["lost"] == d["mismatched"] == 0, d  # every request served, none wrong
         for failure in d["failures"]:  # only p1's requests failed, typed, within their deadline, after the kill
             assert failure["prefill"] == "p1-prefill" and failure["at"] > killed and within_deadline(failure), failure

@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 
 import pytest
+
 from lab.evaluate import evaluate  # examples/lab (pyproject's pytest pythonpath)
 from lab.logs import Logs
 from lab.topology import CLUSTER_RANKS, host_of, rank_of
@@ -197,5 +198,6 @@ def test_logs_read_served_failed_fetching_and_registry_events(tmp_path):
     assert logs.fetching("d0-decode", "p1-prefill") == {"d0-decode-2"}  # -1 ended (failed), -2 still running
     assert logs.registry("d0-decode", "LEFT", "p1-prefill") == 21.0
     assert logs.registry("d0-decode", "LEFT", "p1-prefill", after=21.0) is None
-    assert logs.registry("d0-decode", "DEGRADED") == 20.5 and logs.registry("d0-decode", "RECOVERED", after=20.5) == 25.0
+    assert logs.registry("d0-decode", "DEGRADED") == 20.5
+    assert logs.registry("d0-decode", "RECOVERED", after=20.5) == 25.0
     assert logs.lines("d1-decode") == [] and logs.served("d1-decode") == 0  # no log yet

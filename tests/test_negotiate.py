@@ -3,22 +3,29 @@
 from __future__ import annotations
 
 import dataclasses
+import tracemalloc
 
 import numpy as np
 import pytest
-from hypothesis import given, settings
-from hypothesis import strategies as st
-
-import tracemalloc
+from hypothesis import given, settings, strategies as st
 
 import kvlend.core.negotiate as negotiate_mod
-from kvlend.errors import LayoutMismatch, NegotiationLimit, QuotaExceeded
 from kvlend.core.layout import (
-    BufferDesc, HeadGeometry, HeadOrder, LayerIdentity, LayerKind, MemoryKind, MemoryRegion, PageLayout,
-    ReplicaRank, Role, Sharding, layout_from_pools,
+    BufferDesc,
+    HeadGeometry,
+    HeadOrder,
+    LayerIdentity,
+    LayerKind,
+    MemoryKind,
+    MemoryRegion,
+    PageLayout,
+    ReplicaRank,
+    Role,
+    Sharding,
+    layout_from_pools,
 )
-from kvlend.core.negotiate import IDENTITY, MAX_PAGE_RATIO, MAX_PIECES, MAPPED, Piece, negotiate
-
+from kvlend.core.negotiate import IDENTITY, MAPPED, MAX_PAGE_RATIO, MAX_PIECES, Piece, negotiate
+from kvlend.errors import LayoutMismatch, NegotiationLimit, QuotaExceeded
 from tests.support.profiles import examples
 
 pytestmark = pytest.mark.unit

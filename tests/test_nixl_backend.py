@@ -18,12 +18,11 @@ import time
 import numpy as np
 import pytest
 
-from kvlend.transport import ReadBatch, TransferBackend, available_backends, load_backend
-from kvlend.errors import BackendError, KvlendError, PeerLost, TransferCancelled, TransferTimeout
 from kvlend.core.layout import MemoryKind, MemoryRegion
+from kvlend.errors import BackendError, KvlendError, PeerLost, TransferCancelled, TransferTimeout
+from kvlend.transport import ReadBatch, TransferBackend, available_backends, load_backend
 from kvlend_nixl import NixlBackend
 from kvlend_nixl.backend import peer_name
-
 from tests.support.agents import PAGE, host_region, lender_main, poll_until, random_bytes
 
 DEADLINE = 10.0

@@ -22,21 +22,36 @@ import numpy as np
 import pytest
 
 from kvlend.errors import (
-    AuthError, BackendError, ConfigError, LayoutMismatch, LeaseExpired, PeerLost, ProtocolError, TransferTimeout,
+    AuthError,
+    BackendError,
+    ConfigError,
+    LayoutMismatch,
+    LeaseExpired,
+    PeerLost,
+    ProtocolError,
+    TransferTimeout,
 )
+from kvlend.protocol.wire import Done
 from kvlend.runtime import DecodeNode, Link, NodeConfig, PrefillNode
 from kvlend.runtime.clock import lease_clock
-from kvlend.protocol.wire import Done
 from kvlend.security.certs import Authority, save_rank
-
 from tests.support.agents import nixl
 from tests.support.certs import creds
 from tests.support.children import child_env
 from tests.support.kvcache import make_layout, make_pools, prefill_request, slots
 from tests.support.nodes import (
-    DEADLINE, DECODE_CONFIG, DST_PAGES, MAX_TOKENS, SRC_PAGES, assert_locked, fetch_and_verify, free_lists, intercept,
+    DEADLINE,
+    DECODE_CONFIG,
+    DST_PAGES,
+    MAX_TOKENS,
+    SRC_PAGES,
+    assert_locked,
+    fetch_and_verify,
+    free_lists,
+    intercept,
     rig,
 )
+
 
 # ------------------------------------------------------------ one process
 @pytest.mark.nixl
@@ -311,7 +326,8 @@ def test_two_processes_byte_exact(tmp_path):
     )
     try:
         dst = make_pools(DST_PAGES)
-        decode = DecodeNode(make_layout(dst), nixl("decode"), creds("decode"), config=DECODE_CONFIG)  # while the child starts
+        # while the child starts
+        decode = DecodeNode(make_layout(dst), nixl("decode"), creds("decode"), config=DECODE_CONFIG)
         try:
             decode.connect(*_listening(proc, 30.0))
             free = free_lists(decode.layout, DST_PAGES, 12)

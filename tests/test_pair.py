@@ -14,8 +14,8 @@ import sys
 from pathlib import Path
 
 import pytest
-import toy_engine  # examples/ (pyproject's pytest pythonpath)
 
+import toy_engine  # examples/ (pyproject's pytest pythonpath)
 from tests.support.children import EXAMPLES, ROOT
 from tests.support.example_pair import run_json
 

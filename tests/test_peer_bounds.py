@@ -20,7 +20,6 @@ from kvlend.core.layout import PageLayout
 from kvlend.errors import PeerLost
 from kvlend.protocol.config import NodeConfig
 from kvlend.protocol.wire import Bye, Handshake, Heartbeat
-
 from tests.support.certs import creds
 from tests.support.kvcache import prefill_request
 from tests.support.nodes import DEADLINE, SRC_PAGES, free_lists, rig, wait_until

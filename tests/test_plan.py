@@ -12,18 +12,28 @@ from dataclasses import dataclass
 
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
+from hypothesis import HealthCheck, given, settings, strategies as st
 
-from kvlend.errors import LayoutError, LayoutMismatch, PageRangeError
 from kvlend.core.layout import (
-    BufferDesc, HeadGeometry, HeadOrder, LayerIdentity, LayerKind, MemoryKind, MemoryRegion, PageLayout,
-    ReplicaRank, Role, RowSelection, SelectionMode, Sharding, layout_from_pools,
+    BufferDesc,
+    HeadGeometry,
+    HeadOrder,
+    LayerIdentity,
+    LayerKind,
+    MemoryKind,
+    MemoryRegion,
+    PageLayout,
+    ReplicaRank,
+    Role,
+    RowSelection,
+    SelectionMode,
+    Sharding,
+    layout_from_pools,
 )
 from kvlend.core.negotiate import Piece, TransferPlan, negotiate
 from kvlend.core.pages import GroupPages
 from kvlend.core.plan import plan_reads
-
+from kvlend.errors import LayoutError, LayoutMismatch, PageRangeError
 from tests.support.profiles import examples
 
 pytestmark = pytest.mark.unit

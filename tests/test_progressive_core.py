@@ -13,14 +13,27 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from kvlend.core.layout import BufferDesc, LayerIdentity, LayerKind, MemoryKind, MemoryRegion, PageLayout, Role, \
-    RowSelection
+from kvlend.core.layout import (
+    BufferDesc,
+    LayerIdentity,
+    LayerKind,
+    MemoryKind,
+    MemoryRegion,
+    PageLayout,
+    Role,
+    RowSelection,
+)
 from kvlend.core.lender import Lease, LeaseLimits, Lender
 from kvlend.core.tracker import DeliveryTracker
 from kvlend.errors import (
-    KvlendError, LeaseError, LeaseExpired, LeaseUnknown, PageRangeError, QuotaExceeded, TrackerError,
+    KvlendError,
+    LeaseError,
+    LeaseExpired,
+    LeaseUnknown,
+    PageRangeError,
+    QuotaExceeded,
+    TrackerError,
 )
-
 from tests.support.profiles import examples
 from tests.support.reference import reference_bound
 

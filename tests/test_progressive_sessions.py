@@ -37,10 +37,18 @@ from kvlend.protocol.config import NodeConfig, Quotas
 from kvlend.protocol.decode import DecodeSession, FetchState
 from kvlend.protocol.prefill import PrefillSession
 from kvlend.protocol.wire import Extend, Offer
-
 from tests.support.kvcache import SENTINEL, FreeList, group_layers, make_layout, make_pools, pattern, slots
 from tests.support.memory_transport import (
-    KIND, ContractError, DecodeEnd, Lent, Memory, MemoryBackend, PrefillEnd, World, connected, finish_all,
+    KIND,
+    ContractError,
+    DecodeEnd,
+    Lent,
+    Memory,
+    MemoryBackend,
+    PrefillEnd,
+    World,
+    connected,
+    finish_all,
     rig as memory_rig,
 )
 from tests.support.profiles import examples
@@ -977,7 +985,7 @@ class Progressive(RuleBasedStateMachine):
         for wire in world.wires:
             wire.hold_to_prefill = wire.hold_to_decode = False
         world.pump()
-        for t, seed in self.ahead:
+        for t, _seed in self.ahead:
             d.unclaim(t)
         for conn, offer in d.offers:
             if d.session.ready(conn):

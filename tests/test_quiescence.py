@@ -244,8 +244,8 @@ class _Initiator:
         return float(np.count_nonzero(heads != SENTINEL_WORD)) / len(heads)
 
     def _post(self, tag: bytes, size: int) -> None:
-        from kvlend.transport import ReadBatch
         from kvlend.core.layout import MemoryKind
+        from kvlend.transport import ReadBatch
 
         half = size // 2  # two handles: every handle of a tag must have stopped
         local = np.array([[self.dst.ctypes.data + o, half, 0] for o in (0, half)], np.uint64)

@@ -18,12 +18,17 @@ import pytest
 
 from kvlend.core.text import printable
 from kvlend.errors import (
-    ConfigError, KvlendError, LayoutMismatch, LeaseExpired, LeaseLifetimeExceeded, NegotiationLimit, ProtocolError,
+    ConfigError,
+    KvlendError,
+    LayoutMismatch,
+    LeaseExpired,
+    LeaseLifetimeExceeded,
+    NegotiationLimit,
+    ProtocolError,
     QuotaExceeded,
 )
 from kvlend.protocol.config import NodeConfig, Quotas
 from kvlend.protocol.decode import DecodeSession, FetchState
-
 from tests.support.memory_transport import World, finish_all, rig as memory_rig
 
 pytestmark = pytest.mark.unit

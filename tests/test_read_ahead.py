@@ -18,7 +18,6 @@ from kvlend.errors import LeaseUnknown, ProtocolError
 from kvlend.protocol.config import NodeConfig
 from kvlend.protocol.decode import FetchState
 from kvlend.protocol.ticket import MAX_TICKET_ROWS, Ticket
-
 from tests.support.memory_transport import World, finish_all, rig
 from tests.support.profiles import examples
 

@@ -31,7 +31,6 @@ from kvlend.cluster.records import RankRecord, layout_digest, layout_key, ranks_
 from kvlend.cluster.registry import Registry, etcd_security_from_env
 from kvlend.cluster.view import JOINED, LEFT, UPDATED, Change
 from kvlend.errors import ConfigError, RegistryError
-
 from tests.support.etcd import Raw
 from tests.support.kvcache import make_layout, make_pools
 

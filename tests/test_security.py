@@ -37,12 +37,18 @@ from kvlend.runtime import DecodeNode, NodeConfig, PrefillNode, reload_on_sighup
 from kvlend.runtime.certificates import CertWatch
 from kvlend.security.certs import Authority, save_rank
 from kvlend.security.credentials import CERT_ENV, KEY_ENV, Credentials
-
 from tests.support.agents import nixl
 from tests.support.certs import CA, creds
 from tests.support.kvcache import SENTINEL, group_layers, make_layout, make_pools, pattern, prefill_request, slots
 from tests.support.nodes import (
-    DEADLINE, DECODE_CONFIG, DST_PAGES, SRC_PAGES, fetch_and_verify, free_lists, rig, wait_until,
+    DEADLINE,
+    DECODE_CONFIG,
+    DST_PAGES,
+    SRC_PAGES,
+    fetch_and_verify,
+    free_lists,
+    rig,
+    wait_until,
 )
 
 pytestmark = pytest.mark.nixl
@@ -429,8 +435,11 @@ def test_certificates_near_their_end_are_warned_of_once_and_measured(monkeypatch
     warn = NodeConfig(cert_warning=3 * 3600.0)
     with pytest.raises(ConfigError, match="cert_warning"):
         NodeConfig(cert_warning=-1.0)
-    in_hours = lambda identity, hours: CA.issue(identity, expires=datetime.datetime.now(datetime.timezone.utc)
-                                                + datetime.timedelta(hours=hours))
+
+    def in_hours(identity, hours):
+        return CA.issue(identity, expires=datetime.datetime.now(datetime.timezone.utc)
+                        + datetime.timedelta(hours=hours))
+
     decode = decode_node(in_hours("decode-soon", 1.5), config=warn)
     backend = nixl("prefill")
     prefill = PrefillNode(make_layout(make_pools(32)), backend, in_hours("prefill-soon", 2.5), config=warn)

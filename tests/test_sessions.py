@@ -17,12 +17,25 @@ import pytest
 
 import kvlend.protocol.fetch as fetch_mod
 from kvlend.core.layout import RowSelection
+from kvlend.core.prompt import prompt_digest
 from kvlend.errors import (
-    AuthError, BackendError, ConfigError, IncompleteFetch, KvlendError, LayoutMismatch, LeaseDenied, LeaseError,
-    LeaseExpired, LeaseUnknown, PageRangeError, PeerLost, PromptMismatch, ProtocolError, TransferCancelled,
+    AuthError,
+    BackendError,
+    ConfigError,
+    IncompleteFetch,
+    KvlendError,
+    LayoutMismatch,
+    LeaseDenied,
+    LeaseError,
+    LeaseExpired,
+    LeaseUnknown,
+    PageRangeError,
+    PeerLost,
+    PromptMismatch,
+    ProtocolError,
+    TransferCancelled,
     TransferTimeout,
 )
-from kvlend.core.prompt import prompt_digest
 from kvlend.protocol.actions import Close, LeaseEnded, Offered, RemovePeer, Send
 from kvlend.protocol.codes import Code
 from kvlend.protocol.config import NodeConfig
@@ -30,7 +43,6 @@ from kvlend.protocol.connection import AUTH_TIMEOUT
 from kvlend.protocol.decode import DecodeSession, FetchState
 from kvlend.protocol.ticket import Ticket
 from kvlend.protocol.wire import Abort, Bye, Claim, Handshake, Renewed, encode_frame
-
 from tests.support.kvcache import group_layers, slots
 from tests.support.memory_transport import KIND, SCRIBBLE, ContractError, World, finish_all, rig
 from tests.support.wire import decode_all

@@ -34,7 +34,6 @@ from kvlend.errors import KvlendError, PageRangeError, PeerLost, ProtocolError, 
 from kvlend.protocol import states
 from kvlend.protocol.config import NodeConfig
 from kvlend.protocol.decode import FetchState
-
 from tests.support.memory_transport import ContractError, World
 from tests.support.profiles import examples
 

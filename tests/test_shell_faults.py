@@ -19,13 +19,12 @@ from kvlend.errors import ConfigError, PeerLost, ProtocolError
 from kvlend.protocol.connection import Connection
 from kvlend.protocol.wire import Claim
 from kvlend.runtime import DecodeNode, NodeConfig, PrefillNode
-
 from tests.support.agents import nixl
 from tests.support.certs import creds
 from tests.support.kvcache import FreeList, expected_pages, make_layout, make_pools, prefill_request, slots
+from tests.support.nodes import wait_until
 from tests.support.raw_peer import RawDecode
 from tests.support.wire import wire_text
-from tests.support.nodes import wait_until
 
 pytestmark = pytest.mark.nixl
 

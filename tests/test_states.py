@@ -7,10 +7,19 @@ import pytest
 from kvlend.errors import KvlendError
 from kvlend.protocol import states
 from kvlend.protocol.states import (
-    FETCH, LEASE, LOAN, FetchEvent, FetchState, IllegalTransition, LeaseEvent, LeaseState, LinkEvent, LinkState,
-    LoanEvent, LoanState,
+    FETCH,
+    LEASE,
+    LOAN,
+    FetchEvent,
+    FetchState,
+    IllegalTransition,
+    LeaseEvent,
+    LeaseState,
+    LinkEvent,
+    LinkState,
+    LoanEvent,
+    LoanState,
 )
-
 from tests.support.memory_transport import World, finish_all
 
 pytestmark = pytest.mark.unit

@@ -17,12 +17,11 @@ import queue
 import threading
 import time
 
-import pytest
 import numpy as np
+import pytest
 
 from kvlend.errors import TransferTimeout
 from kvlend.runtime import DecodeNode, NodeConfig, PrefillNode, Ticket
-
 from tests.support.agents import nixl
 from tests.support.certs import creds
 from tests.support.kvcache import FreeList, group_layers, make_layout, make_pools, pattern, prefill_request, slots

@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-
 import pytest
 
 from kvlend.errors import ProtocolError
 from kvlend.protocol.ticket import Ticket
-
 from tests.support.wire import GOOD, wire_text
 
 pytestmark = pytest.mark.unit

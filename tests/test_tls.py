@@ -12,7 +12,6 @@ import pytest
 
 from kvlend.errors import AuthError, ProtocolError
 from kvlend.runtime.tls import TlsChannel
-
 from tests.support.certs import creds
 
 pytestmark = pytest.mark.unit

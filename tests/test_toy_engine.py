@@ -11,14 +11,12 @@ import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings, strategies as st
+
 import toy_engine as te  # examples/ (pyproject's pytest pythonpath)
-
-from kvlend.errors import KvlendError, PageRangeError
 from kvlend.core.layout import MemoryKind, PageLayout, Role
-
+from kvlend.errors import KvlendError, PageRangeError
 from tests.support.children import child_env
 from tests.support.profiles import examples
-
 
 TINY = te.preset("tiny")
 NEW_TOKENS = 8

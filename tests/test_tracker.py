@@ -4,10 +4,9 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from kvlend.errors import KvlendError, PageRangeError, TrackerError
 from kvlend.core.layout import BufferDesc, LayerIdentity, LayerKind, MemoryKind, MemoryRegion, PageLayout, Role
 from kvlend.core.tracker import DeliveryTracker, TrackerStats
-
+from kvlend.errors import KvlendError, PageRangeError, TrackerError
 from tests.support.profiles import examples
 from tests.support.reference import reference_bound
 
@@ -222,7 +221,8 @@ def test_pending_keeps_posting_order_and_stats_count():
     (lambda t: t.begin("r", 64, needed={"full": [0]}), PageRangeError, "missing \\['ssm'\\]"),
     (lambda t: t.begin("r", 64, needed={"full": [0], "ssm": [0], "x": []}), PageRangeError, "unknown \\['x'\\]"),
     (lambda t: t.begin("r", 64, needed=[0]), PageRangeError, "needed: must map every group"),
-    (lambda t: t.begin("r", 64, needed={"full": [2], "ssm": [0]}), PageRangeError, "token page 2 is outside \\[0, 2\\)"),
+    (lambda t: t.begin("r", 64, needed={"full": [2], "ssm": [0]}), PageRangeError,
+     "token page 2 is outside \\[0, 2\\)"),
     (lambda t: t.begin("r", 64, needed={"full": [0.5], "ssm": [0]}), PageRangeError, "must be integers"),
     (lambda t: t.begin("r", 64, needed={"full": [[0]], "ssm": [0]}), PageRangeError, "must be 1-D"),
     (lambda t: t.begin("r", 64, needed={"full": [[0], [0, 1]], "ssm": [0]}), PageRangeError, "not an integer array"),

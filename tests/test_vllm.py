@@ -25,9 +25,16 @@ from types import SimpleNamespace
 import pytest
 
 from kvlend_vllm import launch
-
 from tests.support.vllm_rig import (
-    Rig, completion, decode_with, ensure_model, fetch_stats, generate, kv_usage, post, prefill_only,
+    Rig,
+    completion,
+    decode_with,
+    ensure_model,
+    fetch_stats,
+    generate,
+    kv_usage,
+    post,
+    prefill_only,
 )
 
 pytestmark = pytest.mark.system

@@ -14,13 +14,13 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from kvlend_vllm.layout import layout_from_kv_caches, model_digest, scope_of
-from kvlend_vllm.scheduler import TICKET_KEY, ConsumerScheduler, Endpoint, ProducerScheduler, request_digest
 
 from kvlend.core.layout import HeadOrder, PageLayout, Role
 from kvlend.core.negotiate import negotiate
 from kvlend.errors import LayoutError, LayoutMismatch
 from kvlend.protocol.ticket import Ticket
+from kvlend_vllm.layout import layout_from_kv_caches, model_digest, scope_of
+from kvlend_vllm.scheduler import TICKET_KEY, ConsumerScheduler, Endpoint, ProducerScheduler, request_digest
 
 pytestmark = pytest.mark.unit
 

@@ -17,15 +17,14 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from kvlend_vllm.layout import layout_from_kv_caches
-from kvlend_vllm.scheduler import TICKET_KEY, ConsumerScheduler, ProducerScheduler
-from kvlend_vllm.worker import ConsumerWorker, ProducerWorker, WorkerSettings
 
 import kvlend.protocol.wire
 from kvlend.protocol.config import NodeConfig
 from kvlend.protocol.ticket import Ticket
 from kvlend.security.certs import Authority
-
+from kvlend_vllm.layout import layout_from_kv_caches
+from kvlend_vllm.scheduler import TICKET_KEY, ConsumerScheduler, ProducerScheduler
+from kvlend_vllm.worker import ConsumerWorker, ProducerWorker, WorkerSettings
 from tests.support.certs import creds
 
 pytestmark = pytest.mark.nixl

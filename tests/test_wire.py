@@ -16,19 +16,49 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from kvlend.errors import PeerProtocolError, ProtocolError
 from kvlend.core.layout import RowSelection
 from kvlend.core.pages import GroupPages
+from kvlend.errors import PeerProtocolError, ProtocolError
 from kvlend.protocol.codes import Code
 from kvlend.protocol.wire import (
-    MAX_FRAME_BYTES, MAX_FRAME_CONTAINERS, MAX_FRAME_DEPTH, MESSAGES, PROTOCOL_VERSION, Abort, Bye, Claim, Renewed,
-    Done, DoneAck, Extend, FrameDecoder, Handshake, Heartbeat, LeaseOffer, Offer, encode_frame, message_from_wire,
+    MAX_FRAME_BYTES,
+    MAX_FRAME_CONTAINERS,
+    MAX_FRAME_DEPTH,
+    MESSAGES,
+    PROTOCOL_VERSION,
+    Abort,
+    Bye,
+    Claim,
+    Done,
+    DoneAck,
+    Extend,
+    FrameDecoder,
+    Handshake,
+    Heartbeat,
+    LeaseOffer,
+    Offer,
+    Renewed,
+    encode_frame,
+    message_from_wire,
 )
-
 from tests.support.profiles import examples
 from tests.support.wire import (
-    BIG_OFFER, HEAD, HUGE_CLAIMS, LID, META, OFFER, SAMPLES, decode_all, framed, lease, mutate, nested_empty_maps,
-    random_value, raw_map, wire_bytes, wrong_shape,
+    BIG_OFFER,
+    HEAD,
+    HUGE_CLAIMS,
+    LID,
+    META,
+    OFFER,
+    SAMPLES,
+    decode_all,
+    framed,
+    lease,
+    mutate,
+    nested_empty_maps,
+    random_value,
+    raw_map,
+    wire_bytes,
+    wrong_shape,
 )
 
 pytestmark = pytest.mark.unit
@@ -493,7 +523,8 @@ def test_hypothesis_valid_messages_round_trip(messages, data):
 
 anything = st.recursive(
     st.one_of(st.none(), st.booleans(), st.integers(), st.floats(), st.text(max_size=10), st.binary(max_size=20)),
-    lambda c: st.lists(c, max_size=3) | st.dictionaries(st.one_of(st.text(max_size=6), st.binary(max_size=4)), c, max_size=3),
+    lambda c: (st.lists(c, max_size=3)
+               | st.dictionaries(st.one_of(st.text(max_size=6), st.binary(max_size=4)), c, max_size=3)),
     max_leaves=12,
 )
 

@@ -9,12 +9,12 @@ import threading
 import time
 
 import numpy as np
-from multinode_rank import backend, config, emit, make_pools  # examples/, the rank script's folder
 
 from kvlend.cluster.router import Router
 from kvlend.errors import KvlendError, RegistryError
 from kvlend.runtime import DecodeNode, reload_on_sighup
 from kvlend.security.credentials import Credentials
+from multinode_rank import backend, config, emit, make_pools  # examples/, the rank script's folder
 
 from .api import ApiError, post_prefill
 from .kv import build_layout, page_shape, pages_of, request_pattern

@@ -6,9 +6,9 @@ from __future__ import annotations
 import hashlib
 
 import numpy as np
-from multinode_rank import DTYPE  # examples/, the rank script's folder
 
 from kvlend.core.layout import ReplicaRank, layout_from_pools
+from multinode_rank import DTYPE  # examples/, the rank script's folder
 
 SCOPE = "kvlend-cluster"
 

@@ -8,10 +8,10 @@ import threading
 import time
 
 import numpy as np
-from multinode_rank import backend, config, emit, make_pools  # examples/, the rank script's folder
 
 from kvlend.runtime import PrefillNode, reload_on_sighup
 from kvlend.security.credentials import Credentials
+from multinode_rank import backend, config, emit, make_pools  # examples/, the rank script's folder
 
 from .api import ApiServer
 from .kv import build_layout, page_shape, pages_of, request_pattern

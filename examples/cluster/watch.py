@@ -9,7 +9,6 @@ import time
 from kvlend.cluster.registry import Registry, etcd_security_from_env
 from kvlend.cluster.view import JOINED, LEFT
 
-
 _SAY = threading.Lock()
 
 

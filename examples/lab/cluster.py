@@ -76,8 +76,8 @@ def run_cluster(lab: Lab, args, python: str) -> int:
                 faults.break_link(lab, logs, decodes, facts, checks)
             with open(stop_file, "w"):
                 pass
-        wait_until(lambda: all(lab.procs[d].poll() is not None for d in decodes), limit + 15 - (time.monotonic() - start),
-                   lab)
+        wait_until(lambda: all(lab.procs[d].poll() is not None for d in decodes),
+                   limit + 15 - (time.monotonic() - start), lab)
         with open(lab.path("stop-prefills"), "w"):  # then the prefills: they drain their leases and report
             pass
         wait_until(lambda: all(lab.procs[rank_of(p)].poll() is not None for p in PREFILLS), 25, lab)

@@ -52,7 +52,8 @@ def evaluate(lab, mode: str, facts: dict, checks: dict, before: dict, after: dic
         if "link_down_at" in facts:
             report["failed_after_break"] = sum(1 for f in failures if f["at"] > facts["link_down_at"])
         print(json.dumps(report))
-        print(f"     decode {d}: {r.get('requests')} of {r.get('started')} requests, {report['bytes'] / 2**20:.1f} MiB, "
+        print(f"     decode {d}: {r.get('requests')} of {r.get('started')} requests, "
+              f"{report['bytes'] / 2**20:.1f} MiB, "
               f"eth0 rx +{rx / 2**20:.1f} MiB, {len(failures)} typed failures, {report['lost']} lost, "
               f"{report['mismatched']} mismatched, by prefill {report['by_prefill']}", file=sys.stderr)
         checks[f"{d}_no_wrong_kv"] = report["mismatched"] == 0 and not report["stuck"] and r.get("requests", 0) > 0
@@ -62,7 +63,8 @@ def evaluate(lab, mode: str, facts: dict, checks: dict, before: dict, after: dic
             within = all(f["seconds"] <= f["deadline"] + f["grace"] + 2.0 for f in failures)
             checks[f"{d}_failed_within_deadline"] = report["failed_after_break"] > 0 and within
             in_flight = [f for f in failures if f["started"] < facts["link_down_at"]]
-            facts["in_flight_at_break"] = [{k: f[k] for k in ("request", "stage", "error", "seconds")} for f in in_flight]
+            facts["in_flight_at_break"] = [{k: f[k] for k in ("request", "stage", "error", "seconds")}
+                                           for f in in_flight]
             facts["slowest_failure_s"] = max((f["seconds"] for f in failures), default=None)
             checks[f"{d}_in_flight_failed"] = bool(in_flight)
         else:

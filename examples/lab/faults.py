@@ -21,7 +21,8 @@ def kill_prefill(lab: Lab, etcd: EtcdHost, logs: Logs, decodes, facts: dict, che
     facts["killed_at"] = time.time()
     facts["killed_pids"] = len(lab.kill_host("p1"))
     checks["record_left_everywhere"] = wait_until(
-        lambda: all(logs.registry(d, "LEFT", dead, facts["killed_at"]) for d in decodes), REGISTRY_TTL + 8, lab, decodes)
+        lambda: all(logs.registry(d, "LEFT", dead, facts["killed_at"]) for d in decodes), REGISTRY_TTL + 8, lab,
+        decodes)
     facts["listed_after_left"] = cluster_status(lab, etcd)
     checks["p1_not_in_etcd"] = facts["listed_after_left"] == sorted({*CLUSTER_RANKS} - {dead})
     served = {d: logs.served(d) for d in decodes}
@@ -47,7 +48,8 @@ def kill_etcd(lab: Lab, etcd: EtcdHost, logs: Logs, decodes, facts: dict, checks
 
     checks["recovered_from_leader_kill"] = wait_until(
         lambda: all(recovered(k, facts["leader_killed_at"]) for k in ranks), 10, lab, decodes)
-    facts["degraded_by_leader_kill"] = [k for k in ranks if logs.registry(k, "DEGRADED", after=facts["leader_killed_at"])]
+    facts["degraded_by_leader_kill"] = [k for k in ranks
+                                        if logs.registry(k, "DEGRADED", after=facts["leader_killed_at"])]
     second = facts["new_leader"]
     facts["quorum_lost_at"], facts["second_killed"] = time.time(), second
     etcd.ask(f"kill {second}")

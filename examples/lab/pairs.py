@@ -56,7 +56,8 @@ def run_pairs(lab: Lab, args, python: str) -> int:
     hung = [k for k, proc in lab.procs.items() if proc.poll() is None]
     after = {h: lab.rx_bytes(h) for h in ("d0", "d1")}
 
-    pairs = {"A": ("p0 tp1 -> d0 tp2", ["A-decode0", "A-decode1"], "d0"), "B": ("p1 tp1 -> d1 tp1", ["B-decode0"], "d1")}
+    pairs = {"A": ("p0 tp1 -> d0 tp2", ["A-decode0", "A-decode1"], "d0"),
+             "B": ("p1 tp1 -> d1 tp1", ["B-decode0"], "d1")}
     ok = True
     for pair, (desc, keys, host) in pairs.items():
         results = [lab.result(k) for k in keys]
@@ -90,7 +91,8 @@ def run_pairs(lab: Lab, args, python: str) -> int:
         line = (f"{mark} pair {pair} ({desc}): {nbytes / 2**20:.1f} MiB in {seconds:.3f} s, "
                 f"{report['gbps']} GB/s, {host} eth0 rx +{rx / 2**20:.1f} MiB, verified {'yes' if verified else 'no'}")
         if expect_failure:
-            line += (f"; link down at {broke_at and round(broke_at, 2)} s (mid-transfer: {report.get('mid_transfer')}), "
+            line += (f"; link down at {broke_at and round(broke_at, 2)} s "
+                     f"(mid-transfer: {report.get('mid_transfer')}), "
                      f"failure {report['failure']}, prefill leases left {report['leases_not_released']}")
         print(line, file=sys.stderr)
     if not args.break_link:

@@ -11,8 +11,17 @@ import json
 from pathlib import Path
 
 from kvlend.core.layout import (
-    BufferDesc, HeadGeometry, HeadOrder, LayerIdentity, LayerKind, MemoryKind, MemoryRegion,
-    PageLayout, ReplicaRank, Role, Sharding,
+    BufferDesc,
+    HeadGeometry,
+    HeadOrder,
+    LayerIdentity,
+    LayerKind,
+    MemoryKind,
+    MemoryRegion,
+    PageLayout,
+    ReplicaRank,
+    Role,
+    Sharding,
 )
 
 HERE = Path(__file__).resolve().parent
@@ -89,7 +98,8 @@ def jamba_hybrid(num_pages: int = 4096, num_requests: int = 256) -> PageLayout:
             f"L{layer}.STATE", "mamba.state", base, SSM_ROW, LayerIdentity(layer, LayerKind.RECURRENT, Role.STATE),
             "mamba", HeadGeometry(D_INNER, D_STATE * BF16, HeadOrder.HND, Sharding.INDEXED)))
         buffers.append(BufferDesc(
-            f"L{layer}.CONV", "mamba.state", base + SSM_ROW, CONV_ROW, LayerIdentity(layer, LayerKind.RECURRENT, Role.CONV),
+            f"L{layer}.CONV", "mamba.state", base + SSM_ROW, CONV_ROW,
+            LayerIdentity(layer, LayerKind.RECURRENT, Role.CONV),
             "mamba", HeadGeometry(D_INNER, (D_CONV - 1) * BF16, HeadOrder.HND, Sharding.INDEXED)))
     return PageLayout(tuple(regions), tuple(buffers), TOKENS_PER_PAGE, kept_window=262144,
                       dtype="bfloat16", scope="ai21labs/AI21-Jamba-1.5-Mini bf16", replica=ReplicaRank())

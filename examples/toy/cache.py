@@ -11,8 +11,17 @@ import numpy as np
 import torch
 
 from kvlend.core.layout import (
-    BufferDesc, HeadGeometry, LayerIdentity, LayerKind, MemoryRegion, PageLayout, ReplicaRank, Role, Sharding,
-    array_info, layout_from_pools,
+    BufferDesc,
+    HeadGeometry,
+    LayerIdentity,
+    LayerKind,
+    MemoryRegion,
+    PageLayout,
+    ReplicaRank,
+    Role,
+    Sharding,
+    array_info,
+    layout_from_pools,
 )
 from kvlend.errors import PageRangeError
 

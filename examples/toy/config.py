@@ -81,7 +81,8 @@ class ModelConfig:
         kinds = self.layer_kinds
         if not isinstance(kinds, tuple) or (kinds and len(kinds) != self.layers) \
                 or any(k not in LAYER_KINDS for k in kinds):
-            raise ToyEngineError(f"config.layer_kinds: expected {self.layers} of {LAYER_KINDS} (or none), got {kinds!r}")
+            raise ToyEngineError(
+                f"config.layer_kinds: expected {self.layers} of {LAYER_KINDS} (or none), got {kinds!r}")
         check_int("config.seed", self.seed, 0)
         if self.q_heads % self.kv_heads:
             raise ToyEngineError(f"config.q_heads: {self.q_heads} is not a multiple of kv_heads {self.kv_heads}")

@@ -80,7 +80,7 @@ def prefill(model: ToyModel, cache: PagedKVCache, prompt_tokens: Sequence[int],
     ``chunk``: prefill ``chunk`` tokens at a time (see ``prefill_chunks``), as a chunked-prefill engine does.
     """
     table, first = None, None
-    for table, _, first in prefill_chunks(model, cache, prompt_tokens, state, chunk):
+    for table, _, first in prefill_chunks(model, cache, prompt_tokens, state, chunk):  # noqa: B007 -- the last wins
         pass
     return table, first
 

@@ -38,7 +38,8 @@ def format_report(report: dict) -> str:
                     continue
                 lines.append(f"    {name:22s} {_fmt(r)}{extra}")
             lines.append("    ratios: " + ", ".join(f"{k} {v:.2f}x" for k, v in b["ratios"].items()))
-            lines.append("    targets: " + ", ".join(f"{k}: {'met' if v else 'MISSED'}" for k, v in b["targets"].items()))
+            lines.append("    targets: "
+                         + ", ".join(f"{k}: {'met' if v else 'MISSED'}" for k, v in b["targets"].items()))
         if "one_chunk_transfer_ms" in s:
             lines.append(f"  the off mode's whole transfer {s['transfer_ms_off']:.2f} ms, one chunk's about "
                          f"{s['one_chunk_transfer_ms']:.2f} ms; left after the last chunk with progressive lending "

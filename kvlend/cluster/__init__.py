@@ -5,7 +5,7 @@ and ``etcd_members`` (local etcd processes) do I/O and are imported on use,
 so a rank that never joins a cluster never loads an etcd client.
 """
 
-from .records import RankRecord, record_key, ranks_prefix
+from .records import RankRecord, ranks_prefix, record_key
 from .router import Router
 from .view import JOINED, LEFT, UPDATED, Change, ClusterView
 

@@ -34,7 +34,8 @@ START_TIMEOUT = 20.0
 
 
 def etcd_binary() -> str:
-    path = os.environ.get("KVLEND_ETCD") or shutil.which("etcd") or ("/usr/bin/etcd" if os.access("/usr/bin/etcd", os.X_OK) else None)
+    path = (os.environ.get("KVLEND_ETCD") or shutil.which("etcd")
+            or ("/usr/bin/etcd" if os.access("/usr/bin/etcd", os.X_OK) else None))
     if not path:
         raise RegistryError("etcd is not installed: run scripts/setup (it installs Debian's etcd-server) "
                             "or set KVLEND_ETCD to an etcd binary")

@@ -26,8 +26,8 @@ from types import MappingProxyType
 from typing import Mapping
 
 from ..core.layout import PageLayout
-from ..errors import ConfigError, KvlendError, RegistryError
 from ..core.names import check_identity
+from ..errors import ConfigError, KvlendError, RegistryError
 
 RECORD_VERSION = 2  # 2: the layout by digest (version 1 carried it whole)
 MAX_RECORD_BYTES = 16 << 10  # a record is a few hundred bytes (its layout is a digest); meta takes the rest

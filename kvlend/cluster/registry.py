@@ -46,8 +46,15 @@ from typing import Callable, Iterable, Mapping, Sequence
 from ..core.layout import PageLayout
 from ..errors import RegistryError
 from .etcd_client import (
-    ETCD_CA_ENV, ETCD_CERT_ENV, ETCD_KEY_ENV, ETCD_PASSWORD_ENV, ETCD_USER_ENV, etcd_security_from_env,
-    parse_endpoint, read_pem, tls_client,
+    ETCD_CA_ENV,
+    ETCD_CERT_ENV,
+    ETCD_KEY_ENV,
+    ETCD_PASSWORD_ENV,
+    ETCD_USER_ENV,
+    etcd_security_from_env,
+    parse_endpoint,
+    read_pem,
+    tls_client,
 )
 from .records import RankRecord, layout_key, record_key, wanted_layout
 from .view import Change, ClusterView

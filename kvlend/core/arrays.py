@@ -30,7 +30,8 @@ def array_info(arr: Any) -> ArrayInfo:
     if isinstance(arr, np.ndarray):
         if not arr.flags.c_contiguous:
             raise LayoutError("pool array must be C-contiguous")
-        return ArrayInfo(arr.ctypes.data, arr.nbytes, MemoryKind.HOST, 0, tuple(arr.shape), arr.itemsize, str(arr.dtype))
+        return ArrayInfo(arr.ctypes.data, arr.nbytes, MemoryKind.HOST, 0, tuple(arr.shape), arr.itemsize,
+                         str(arr.dtype))
     if hasattr(arr, "data_ptr") and hasattr(arr, "element_size"):
         if not arr.is_contiguous():
             raise LayoutError("pool tensor must be contiguous")

@@ -20,12 +20,30 @@ import msgpack
 from ..errors import LayoutError
 from .arrays import array_info
 from .layout_checks import (
-    MAX_BUFFERS, MAX_ENCODED_BYTES, MAX_REGIONS, MAX_SCOPE_LEN, check_int, check_name, fail, show,
+    MAX_BUFFERS,
+    MAX_ENCODED_BYTES,
+    MAX_REGIONS,
+    MAX_SCOPE_LEN,
+    check_int,
+    check_name,
+    fail,
+    show,
 )
 from .layout_codec import buffer_from_dict, buffer_to_dict, capped_list, exact_fields, region_from_dict
 from .layout_parts import (
-    BufferDesc, HeadGeometry, HeadOrder, LayerGroup, LayerIdentity, LayerKind, MemoryKind, MemoryRegion,
-    ReplicaRank, Role, RowSelection, SelectionMode, Sharding,
+    BufferDesc,
+    HeadGeometry,
+    HeadOrder,
+    LayerGroup,
+    LayerIdentity,
+    LayerKind,
+    MemoryKind,
+    MemoryRegion,
+    ReplicaRank,
+    Role,
+    RowSelection,
+    SelectionMode,
+    Sharding,
 )
 
 __all__ = [
@@ -119,7 +137,8 @@ class PageLayout:
             items.sort()
             for (s0, e0, n0), (s1, _e1, n1) in zip(items, items[1:]):
                 if s1 < e0:
-                    raise fail(f"buffer {n1!r}.offset", f"bytes [{s1}, ...) overlap buffer {n0!r} [{s0}, {e0}) in region {region_name!r}")
+                    raise fail(f"buffer {n1!r}.offset",
+                               f"bytes [{s1}, ...) overlap buffer {n0!r} [{s0}, {e0}) in region {region_name!r}")
 
     # ----------------------------------------------------------------- views
     @cached_property
@@ -332,7 +351,8 @@ def layout_from_pools(
             combined = kv is not None
             shape = info.shape
             if len(shape) != (5 if combined else 4) or (combined and shape[1] != 2):
-                expect = "[num_pages, 2, heads, tokens_per_page, head_dim]" if combined else "[num_pages, heads, tokens_per_page, head_dim]"
+                expect = ("[num_pages, 2, heads, tokens_per_page, head_dim]" if combined
+                          else "[num_pages, heads, tokens_per_page, head_dim]")
                 raise LayoutError(f"layer {layer}: tensor shape {shape} is not {expect}")
             if 0 in shape:
                 raise LayoutError(f"layer {layer}: tensor shape {shape} has an empty dimension")
@@ -342,7 +362,8 @@ def layout_from_pools(
             stride = info.nbytes // num_pages
             role_name = "kv" if combined else ("k", "v")[t_index]
             region = f"L{layer}.{role_name}"
-            regions.append(MemoryRegion(region, info.kind, info.device_id, info.nbytes, stride, num_pages, info.address))
+            regions.append(MemoryRegion(region, info.kind, info.device_id, info.nbytes, stride, num_pages,
+                                        info.address))
             geometry = HeadGeometry(heads, head_dim * info.itemsize, HeadOrder.HND, sharding)
             roles = [Role.K, Role.V] if combined else [(Role.K, Role.V)[t_index]]
             part = stride // len(roles)

@@ -8,7 +8,17 @@ from typing import Any
 
 from ..errors import LayoutError
 from .layout_checks import show
-from .layout_parts import BufferDesc, HeadGeometry, HeadOrder, LayerIdentity, LayerKind, MemoryKind, MemoryRegion, Role, Sharding
+from .layout_parts import (
+    BufferDesc,
+    HeadGeometry,
+    HeadOrder,
+    LayerIdentity,
+    LayerKind,
+    MemoryKind,
+    MemoryRegion,
+    Role,
+    Sharding,
+)
 
 
 def buffer_to_dict(b: BufferDesc) -> dict:
@@ -74,7 +84,8 @@ def buffer_from_dict(obj: Any) -> BufferDesc:
             sharding=parse_enum(Sharding, g["sharding"], "geometry.sharding"),
         )
     identity = LayerIdentity(
-        layer=d["layer"], kind=parse_enum(LayerKind, d["kind"], "buffer.kind"), role=parse_enum(Role, d["role"], "buffer.role"),
+        layer=d["layer"], kind=parse_enum(LayerKind, d["kind"], "buffer.kind"),
+        role=parse_enum(Role, d["role"], "buffer.role"),
     )
     return BufferDesc(
         name=d["name"], region=d["region"], offset=d["offset"], page_bytes=d["page_bytes"],

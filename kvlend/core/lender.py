@@ -52,12 +52,27 @@ from typing import Any, Callable, Mapping
 import numpy as np
 
 from ..errors import (
-    LayoutError, LeaseDenied, LeaseError, LeaseExpired, LeaseLifetimeExceeded, LeaseUnknown, PageRangeError,
-    PromptMismatch, QuotaExceeded,
+    LayoutError,
+    LeaseDenied,
+    LeaseError,
+    LeaseExpired,
+    LeaseLifetimeExceeded,
+    LeaseUnknown,
+    PageRangeError,
+    PromptMismatch,
+    QuotaExceeded,
 )
 from .layout import PageLayout, RowSelection
 from .lease import (  # Lease, LeaseLimits and the id size are imported from here too
-    LEASE_ID_BYTES, NO_LIMITS, Lease, LeaseLimits, check_id, check_peer, check_ready, check_time, show_peer,
+    LEASE_ID_BYTES,
+    NO_LIMITS,
+    Lease,
+    LeaseLimits,
+    check_id,
+    check_peer,
+    check_ready,
+    check_time,
+    show_peer,
 )
 from .locks import PageLocks, Slots
 from .pages import GroupPages, int_array
@@ -307,8 +322,8 @@ class Lender:
         rows lent before must keep their slots.  Pages newly complete at ``ready`` are locked and
         lent (recurrent state only once ``ready == num_tokens``, which makes the lease final).
         Returns the lease and the rows this call added, per group (empty groups left out), which is
-        what a reader needs to hear.  ``ready`` None means ``num_tokens`` (final).  Everything is checked (and the peer's page quota) before
-        anything changes; a final or ended lease cannot grow.
+        what a reader needs to hear.  ``ready`` None means ``num_tokens`` (final).  Everything is
+        checked (and the peer's page quota) before anything changes; a final or ended lease cannot grow.
         """
         lease = self.get(lease_id, now)
         if lease.final:

@@ -15,11 +15,11 @@ from typing import Mapping
 
 import numpy as np
 
-from .reads import ReadBatch
 from ..errors import LayoutError, PageRangeError
 from .layout import MemoryKind, MemoryRegion, RowSelection, SelectionMode
 from .negotiate import Piece, RegionPair, TransferPlan, merge_pieces
 from .pages import GroupPages, int_array
+from .reads import ReadBatch
 
 _U64 = np.uint64
 

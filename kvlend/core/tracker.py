@@ -143,7 +143,8 @@ class DeliveryTracker:
             need = r.needed[name]
             if not need[idx].all():
                 extra = idx[~need[idx]]
-                raise PageRangeError(f"pages[{name!r}]: token page {int(extra[0])} is not needed by request {request!r}")
+                raise PageRangeError(
+                    f"pages[{name!r}]: token page {int(extra[0])} is not needed by request {request!r}")
             if idx.size:
                 chunk[name] = idx
         if not chunk:

@@ -12,8 +12,20 @@ from __future__ import annotations
 from enum import IntEnum
 
 from ..errors import (
-    AuthError, KvlendError, LayoutError, LayoutMismatch, LeaseDenied, LeaseError, LeaseExpired, LeaseUnknown,
-    PeerProtocolError, PromptMismatch, ProtocolError, QuotaExceeded, TransferCancelled, TransferTimeout,
+    AuthError,
+    KvlendError,
+    LayoutError,
+    LayoutMismatch,
+    LeaseDenied,
+    LeaseError,
+    LeaseExpired,
+    LeaseUnknown,
+    PeerProtocolError,
+    PromptMismatch,
+    ProtocolError,
+    QuotaExceeded,
+    TransferCancelled,
+    TransferTimeout,
 )
 
 _DETAIL = 4000  # characters of a detail sent to a peer

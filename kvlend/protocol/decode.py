@@ -36,8 +36,16 @@ from ..core.negotiate import TransferPlan
 from ..core.text import printable
 from ..core.tracker import DeliveryTracker
 from ..errors import (
-    AuthError, ConfigError, KvlendError, LayoutMismatch, PeerLost, PeerProtocolError, QuotaExceeded, TransferCancelled,
-    TransferTimeout, UsageError,
+    AuthError,
+    ConfigError,
+    KvlendError,
+    LayoutMismatch,
+    PeerLost,
+    PeerProtocolError,
+    QuotaExceeded,
+    TransferCancelled,
+    TransferTimeout,
+    UsageError,
 )
 from . import states
 from .actions import Cancel, Close, Connect, FetchFinished, Outbox, PeerGone, Post, RemovePeer, Send

@@ -9,7 +9,13 @@ import numpy as np
 
 from ..core.prompt import check_digest
 from ..errors import (
-    AuthError, KvlendError, PageRangeError, PeerProtocolError, PromptMismatch, QuotaExceeded, UsageError,
+    AuthError,
+    KvlendError,
+    PageRangeError,
+    PeerProtocolError,
+    PromptMismatch,
+    QuotaExceeded,
+    UsageError,
 )
 from .codes import Code, lease_error
 from .decode_link import CLAIMED_AHEAD, REFUSED_KEPT, PrefillLink

@@ -54,7 +54,8 @@ class PrefillLink:
     backend_peer: bool = False  # AddPeer was asked for
     handshake_ms: float = 0.0
     leases: dict = field(default_factory=dict)  # lease id -> LinkLease, one state each (``lease_to``)
-    by_state: dict = field(default_factory=lambda: {s: {} for s in LeaseState})  # state -> {id: LinkLease}, oldest first
+    # state -> {id: LinkLease}, oldest first
+    by_state: dict = field(default_factory=lambda: {s: {} for s in LeaseState})
     _offered: dict = field(default_factory=dict)  # held or offered: id -> LinkLease, in the order the offers came
     beats: deque = field(default_factory=deque)  # (sent at, lease ids) of heartbeats not yet answered
     blind: int = 0  # unanswered heartbeats sent after ``beats`` was full (answered after those in it)

@@ -3,7 +3,8 @@
 Fed connections, received bytes and ``now``; returns actions (bytes to
 send, connections to close) and events (peers ready or gone, leases ended).
 It takes each decode rank's identity from the shell once TLS verified its
-certificate, refuses a second connection presenting a live peer's identity, checks each peer's layout before it sees a lease, lends pages
+certificate, refuses a second connection presenting a live peer's identity,
+checks each peer's layout before it sees a lease, lends pages
 (to a connected peer as a pushed offer, or to any peer behind a ticket),
 renews leases on heartbeats, answers claims and dones, and expires leases
 whose reader went quiet.  Every timing decision is made here with the time
@@ -43,7 +44,14 @@ from ..core.lender import Lease, Lender
 from ..core.negotiate import negotiate
 from ..core.text import printable
 from ..errors import (
-    AuthError, KvlendError, LayoutMismatch, LeaseDenied, LeaseUnknown, PeerLost, PeerProtocolError, QuotaExceeded,
+    AuthError,
+    KvlendError,
+    LayoutMismatch,
+    LeaseDenied,
+    LeaseUnknown,
+    PeerLost,
+    PeerProtocolError,
+    QuotaExceeded,
     UsageError,
 )
 from . import states
@@ -55,7 +63,19 @@ from .prefill_loans import Loans
 from .states import LoanEvent, LoanState, PeerEvent, PeerState
 from .ticket import Ticket
 from .wire import (
-    Abort, Bye, Claim, Done, DoneAck, Extend, Handshake, Heartbeat, LeaseOffer, Message, Offer, Renewed, check_offer,
+    Abort,
+    Bye,
+    Claim,
+    Done,
+    DoneAck,
+    Extend,
+    Handshake,
+    Heartbeat,
+    LeaseOffer,
+    Message,
+    Offer,
+    Renewed,
+    check_offer,
 )
 
 log = logging.getLogger("kvlend.session")
@@ -462,7 +482,8 @@ class PrefillSession(Outbox):
         """
         _remember(peer, lease_id, self.config.quotas.max_heartbeat_ids)
         if conn is not None and self.config.claim_wait > 0 and not self.lender.known(lease_id):
-            if lease_id not in self._waiting and self._loans.waiting_count(conn) < self.config.quotas.max_leases_per_peer:
+            if (lease_id not in self._waiting
+                    and self._loans.waiting_count(conn) < self.config.quotas.max_leases_per_peer):
                 self._loans.to(lease_id, LoanEvent.WAIT, reader=conn, deadline=now + self.config.claim_wait,
                               digest=digest)
                 return

@@ -24,12 +24,16 @@ from typing import Any, ClassVar, Mapping
 import msgpack
 import numpy as np
 
-from ..errors import KvlendError, PeerProtocolError, UsageError
-from ..core.layout import PageLayout
-from ..core.layout import RowSelection, SelectionMode, _show  # _show: a short, non-recursive repr of a peer's value
+from ..core.layout import (  # _show: a short, non-recursive repr of a peer's value
+    PageLayout,
+    RowSelection,
+    SelectionMode,
+    _show,
+)
 from ..core.lender import LEASE_ID_BYTES
-from ..core.prompt import PROMPT_DIGEST_BYTES
 from ..core.pages import GroupPages
+from ..core.prompt import PROMPT_DIGEST_BYTES
+from ..errors import KvlendError, PeerProtocolError, UsageError
 from .codes import Code, code_of, detail_of
 
 # 2: inside TLS, no MAC or sequence numbers; 3: progressive leases; 4: Claim.digest

@@ -40,8 +40,8 @@ from ..protocol.actions import FetchFinished, Offered, PeerReady
 from ..protocol.config import NodeConfig
 from ..protocol.decode import DecodeSession, Fetch, FetchState, clone_error
 from ..protocol.ticket import Ticket
-from ..security.credentials import Credentials
 from ..protocol.wire import LeaseOffer
+from ..security.credentials import Credentials
 from ..transport import TransferBackend
 from .clock import lease_clock
 from .shell import Shell, log
@@ -181,7 +181,8 @@ class DecodeNode(Shell):
         """The link to ``host:port`` once it is ready: authenticated, layouts exchanged, plan made.
 
         Reuses an open link; raises ``AuthError`` (TLS refused either side's certificate),
-        ``PeerLost``, ``LayoutMismatch``, ``PeerProtocolError`` or ``TransferTimeout`` (after ``timeout``, default the config's ``handshake_timeout``).
+        ``PeerLost``, ``LayoutMismatch``, ``PeerProtocolError`` or ``TransferTimeout`` (after ``timeout``,
+        default the config's ``handshake_timeout``).
         """
         with self._lock:
             conn = self.session.link_to(host, port, self.clock())

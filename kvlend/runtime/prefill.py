@@ -23,8 +23,8 @@ from ..cluster.view import JOINED, LEFT, Change
 from ..core.layout import PageLayout, RowSelection
 from ..core.lender import Lease
 from ..core.negotiate import negotiate
-from ..errors import ConfigError, KvlendError
 from ..core.text import printable
+from ..errors import ConfigError, KvlendError
 from ..metrics import METRICS
 from ..protocol.actions import LeaseEnded, PeerGone, PeerReady
 from ..protocol.config import NodeConfig

@@ -226,7 +226,9 @@ class Sockets:
         return len(c.out) if c is not None else 0
 
     # ----------------------------------------------------------------- input
-    def poll(self, timeout: float) -> tuple[list[socket.socket], list[int], list[tuple[int, bytes]], list[tuple[int, str]]]:
+    def poll(
+        self, timeout: float,
+    ) -> tuple[list[socket.socket], list[int], list[tuple[int, bytes]], list[tuple[int, str]]]:
         """Wait up to ``timeout`` s; returns (accepted sockets, connections now up, data received, closed ones).
 
         Each closed entry carries why; its connection is already forgotten.
@@ -236,7 +238,7 @@ class Sockets:
         gone += self._dropped
         self._dropped = []
         self._lookups_done(now, gone)
-        deadlines = [l.deadline for l in self._lookups.values()]
+        deadlines = [lookup.deadline for lookup in self._lookups.values()]
         for conn, c in list(self._conns.items()):
             if c.backed_up is None:
                 continue

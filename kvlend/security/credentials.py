@@ -41,7 +41,7 @@ class Credentials:
     files: tuple[str, str, str] | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
-        self._cert  # parses, so a bad certificate fails here rather than at the first handshake
+        self._cert  # noqa: B018 -- parses, so a bad certificate fails here rather than at the first handshake
 
     @functools.cached_property
     def _cert(self) -> x509.Certificate:

@@ -14,8 +14,8 @@ import time
 
 import numpy as np
 
-from kvlend.transport import ReadBatch
 from kvlend.core.layout import MemoryKind, MemoryRegion
+from kvlend.transport import ReadBatch
 from kvlend_nixl import NixlBackend
 
 SIZE = 64 << 20

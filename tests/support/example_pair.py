@@ -9,7 +9,6 @@ import subprocess
 import sys
 
 import toy_engine as te  # examples/, on sys.path by [tool.pytest.ini_options] pythonpath
-
 from kvlend.security.credentials import CA_ENV, CERT_ENV, KEY_ENV
 
 from .children import EXAMPLES, ROOT

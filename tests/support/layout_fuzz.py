@@ -10,11 +10,18 @@ import signal
 
 import msgpack
 
-from kvlend.errors import LayoutError
 from kvlend.core.layout import (
-    BufferDesc, HeadGeometry, LayerIdentity, LayerKind, MemoryKind, MemoryRegion, PageLayout,
-    ReplicaRank, Role,
+    BufferDesc,
+    HeadGeometry,
+    LayerIdentity,
+    LayerKind,
+    MemoryKind,
+    MemoryRegion,
+    PageLayout,
+    ReplicaRank,
+    Role,
 )
+from kvlend.errors import LayoutError
 
 HANG_GUARD_S = 120  # far above the ~2 s the loop takes; only turns a hang into a failure
 
@@ -45,7 +52,8 @@ INTERESTING = HUGE_CLAIMS + (b"\xc0", b"\xc1", b"\xc2", b"\xc3", b"\x90", b"\x80
 def seed_layouts() -> list[PageLayout]:
     kv = 2 * 4 * 8  # heads 2, bytes_per_head 4, 8 tokens per page
     dense = PageLayout(
-        regions=tuple(MemoryRegion(f"L{i}.kv", MemoryKind.DEVICE, 0, 2 * kv * 8, 2 * kv, 8, 4096 * i) for i in range(4)),
+        regions=tuple(MemoryRegion(f"L{i}.kv", MemoryKind.DEVICE, 0, 2 * kv * 8, 2 * kv, 8, 4096 * i)
+                      for i in range(4)),
         buffers=tuple(
             BufferDesc(f"L{i}.{role.value}", f"L{i}.kv", j * kv, kv, LayerIdentity(i, LayerKind.ATTENTION, role),
                        "full", HeadGeometry(2, 4))
@@ -58,9 +66,12 @@ def seed_layouts() -> list[PageLayout]:
                  MemoryRegion("swa", MemoryKind.HOST, 0, 2048, 256, 8),
                  MemoryRegion("ssm", MemoryKind.DEVICE, 1, 4096, 1024, 4)),
         buffers=(BufferDesc("a", "attn", 0, 512, LayerIdentity(0, LayerKind.ATTENTION, Role.KV), "full"),
-                 BufferDesc("w", "swa", 0, 128, LayerIdentity(2, LayerKind.ATTENTION, Role.K), "swa", window=64, sinks=1),
-                 BufferDesc("x", "swa", 128, 128, LayerIdentity(2, LayerKind.ATTENTION, Role.V), "swa", window=64, sinks=1),
-                 BufferDesc("s", "ssm", 0, 768, LayerIdentity(1, LayerKind.RECURRENT, Role.STATE), "mamba", HeadGeometry(48, 16)),
+                 BufferDesc("w", "swa", 0, 128, LayerIdentity(2, LayerKind.ATTENTION, Role.K), "swa",
+                            window=64, sinks=1),
+                 BufferDesc("x", "swa", 128, 128, LayerIdentity(2, LayerKind.ATTENTION, Role.V), "swa",
+                            window=64, sinks=1),
+                 BufferDesc("s", "ssm", 0, 768, LayerIdentity(1, LayerKind.RECURRENT, Role.STATE), "mamba",
+                            HeadGeometry(48, 16)),
                  BufferDesc("c", "ssm", 768, 96, LayerIdentity(1, LayerKind.RECURRENT, Role.CONV), "mamba")),
         tokens_per_page=4, kept_window=256, dtype="float16", scope="", replica=ReplicaRank(pp_size=2, pp_rank=1),
     )
@@ -122,7 +133,8 @@ def random_value(rng: random.Random, depth: int = 0):
         for _ in range(rng.randrange(100, 1000)):  # deep, but within msgpack's own nesting limit
             nested = [nested]
         return nested
-    return copy.deepcopy(rng.choice(SEED_DICTS)[rng.choice(("regions", "buffers", "replica"))])  # right value, wrong place
+    # right value, wrong place
+    return copy.deepcopy(rng.choice(SEED_DICTS)[rng.choice(("regions", "buffers", "replica"))])
 
 
 def containers(obj, out, depth=0):

@@ -53,7 +53,16 @@ import numpy as np
 from kvlend.core.layout import RowSelection
 from kvlend.errors import BackendError, KvlendError, PeerLost, TransferCancelled
 from kvlend.protocol.actions import (
-    AddPeer, Cancel, Close, Connect, FetchFinished, LeaseEnded, Offered, Post, RemovePeer, Send,
+    AddPeer,
+    Cancel,
+    Close,
+    Connect,
+    FetchFinished,
+    LeaseEnded,
+    Offered,
+    Post,
+    RemovePeer,
+    Send,
 )
 from kvlend.protocol.config import NodeConfig
 from kvlend.protocol.decode import DecodeSession, Fetch, FetchState
@@ -255,6 +264,10 @@ class Record:
 
     @property
     def seed(self) -> int | None:
+        return self.remember_seed()
+
+    def remember_seed(self) -> int | None:
+        """The request's seed, taken from the offer (and kept) the first time the offer is known."""
         offer = self.fetch.offer
         if self.known_seed is None and offer is not None:
             self.known_seed = offer.meta.get("seed")
@@ -464,7 +477,7 @@ class DecodeEnd:
 
     def _track(self, fetch: Fetch, dst: dict, resume_from: int, seed: int | None = None) -> Record:
         record = Record(fetch, dst, resume_from, known_seed=seed)
-        record.seed  # noqa: B018 - remember it while the offer is known
+        record.remember_seed()  # while the offer is known
         record.bounds.append(fetch.bound)
         tpp = self.layout.tokens_per_page
         kept = set(self.kept_pages(resume_from).tolist())
@@ -696,7 +709,7 @@ class World:
                 if record.finished:
                     continue
                 f = record.fetch
-                record.seed  # remember it while the offer is known
+                record.remember_seed()  # while the offer is known
                 # The prefill voided the lease (released, refused): what was read under it is void too.
                 voided = f.bound == record.resume_from and f.state is FetchState.CANCELLING
                 if (f.bound < record.bounds[-1] and not voided) or not 0 <= f.bound <= f.num_tokens:

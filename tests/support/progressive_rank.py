@@ -40,8 +40,8 @@ import sys
 import time
 
 import numpy as np
-import toy_engine  # examples/, on PYTHONPATH (tests.support.children.child_env)
 
+import toy_engine  # examples/, on PYTHONPATH (tests.support.children.child_env)
 from kvlend.errors import KvlendError, PeerLost, TransferTimeout
 from kvlend.runtime import DecodeNode, NodeConfig, PrefillNode
 from kvlend.security.credentials import Credentials

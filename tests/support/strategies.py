@@ -13,8 +13,17 @@ from __future__ import annotations
 from hypothesis import strategies as st
 
 from kvlend.core.layout import (
-    BufferDesc, HeadGeometry, HeadOrder, LayerIdentity, LayerKind, MemoryKind, MemoryRegion,
-    PageLayout, ReplicaRank, Role, Sharding,
+    BufferDesc,
+    HeadGeometry,
+    HeadOrder,
+    LayerIdentity,
+    LayerKind,
+    MemoryKind,
+    MemoryRegion,
+    PageLayout,
+    ReplicaRank,
+    Role,
+    Sharding,
 )
 
 DTYPES = ("bfloat16", "float16", "float32", "float8_e4m3fn", "int8")

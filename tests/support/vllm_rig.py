@@ -18,9 +18,8 @@ import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
-from kvlend_vllm import launch
-
 from kvlend.security.certs import Authority, save_rank
+from kvlend_vllm import launch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BOOT_S = 300  # one engine boots in 15-25 s on a quiet 2-core box, minutes on a busy one

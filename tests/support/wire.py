@@ -15,8 +15,19 @@ from kvlend.core.pages import GroupPages
 from kvlend.protocol.codes import Code
 from kvlend.protocol.ticket import TEXT_PREFIX, TICKET_VERSION
 from kvlend.protocol.wire import (
-    PROTOCOL_VERSION, Abort, Bye, Claim, Done, DoneAck, Extend, FrameDecoder, Handshake, Heartbeat, LeaseOffer,
-    Offer, Renewed,
+    PROTOCOL_VERSION,
+    Abort,
+    Bye,
+    Claim,
+    Done,
+    DoneAck,
+    Extend,
+    FrameDecoder,
+    Handshake,
+    Heartbeat,
+    LeaseOffer,
+    Offer,
+    Renewed,
 )
 
 LID, LID2 = bytes(range(16)), bytes(range(16, 32))

@@ -35,7 +35,8 @@ def run(lender: LenderProcess, backend, sizes: Sizes, progress) -> dict:
             "requests": rows, "notes": notes}
 
 
-def _model_request(reader: Reader, lender: LenderProcess, tokens: int, layers: int, pool: int, reps: int, progress) -> dict:
+def _model_request(reader: Reader, lender: LenderProcess, tokens: int, layers: int, pool: int, reps: int,
+                   progress) -> dict:
     n = tokens // TPP
     src, dst = fragmented(pool, n, seed=tokens), fragmented(pool, n, seed=tokens + 1)
     nbytes = n * 2 * layers * PAGE_BYTES

@@ -64,7 +64,8 @@ def run(lender: LenderProcess, backend, sizes: Sizes, progress) -> dict:
         "ratios": {f"p50 kvlend/{k}": kv["p50_ms"] / results[k]["p50_ms"] for k in raw_methods}
         | {f"p99 kvlend/{k}": kv["p99_ms"] / results[k]["p99_ms"] for k in raw_methods}
         | {"p50 kvlend_node/kvlend": results["kvlend_node"]["p50_ms"] / kv["p50_ms"],
-           "p50 kvlend_node_ahead/kvlend_node": results["kvlend_node_ahead"]["p50_ms"] / results["kvlend_node"]["p50_ms"]},
+           "p50 kvlend_node_ahead/kvlend_node":
+               results["kvlend_node_ahead"]["p50_ms"] / results["kvlend_node"]["p50_ms"]},
         "node_overhead_ms": results["kvlend_node"]["p50_ms"] - kv["p50_ms"],
         "node_ahead_overhead_ms": results["kvlend_node_ahead"]["p50_ms"] - kv["p50_ms"],
         "targets": {f"p50 <= 1.5x the faster raw ({faster})": kv["p50_ms"] <= 1.5 * results[faster]["p50_ms"],

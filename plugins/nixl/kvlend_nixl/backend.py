@@ -60,10 +60,10 @@ from typing import Mapping, Sequence
 
 import numpy as np
 
-from kvlend.transport import Completion, ReadBatch
-from kvlend.metrics import METRICS
-from kvlend.errors import BackendError, KvlendError, PeerLost, TransferCancelled, TransferTimeout
 from kvlend.core.layout import MemoryKind, MemoryRegion
+from kvlend.errors import BackendError, KvlendError, PeerLost, TransferCancelled, TransferTimeout
+from kvlend.metrics import METRICS
+from kvlend.transport import Completion, ReadBatch
 
 from .nixl_build import api as nixl, bindings as _nb
 

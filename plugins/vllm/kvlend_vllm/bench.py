@@ -29,7 +29,6 @@ from concurrent.futures import ThreadPoolExecutor
 from . import launch, models
 from .demo import KV_METRICS, boot, make_prompts, pct, scrape, start_engine, start_router, workload, write_certs
 
-
 _KV_KEYS = ("kv_transfers", "kv_xfer_s", "kv_read_s", "kv_bytes", "kv_failed")  # summed over a row's requests
 
 
@@ -114,7 +113,8 @@ def merge(rows: list[dict]) -> list[dict]:
 
 def table(merged: list[dict]) -> str:
     lines = ["| row | connector | TTFT p50 ms | TTFT p99 ms | decode leg p50 ms | decode leg p99 ms | reads ms (mean) "
-             "| whole transfer ms (mean) | MiB/request | requests (errors) |", "|---|---|---|---|---|---|---|---|---|---|"]
+             "| whole transfer ms (mean) | MiB/request | requests (errors) |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     by_row = {}
     for m in merged:
         by_row.setdefault(m["row"], {})[m["connector"]] = m

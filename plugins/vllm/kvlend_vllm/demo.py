@@ -219,7 +219,9 @@ def report(args, results: list[dict], wall_s: float, boot_s: dict, rss: dict,
 
 
 def print_report(rep: dict) -> None:
-    f = lambda v: "-" if v is None else (f"{v:.3f}" if isinstance(v, float) else str(v))
+    def f(v) -> str:
+        return "-" if v is None else (f"{v:.3f}" if isinstance(v, float) else str(v))
+
     print("\n== kvlend vLLM demo ==")
     for k, v in rep.items():
         if isinstance(v, dict):

@@ -24,7 +24,15 @@ import json
 from typing import Any, Mapping
 
 from kvlend.core.layout import (
-    BufferDesc, HeadGeometry, HeadOrder, LayerIdentity, LayerKind, MemoryKind, MemoryRegion, PageLayout, Role,
+    BufferDesc,
+    HeadGeometry,
+    HeadOrder,
+    LayerIdentity,
+    LayerKind,
+    MemoryKind,
+    MemoryRegion,
+    PageLayout,
+    Role,
 )
 from kvlend.errors import LayoutError
 
