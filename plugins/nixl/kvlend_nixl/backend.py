@@ -51,11 +51,9 @@ import logging
 import math
 import os
 import secrets
-import struct
 import threading
 import time
 import weakref
-from dataclasses import dataclass
 from typing import Mapping, Sequence
 
 import numpy as np
@@ -65,17 +63,14 @@ from kvlend.errors import BackendError, KvlendError, PeerLost, TransferCancelled
 from kvlend.metrics import METRICS
 from kvlend.transport import Completion, ReadBatch
 
+from .calls import MAX_NAME, Read, as_error, check_tag, peer_name, post, quietly, release
+from .memory import MEM, check_gpus, register as register_regions, spans as registered_spans
 from .nixl_build import api as nixl, bindings as _nb
 
 log = logging.getLogger(__name__)
 
-_MEM = {MemoryKind.HOST: "DRAM", MemoryKind.DEVICE: "VRAM"}
 _ERROR_MODES = ("peer", "none")
 _MAX_METADATA = 64 << 20
-_MAX_NAME = 256
-# Serialized agent metadata starts with the agent's name (nixlSerDes, NIXL 1.x).
-_MD_PREFIX = b"nixlSerDes|Agent"
-_DISCONNECT = (_nb.nixlRemoteDisconnectError,)
 # UCX transports whose READs land only while the reader's worker is progressed (tcp: a GET is
 # emulated with messages) or inside transfer() (CPU copies); RDMA NICs and GPU copy engines write on their own.
 _PROGRESSED_TLS = frozenset(("tcp", "cma", "sm", "shm", "self", "posix", "sysv", "xpmem"))
@@ -97,59 +92,10 @@ def _quiet_nixl_logging() -> None:
 _quiet_nixl_logging()
 
 
-def _as_error(exc: BaseException, what: str) -> KvlendError:
-    if isinstance(exc, KvlendError):
-        return exc
-    cls = PeerLost if isinstance(exc, _DISCONNECT) else BackendError
-    return cls(f"{what}: {type(exc).__name__}: {exc}")
-
-
 def _check_seconds(name: str, value) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
         raise BackendError(f"{name} must be a positive finite number of seconds, got {value!r}")
     return float(value)
-
-
-def peer_name(metadata: bytes) -> str:
-    """The agent name inside NIXL metadata, read before loading it.
-
-    NIXL refuses (NOT_ALLOWED) new metadata under a name it already holds, so a
-    restarted peer must be removed first, and for that its name must be known.
-    """
-    head = len(_MD_PREFIX)
-    if not metadata.startswith(_MD_PREFIX) or len(metadata) < head + 8:
-        raise BackendError("peer metadata is not NIXL agent metadata (bad header)")
-    (size,) = struct.unpack_from("=Q", metadata, head)
-    end = head + 8 + size
-    if not 0 < size <= _MAX_NAME or len(metadata) <= end or metadata[end:end + 1] != b"|":
-        raise BackendError(f"peer metadata has a malformed agent name (length {size})")
-    try:
-        return metadata[head + 8:end].decode("utf-8")
-    except UnicodeDecodeError:
-        raise BackendError("peer metadata agent name is not UTF-8") from None
-
-
-@dataclass(eq=False)
-class _Read:
-    """One tag: its handles, which of them may still write, and its first error."""
-
-    peer: str
-    handles: list
-    deadline: float
-    live: list  # live[i]: handle i was posted and NIXL has not yet said DONE or ERR
-    posted: bool = False
-    error: KvlendError | None = None
-    failed_at: float = math.inf  # when ``error`` was set: the abort grace runs from here
-
-    @property
-    def settled(self) -> bool:
-        """Nothing of this read can write any more: it may be reported."""
-        return self.posted and not any(self.live)
-
-    def fail(self, error: KvlendError, now: float) -> None:
-        """Keep the first error; the read stays quarantined until it settles."""
-        if self.error is None:
-            self.error, self.failed_at = error, now
 
 
 class NixlBackend:
@@ -184,8 +130,8 @@ class NixlBackend:
     ) -> None:
         if name is None:
             name = f"kvlend-{os.getpid()}-{secrets.token_hex(4)}"
-        if not isinstance(name, str) or not 0 < len(name) <= _MAX_NAME:
-            raise BackendError(f"name must be a str of 1..{_MAX_NAME} characters, got {name!r}")
+        if not isinstance(name, str) or not 0 < len(name) <= MAX_NAME:
+            raise BackendError(f"name must be a str of 1..{MAX_NAME} characters, got {name!r}")
         if isinstance(num_threads, bool) or not isinstance(num_threads, int) or num_threads < 0:
             raise BackendError(f"num_threads must be an int >= 0, got {num_threads!r}")
         if error_mode not in _ERROR_MODES:
@@ -215,7 +161,7 @@ class NixlBackend:
         self._spans: dict[tuple[MemoryKind, int], tuple[np.ndarray, np.ndarray]] = {}
         self._peers: dict[str, bytes] = {}
         self._leaving: dict[str, bytes] = {}  # removed peers NIXL keeps until their reads settle
-        self._reads: dict[bytes, _Read] = {}
+        self._reads: dict[bytes, Read] = {}
         self._completed: list[Completion] = []
         self._resets = 0
         self._orphans = 0  # agents that outlived their reset
@@ -227,7 +173,7 @@ class NixlBackend:
             agent = nixl.nixl_agent(self.name, self._config)
             agent.create_backend("UCX", self._params)
         except Exception as exc:
-            raise _as_error(exc, f"creating NIXL agent {self.name!r} with UCX {self._params}") from None
+            raise as_error(exc, f"creating NIXL agent {self.name!r} with UCX {self._params}") from None
         return agent
 
     # ------------------------------------------------------------ lifecycle
@@ -271,10 +217,10 @@ class NixlBackend:
                     new[key] = r
             devices = [r for r in new.values() if r.kind is MemoryKind.DEVICE]
             if devices:
-                _check_gpus(devices)
-            self._registrations.extend(_register(agent, new))
+                check_gpus(devices)
+            self._registrations.extend(register_regions(agent, new))
             self._registered.update(new)
-            self._spans = _spans(self._registered)
+            self._spans = registered_spans(self._registered)
 
     def deregister(self) -> None:
         """Deregister everything; refused while reads are in flight or quarantined."""
@@ -284,13 +230,13 @@ class NixlBackend:
                 raise BackendError(f"cannot deregister while {len(self._reads)} reads are in flight")
             failures = [
                 exc for dlist in self._registrations
-                if (exc := self._quietly(agent.deregister_memory, dlist)) is not None
+                if (exc := quietly(agent.deregister_memory, dlist)) is not None
             ]
             self._registrations.clear()
             self._registered.clear()
             self._spans = {}
         if failures:
-            raise _as_error(failures[0], f"deregistering ({len(failures)} lists failed)")
+            raise as_error(failures[0], f"deregistering ({len(failures)} lists failed)")
 
     # -------------------------------------------------------------- peers
     def metadata(self) -> bytes:
@@ -300,7 +246,7 @@ class NixlBackend:
             try:
                 return bytes(agent.get_agent_metadata())
             except Exception as exc:
-                raise _as_error(exc, "reading local agent metadata") from None
+                raise as_error(exc, "reading local agent metadata") from None
 
     def add_peer(self, metadata: bytes) -> str:
         """Load a peer; a peer already known under the same name is replaced."""
@@ -326,7 +272,7 @@ class NixlBackend:
             except Exception as exc:
                 # NIXL 1.5 keeps the UCX connection of a half-loaded peer, so
                 # later loads under this name may fail until the agent is new.
-                raise _as_error(exc, f"loading metadata of peer {name!r} (malformed or truncated?)") from None
+                raise as_error(exc, f"loading metadata of peer {name!r} (malformed or truncated?)") from None
             self._peers[name] = data
             return name
 
@@ -362,12 +308,12 @@ class NixlBackend:
         if busy:
             self._leaving[peer] = data
         else:
-            self._quietly(self._agent.remove_remote_agent, peer)
+            quietly(self._agent.remove_remote_agent, peer)
 
     # -------------------------------------------------------------- reads
     def post_read(self, peer: str, batches: Sequence[ReadBatch], tag: bytes) -> None:
         """Post every batch; ``poll()`` reports one ``Completion(tag)`` for all."""
-        _check_tag(tag)
+        check_tag(tag)
         batches = list(batches)
         for i, b in enumerate(batches):
             if not isinstance(b, ReadBatch):
@@ -384,25 +330,25 @@ class NixlBackend:
             handles: list = []
             try:
                 for b in batches:
-                    local = agent.get_xfer_descs(np.ascontiguousarray(b.local), _MEM[b.local_kind])
-                    remote = agent.get_xfer_descs(np.ascontiguousarray(b.remote), _MEM[b.remote_kind])
+                    local = agent.get_xfer_descs(np.ascontiguousarray(b.local), MEM[b.local_kind])
+                    remote = agent.get_xfer_descs(np.ascontiguousarray(b.remote), MEM[b.remote_kind])
                     handles.append(agent.initialize_xfer("READ", local, remote, peer))
             except Exception as exc:
-                _release(handles)  # never posted: releasing aborts nothing
-                err = _as_error(exc, f"building read {tag!r} from peer {peer!r}")
+                release(handles)  # never posted: releasing aborts nothing
+                err = as_error(exc, f"building read {tag!r} from peer {peer!r}")
                 if not isinstance(err, PeerLost):
                     raise err from None
                 self._completed.append(Completion(tag, err))
                 return
-            read = _Read(peer, handles, time.monotonic() + self.timeout, live=[False] * len(handles))
+            read = Read(peer, handles, time.monotonic() + self.timeout, live=[False] * len(handles))
             self._reads[tag] = read
         # Outside this object's lock (over cma the copy happens inside transfer()); concurrent
         # calls into the agent are safe only with thread_safe=True (NIXL's RW sync mode).
-        live, error = _post(agent, handles, f"posting read {tag!r} to peer {peer!r}")
+        live, error = post(agent, handles, f"posting read {tag!r} to peer {peer!r}")
         del agent  # a reset must be able to destroy it
         with self._lock:
             if self._reads.get(tag) is not read:  # closed meanwhile
-                _release(handles)
+                release(handles)
                 return
             read.live[:len(live)] = live
             read.posted = True
@@ -410,7 +356,7 @@ class NixlBackend:
                 read.fail(error, time.monotonic())
             elif not any(live):  # over cma transfer() copies synchronously: terminal already
                 del self._reads[tag]
-                _release(handles)
+                release(handles)
                 self._completed.append(Completion(tag))
 
     def cancel(self, tag: bytes) -> None:
@@ -419,7 +365,7 @@ class NixlBackend:
         It then ends with ``TransferCancelled``, unless it had already completed
         (its success is reported).  An unknown or already reported tag is ignored.
         """
-        _check_tag(tag)
+        check_tag(tag)
         with self._lock:
             self._open_agent()
             read = self._reads.get(tag)
@@ -453,13 +399,13 @@ class NixlBackend:
     def poll(self) -> list[Completion]:
         """Progress the agent; return the reads that can no longer write, each exactly once."""
         with self._lock:
-            if not self._closed and self._agent is None and self._quietly(self._rebuild) is not None:
+            if not self._closed and self._agent is None and quietly(self._rebuild) is not None:
                 out, self._completed = self._completed, []  # nothing is in flight without an agent
                 return out
             try:
                 self._open_agent().get_new_notifs()  # progresses the worker (the target side needs it)
             except Exception as exc:
-                raise _as_error(exc, "progressing the NIXL agent") from None
+                raise as_error(exc, "progressing the NIXL agent") from None
             now = time.monotonic()
             for tag, read in self._reads.items():
                 if read.posted:
@@ -471,7 +417,7 @@ class NixlBackend:
             out, self._completed = self._completed, []
             return out
 
-    def _check(self, tag: bytes, read: _Read, now: float) -> None:
+    def _check(self, tag: bytes, read: Read, now: float) -> None:
         """Ask NIXL about each live handle; an overdue read is cancelled with ``TransferTimeout``."""
         for i, h in enumerate(read.handles):
             if read.live[i]:
@@ -493,7 +439,7 @@ class NixlBackend:
             # peer only once its reads have settled.
             return False, PeerLost(f"read {tag!r}: NIXL dropped peer {peer!r} after a disconnect")
         except Exception as exc:  # error statuses raise
-            return False, _as_error(exc, f"read {tag!r} from peer {peer!r}")
+            return False, as_error(exc, f"read {tag!r} from peer {peer!r}")
         if state == "ERR":
             return False, BackendError(f"read {tag!r} from peer {peer!r}: NIXL returned ERR")
         return state == "PROC", None
@@ -502,7 +448,7 @@ class NixlBackend:
         """Report reads that can no longer write; unload removed peers whose reads all settled."""
         for tag in [t for t, r in self._reads.items() if r.settled]:
             read = self._reads.pop(tag)
-            _release(read.handles)  # terminal: releasing only frees
+            release(read.handles)  # terminal: releasing only frees
             read.handles = []  # a handle object holds the agent, and a caller's variable may still hold the read
             self._completed.append(Completion(tag, read.error))
         if not self._leaving:
@@ -510,7 +456,7 @@ class NixlBackend:
         busy = {r.peer for r in self._reads.values()}
         for peer in [p for p in self._leaving if p not in busy]:
             del self._leaving[peer]
-            self._quietly(self._agent.remove_remote_agent, peer)
+            quietly(self._agent.remove_remote_agent, peer)
 
     def _reset(self, why: str) -> bool:
         """Take the agent out of service, the one way found to stop a GET NIXL cannot abort, and rebuild it.
@@ -526,13 +472,13 @@ class NixlBackend:
         now = time.monotonic()
         for tag, read in self._reads.items():
             read.fail(BackendError(f"read {tag!r} from peer {read.peer!r} aborted: {why}"), now)
-            _release(read.handles)  # no handle object may keep the agent alive
+            release(read.handles)  # no handle object may keep the agent alive
             read.handles, read.live = [], []
         self._leaving.clear()
         self._drop_agent(list(self._reads))
         self._resets += 1
         self._settle()
-        if (exc := self._quietly(self._rebuild)) is not None:
+        if (exc := quietly(self._rebuild)) is not None:
             log.warning("NIXL backend %r: %s; retried on the next call", self.name, exc)
         return True
 
@@ -540,12 +486,12 @@ class NixlBackend:
         """A new agent under this name, with the regions and the known peers loaded again."""
         try:
             agent = self._start_agent()
-            self._registrations = _register(agent, self._registered)
+            self._registrations = register_regions(agent, self._registered)
         except BackendError as exc:
             raise BackendError(f"NIXL backend {self.name!r} has had no agent since its reset: {exc}") from None
         self._agent = agent
         for peer, data in list(self._peers.items()):
-            if (exc := self._quietly(agent.add_remote_agent, data)) is not None:
+            if (exc := quietly(agent.add_remote_agent, data)) is not None:
                 log.warning("NIXL backend %r: peer %r not reloaded after the reset: %s", self.name, peer, exc)
                 del self._peers[peer]
 
@@ -594,14 +540,6 @@ class NixlBackend:
         """False once an agent outlived its reset (see ``_destroy``): restart the process when idle."""
         return self._orphans == 0
 
-    @staticmethod
-    def _quietly(fn, *args) -> Exception | None:
-        try:
-            fn(*args)
-        except Exception as exc:
-            return exc
-        return None
-
     def close(self) -> None:
         """Abort reads, deregister, forget peers and drop the agent (idempotent)."""
         with self._lock:
@@ -612,11 +550,11 @@ class NixlBackend:
             if agent is not None:  # None: lost in a reset, which left nothing in flight
                 for read in self._reads.values():
                     if read.posted:  # an unposted one is released by its poster
-                        _release(read.handles)
+                        release(read.handles)
                 for dlist in self._registrations:
-                    self._quietly(agent.deregister_memory, dlist)
+                    quietly(agent.deregister_memory, dlist)
                 for peer in [*self._peers, *self._leaving]:
-                    self._quietly(agent.remove_remote_agent, peer)
+                    quietly(agent.remove_remote_agent, peer)
             self._reads.clear()
             self._completed.clear()
             self._registrations.clear()
@@ -643,82 +581,3 @@ def _progressed_only(progress_thread: bool) -> bool:
         return not os.listdir("/sys/class/infiniband")
     except OSError:
         return True
-
-
-def _release(handles: list) -> None:
-    """Release handles, ignoring failures: a handle NIXL keeps is retried by its finalizer."""
-    for h in handles:
-        NixlBackend._quietly(h.release)
-
-
-def _check_tag(tag) -> None:
-    if not isinstance(tag, bytes):
-        raise BackendError(f"tag must be bytes, got {type(tag).__name__}")
-
-
-def _post(agent: nixl.nixl_agent, handles: list, what: str) -> tuple[list[bool], KvlendError | None]:
-    """Post each handle; which are in flight, and the error that stopped posting."""
-    live = []
-    for h in handles:
-        try:
-            state = agent.transfer(h)
-        except Exception as exc:
-            return live, _as_error(exc, what)
-        if state == "ERR":
-            return live, BackendError(f"{what}: NIXL returned ERR")
-        live.append(state == "PROC")
-    return live, None
-
-
-def _register(agent: nixl.nixl_agent, keys) -> list:
-    """Register ``(kind, device, address, size)`` keys, one NIXL list per kind; all or none."""
-    rows: dict[MemoryKind, list] = {}
-    for kind, device, address, size in keys:
-        rows.setdefault(kind, []).append([address, size, device])
-    done = []
-    try:
-        for kind, arr in rows.items():
-            done.append(agent.register_memory(np.array(arr, dtype=np.uint64), _MEM[kind]))
-    except Exception as exc:
-        for dlist in done:
-            NixlBackend._quietly(agent.deregister_memory, dlist)
-        raise _as_error(exc, f"registering {sum(map(len, rows.values()))} regions") from None
-    return done
-
-
-def _check_gpus(regions) -> None:
-    """DEVICE regions need CUDA and a device with each region's id."""
-    try:
-        import torch
-    except ImportError:
-        torch = None
-    if torch is None or not torch.cuda.is_available():
-        names = ", ".join(repr(r.name) for r in regions)
-        raise BackendError(f"DEVICE regions {names} need a CUDA GPU, but none is available")
-    count = torch.cuda.device_count()
-    for r in regions:
-        if r.device_id >= count:
-            raise BackendError(f"region {r.name!r}: device_id {r.device_id} but only {count} CUDA devices")
-
-
-def _spans(keys) -> dict[tuple[MemoryKind, int], tuple[np.ndarray, np.ndarray]]:
-    """Registered regions per (kind, device) as sorted, merged [start, end) spans.
-
-    Stored as (starts, ends_before) with ``ends_before[i]`` the end of span
-    ``i - 1`` (0 for i = 0), so ``ends_before[searchsorted(starts, a, "right")]``
-    is the end of the span that starts at or below address ``a``.
-    """
-    grouped: dict[tuple[MemoryKind, int], list[tuple[int, int]]] = {}
-    for kind, device, address, size in keys:
-        grouped.setdefault((kind, device), []).append((address, address + size))
-    out = {}
-    for key, spans in grouped.items():
-        merged: list[list[int]] = []
-        for start, end in sorted(spans):
-            if merged and start <= merged[-1][1]:
-                merged[-1][1] = max(merged[-1][1], end)
-            else:
-                merged.append([start, end])
-        arr = np.array(merged, dtype=np.uint64)
-        out[key] = (arr[:, 0].copy(), np.concatenate([np.zeros(1, dtype=np.uint64), arr[:, 1]]))
-    return out
