@@ -241,7 +241,7 @@ class ConsumerWorker:
         # seconds: start_fetch until vLLM's step saw it finish; transfer_s: kvlend's claim to done ack.
         line = {"request": request, "ok": handle.ok, "seconds": round(seconds, 6),
                 "transfer_s": round(result.seconds, 6) if result else None,
-                "bytes": result.bytes if result else 0, "bound": handle.bound,
+                "bytes": result.bytes if result else 0, "blocks": len(loading.blocks), "bound": handle.bound,
                 "error": None if handle.ok else type(handle.error).__name__,
                 "reported_s": None if loading.reported_at is None else round(loading.reported_at - loading.started, 6),
                 **{f"{k}_s": None if v is None else round(v, 6) for k, v in handle.timeline.items()}}
