@@ -149,7 +149,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--burst", type=int, default=16, help="concurrent requests in the last row")
     ap.add_argument("--burst-tokens", type=int, default=1024)
     ap.add_argument("--max-tokens", type=int, default=4)
-    ap.add_argument("--dtype", choices=launch.DTYPES, default="bfloat16", help="weights and KV cache (default bfloat16)")
+    ap.add_argument("--dtype", choices=launch.DTYPES, default="bfloat16",
+                    help="weights and KV cache (default bfloat16)")
     ap.add_argument("--rounds", type=int, default=2, help="kvlend then nixl, this many times")
     ap.add_argument("--connectors", default="kvlend,nixl")
     ap.add_argument("--kv-cache-gib", type=int, default=4)

@@ -242,7 +242,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prompt-tokens", help="comma-separated prompt lengths, cycled "
                     "(default tiny %s, large %s)" % (DEFAULT_TOKENS["tiny"], DEFAULT_TOKENS["large"]))
     ap.add_argument("--max-tokens", type=int, default=16)
-    ap.add_argument("--dtype", choices=launch.DTYPES, default="bfloat16", help="weights and KV cache (default bfloat16)")
+    ap.add_argument("--dtype", choices=launch.DTYPES, default="bfloat16",
+                    help="weights and KV cache (default bfloat16)")
     ap.add_argument("--concurrency", type=int, default=4)
     ap.add_argument("--kv-cache-gib", type=int, help="per server (default tiny 1, large 4)")
     ap.add_argument("--check", action="store_true",
