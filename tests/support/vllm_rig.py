@@ -38,10 +38,11 @@ class Rig:
         self._authority = Authority.create()
         self._certs = os.path.join(logs, "certs")
 
-    def engine(self, name: str, config: dict | None = None, *, extra=(), env=None) -> launch.Server:
+    def engine(self, name: str, config: dict | None = None, *, extra=(), env=None,
+               dtype: str = "bfloat16") -> launch.Server:
         port = launch.free_port()
         argv = launch.vllm_serve_argv(self.model, port, kv_transfer_config=config, max_model_len=2048,
-                                      extra=extra)
+                                      dtype=dtype, extra=extra)
         tls = save_rank(self._authority.issue(name), self._certs) if config else {}
         return self._start(name, port, argv, launch.vllm_env(1, {**tls, **(env or {})}))
 

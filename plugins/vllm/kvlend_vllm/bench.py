@@ -76,9 +76,10 @@ def run_pair(connector: str, args, model: str, max_len: int, log_dir: str, certs
     servers = []
     try:
         prefill = start_engine(f"{connector}-prefill", connector, "kv_producer", model, max_len, args.kv_cache_gib,
-                               log_dir, certs["prefill"])
+                               log_dir, certs["prefill"], dtype=args.dtype)
         decode = start_engine(f"{connector}-decode", connector, "kv_consumer", model, max_len, args.kv_cache_gib,
-                              log_dir, certs["decode"], {"stats_path": os.path.join(log_dir, "kvlend-fetches.jsonl")})
+                              log_dir, certs["decode"], {"stats_path": os.path.join(log_dir, "kvlend-fetches.jsonl")},
+                              dtype=args.dtype)
         servers = [prefill, decode]
         servers.append(start_router(prefill, decode, log_dir, args.request_timeout))
         boot(servers, args.boot_timeout)
@@ -148,6 +149,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--burst", type=int, default=16, help="concurrent requests in the last row")
     ap.add_argument("--burst-tokens", type=int, default=1024)
     ap.add_argument("--max-tokens", type=int, default=4)
+    ap.add_argument("--dtype", choices=launch.DTYPES, default="bfloat16",
+                    help="weights and KV cache (default bfloat16)")
     ap.add_argument("--rounds", type=int, default=2, help="kvlend then nixl, this many times")
     ap.add_argument("--connectors", default="kvlend,nixl")
     ap.add_argument("--kv-cache-gib", type=int, default=4)

@@ -100,7 +100,8 @@ def write_certs(log_dir: str, *identities: str) -> dict[str, dict[str, str]]:
 
 
 def start_engine(name: str, connector: str | None, role: str | None, model: str, max_len: int, kv_gib: int,
-                 log_dir: str, tls_env: dict[str, str], kvlend_extra: dict | None = None) -> launch.Server:
+                 log_dir: str, tls_env: dict[str, str], kvlend_extra: dict | None = None,
+                 dtype: str = "bfloat16") -> launch.Server:
     """One `vllm serve` with ``connector`` (kvlend | nixl) in ``role``, or a plain one (None);
     ``tls_env`` names kvlend's credentials (``write_certs``)."""
     port, extra_env, cfg = launch.free_port(), {}, None
@@ -111,7 +112,7 @@ def start_engine(name: str, connector: str | None, role: str | None, model: str,
         cfg = launch.kvlend_transfer_config(role, kvlend_extra)
         extra_env = dict(tls_env)
     return launch.Server(name, f"http://{HOST}:{port}").start(
-        launch.vllm_serve_argv(model, port, kv_transfer_config=cfg, max_model_len=max_len),
+        launch.vllm_serve_argv(model, port, kv_transfer_config=cfg, max_model_len=max_len, dtype=dtype),
         launch.vllm_env(kv_gib, extra_env), os.path.join(log_dir, f"{name}.log"))
 
 
@@ -204,7 +205,7 @@ def report(args, results: list[dict], wall_s: float, boot_s: dict, rss: dict,
     ttft = [r["ttft_s"] for r in ok if r["ttft_s"] is not None]
     pre = [r["prefill_ms"] for r in ok if r["prefill_ms"] is not None]
     toks = sum(len(r["token_ids"]) for r in ok)
-    rep = {"connector": args.connector, "size": args.size, "requests": len(results),
+    rep = {"connector": args.connector, "size": args.size, "dtype": args.dtype, "requests": len(results),
            "ok": len(ok), "errors": len(results) - len(ok),
            "first_errors": [r["error"] for r in results if "error" in r][:3],
            "prompt_tokens": args.prompt_tokens, "max_tokens": args.max_tokens,
@@ -241,6 +242,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prompt-tokens", help="comma-separated prompt lengths, cycled "
                     "(default tiny %s, large %s)" % (DEFAULT_TOKENS["tiny"], DEFAULT_TOKENS["large"]))
     ap.add_argument("--max-tokens", type=int, default=16)
+    ap.add_argument("--dtype", choices=launch.DTYPES, default="bfloat16",
+                    help="weights and KV cache (default bfloat16)")
     ap.add_argument("--concurrency", type=int, default=4)
     ap.add_argument("--kv-cache-gib", type=int, help="per server (default tiny 1, large 4)")
     ap.add_argument("--check", action="store_true",
@@ -267,7 +270,7 @@ def main(argv: list[str] | None = None) -> int:
 
     def engine(name: str, role: str | None) -> launch.Server:
         return start_engine(name, args.connector if role else None, role, model, max_len, kv_gib, log_dir,
-                            certs.get(name, {}))
+                            certs.get(name, {}), dtype=args.dtype)
 
     servers: list[launch.Server] = []
     try:

@@ -36,8 +36,11 @@ def _python() -> str:
     return VLLM_VENV_PYTHON if os.path.exists(VLLM_VENV_PYTHON) else sys.executable
 
 
+DTYPES = ("bfloat16", "float32")
+
+
 def vllm_serve_argv(model: str, port: int, *, kv_transfer_config: dict | None = None,
-                    max_model_len: int = 2048, host: str = "127.0.0.1",
+                    max_model_len: int = 2048, host: str = "127.0.0.1", dtype: str = "bfloat16",
                     extra: Sequence[str] = ()) -> list[str]:
     """argv of one `vllm serve`.
 
@@ -49,9 +52,9 @@ def vllm_serve_argv(model: str, port: int, *, kv_transfer_config: dict | None = 
     """
     argv = [_python(), "-m", "vllm.entrypoints.openai.api_server",
             "--host", host, "--port", str(port), "--model", model,
-            # float32: with bfloat16 a decode worker on an AMX CPU died with
-            # SIGILL in an AMX tile kernel once NIXL/UCX had connected.
-            "--dtype", "float32",
+            # bfloat16 on an AMX CPU needs kvlend's worker to ask for AMX
+            # before NIXL loads UCX (kvlend_vllm.worker._request_amx).
+            "--dtype", dtype,
             "--enforce-eager",
             "--max-model-len", str(max_model_len),
             # Prefix caching would let an engine reuse KV locally and hide

@@ -17,6 +17,8 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+
 from kvlend.core.text import printable
 from kvlend.errors import KvlendError
 from kvlend.protocol.config import NodeConfig
@@ -61,7 +63,21 @@ def _place(node) -> None:
         log.info("kvlend loop thread keeps its priority (%s)", exc)
 
 
+def _request_amx() -> None:
+    """Ask Linux for AMX tile state before NIXL loads UCX (bf16 on AMX CPUs).
+
+    Linux gives a process AMX only on request (arch_prctl), and refuses once a thread
+    has a signal stack too small for the AMX state.  Loading UCX before vLLM's first
+    bf16 attention kernel made that kernel die with SIGILL in the decode worker
+    (exit code -4); asking first, here, keeps bf16 working.
+    """
+    init_amx = getattr(getattr(torch._C, "_cpu", None), "_init_amx", None)
+    if init_amx is not None:  # False where the CPU has no AMX
+        log.info("kvlend: AMX tile state %s", "granted" if init_amx() else "not granted")
+
+
 def _backend(credentials: Credentials):
+    _request_amx()
     # The progress thread starves under busy polling on small hosts; the node's loop drives NIXL.
     # The pid keeps a restarted worker's agent apart from its predecessor's.
     return load_backend("nixl", name=f"{credentials.identity}-{os.getpid()}", timeout=10.0)
@@ -225,7 +241,7 @@ class ConsumerWorker:
         # seconds: start_fetch until vLLM's step saw it finish; transfer_s: kvlend's claim to done ack.
         line = {"request": request, "ok": handle.ok, "seconds": round(seconds, 6),
                 "transfer_s": round(result.seconds, 6) if result else None,
-                "bytes": result.bytes if result else 0, "bound": handle.bound,
+                "bytes": result.bytes if result else 0, "blocks": len(loading.blocks), "bound": handle.bound,
                 "error": None if handle.ok else type(handle.error).__name__,
                 "reported_s": None if loading.reported_at is None else round(loading.reported_at - loading.started, 6),
                 **{f"{k}_s": None if v is None else round(v, 6) for k, v in handle.timeline.items()}}
