@@ -71,7 +71,8 @@ def pair(tmp_path_factory):
     try:
         plain = rig.engine("plain")
         prefill = rig.engine("prefill", PREFILL, env=TCP)
-        decode = rig.engine("decode", decode_config(stats), env=TCP)
+        # The decode answers no prompt from its own prefix cache: each test checks what crossed kvlend.
+        decode = rig.engine("decode", decode_config(stats), env=TCP, prefix_caching=False)
         router = rig.router("router", prefill, decode)
         rig.wait(plain, prefill, decode, router)
         expected = generate(plain, model, prompts + others, MAX_TOKENS)
@@ -200,7 +201,7 @@ def test_decode_killed_frees_the_prefills_blocks_within_ttl_and_a_new_decode_is_
         assert time.monotonic() < deadline, "the prefill still holds blocks lent to the killed decode"
         time.sleep(0.25)
     stats = os.path.join(pair["logs"], "decode2-stats.jsonl")
-    decode = rig.engine("decode2", decode_config(stats), env=TCP)
+    decode = rig.engine("decode2", decode_config(stats), env=TCP, prefix_caching=False)
     router = rig.router("router2", prefill, decode)
     rig.wait(decode, router)
     got = generate(router, model, prompts[:8], MAX_TOKENS)

@@ -183,6 +183,18 @@ def test_consumer_loads_a_ticket_once_into_the_blocks_vllm_allocated():
     assert not s.take_plan().cancels
 
 
+def test_consumer_reads_only_the_blocks_its_prefix_cache_lacks():
+    """vLLM's local prefix hit (whole blocks) is not read again: the load resumes after it.  vLLM sets
+    request.num_computed_tokens only after update_state_after_alloc, so it cannot tell the hit."""
+    text = Ticket(b"\x01" * 16, "127.0.0.1", 5555, "prefill-a", 40, "ab" * 32).to_text()
+    s, req = ConsumerScheduler(BS), decode_req(text)
+    hit = 2 * BS
+    assert s.get_num_new_matched_tokens(req, hit) == (40 - hit, True)
+    s.update_state_after_alloc(req, Blocks([5, 4, 8, 2]), 40 - hit)  # req.num_computed_tokens is still 0
+    (load,) = s.take_plan().loads
+    assert (load.blocks, load.resume_from) == ((5, 4, 8), hit)
+
+
 @pytest.mark.parametrize("params", [
     None, {}, {"do_remote_prefill": True}, {"do_remote_prefill": True, TICKET_KEY: "kvl1.!!"},
     {"do_remote_prefill": True, TICKET_KEY: 17},

@@ -39,10 +39,10 @@ class Rig:
         self._certs = os.path.join(logs, "certs")
 
     def engine(self, name: str, config: dict | None = None, *, extra=(), env=None,
-               dtype: str = "bfloat16") -> launch.Server:
+               dtype: str = "bfloat16", prefix_caching: bool = True) -> launch.Server:
         port = launch.free_port()
         argv = launch.vllm_serve_argv(self.model, port, kv_transfer_config=config, max_model_len=2048,
-                                      dtype=dtype, extra=extra)
+                                      dtype=dtype, prefix_caching=prefix_caching, extra=extra)
         tls = save_rank(self._authority.issue(name), self._certs) if config else {}
         return self._start(name, port, argv, launch.vllm_env(1, {**tls, **(env or {})}))
 

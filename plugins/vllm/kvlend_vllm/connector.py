@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+import vllm
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorHandshakeMetadata,
@@ -24,13 +25,14 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorTransferResults,
 )
 from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+from vllm.v1.request import RequestStatus
 
 from kvlend.errors import ConfigError
 from kvlend.protocol.config import NodeConfig
 from kvlend.security.credentials import Credentials
 
 from .layout import layout_from_kv_caches, model_digest, scope_of
-from .scheduler import ConsumerScheduler, Endpoint, ProducerScheduler, StepPlan
+from .scheduler import LENT_STATUSES, ConsumerScheduler, Endpoint, ProducerScheduler, StepPlan
 from .stats import KvlendPromMetrics, KvlendStats
 from .worker import ConsumerWorker, ProducerWorker, WorkerSettings
 
@@ -62,6 +64,41 @@ def _number(extra: dict, key: str) -> float:
         raise ConfigError(f"kv_connector_extra_config.{key}: expected a number, got {value!r}") from None
 
 
+# vLLM releases this connector was built and tested against: [low, high) of (major, minor).
+SUPPORTED_VLLM = ((0, 32), (0, 33))
+
+
+def check_vllm(version: str, config) -> None:
+    """Refuse, at start-up, a vLLM or a configuration this connector does not understand.
+
+    Better a clear error before the workers start than wrong KV or a hang in the first request.
+    """
+    try:
+        major_minor = tuple(int(part) for part in version.split(".")[:2])
+    except ValueError:
+        major_minor = None
+    low, high = SUPPORTED_VLLM
+    if major_minor is None or not low <= major_minor < high:
+        raise ConfigError(f"KvlendConnector supports vLLM {low[0]}.{low[1]}.x, not {version!r}")
+    missing = [name for name in LENT_STATUSES if name not in RequestStatus.__members__]
+    if missing:
+        raise ConfigError(f"KvlendConnector: vLLM {version}'s RequestStatus has no {missing}")
+    parallel = config.parallel_config
+    if parallel.pipeline_parallel_size != 1:
+        raise ConfigError(f"KvlendConnector: pipeline parallel size must be 1, got {parallel.pipeline_parallel_size}")
+    if parallel.tensor_parallel_size != 1:  # each side's head slicing is not yet tested inside vLLM
+        raise ConfigError("KvlendConnector runs one worker per engine on either side (tensor parallel size 1), "
+                          f"got {parallel.tensor_parallel_size}")
+
+
+def check_kv_cache_groups(kv_cache_config) -> None:
+    """One KV cache group (full attention) is what the connector maps; a hybrid model has several."""
+    groups = getattr(kv_cache_config, "kv_cache_groups", None)
+    if groups is not None and len(groups) != 1:
+        raise ConfigError(f"KvlendConnector reads one KV cache group (full attention); this model has "
+                          f"{len(groups)} (sliding-window or hybrid layers are not supported yet)")
+
+
 @dataclass
 class KvlendMetadata(KVConnectorMetadata):
     plan: StepPlan = field(default_factory=StepPlan)
@@ -76,6 +113,8 @@ class KvlendConnector(KVConnectorBase_V1):
     def __init__(self, vllm_config, role: KVConnectorRole, kv_cache_config=None) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
         _show_kvlend_logs()
+        check_vllm(vllm.__version__, vllm_config)
+        check_kv_cache_groups(kv_cache_config)
         transfer = self._kv_transfer_config
         if transfer.kv_role not in ("kv_producer", "kv_consumer"):
             raise ConfigError(f"KvlendConnector: kv_role must be kv_producer or kv_consumer, got {transfer.kv_role!r}")

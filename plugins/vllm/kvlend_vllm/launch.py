@@ -41,6 +41,7 @@ DTYPES = ("bfloat16", "float32")
 
 def vllm_serve_argv(model: str, port: int, *, kv_transfer_config: dict | None = None,
                     max_model_len: int = 2048, host: str = "127.0.0.1", dtype: str = "bfloat16",
+                    prefix_caching: bool = True,
                     extra: Sequence[str] = ()) -> list[str]:
     """argv of one `vllm serve`.
 
@@ -57,11 +58,10 @@ def vllm_serve_argv(model: str, port: int, *, kv_transfer_config: dict | None = 
             "--dtype", dtype,
             "--enforce-eager",
             "--max-model-len", str(max_model_len),
-            # Prefix caching would let an engine reuse KV locally and hide
-            # whether the connector moved it.
-            "--no-enable-prefix-caching",
             "--seed", "0",
-            "--disable-uvicorn-access-log"]
+            "--disable-uvicorn-access-log",
+            # vLLM's default; off where a test must see every prompt's KV cross the connector.
+            "--enable-prefix-caching" if prefix_caching else "--no-enable-prefix-caching"]
     if kv_transfer_config is not None:
         argv += ["--kv-transfer-config", json.dumps(kv_transfer_config)]
     return argv + list(extra)

@@ -31,7 +31,9 @@ from kvlend.protocol.ticket import Ticket
 log = logging.getLogger("kvlend.vllm")
 
 TICKET_KEY = "kvlend_ticket"  # in kv_transfer_params, next to the do_remote_* flags routers already set
-_LENT_STATUSES = ("FINISHED_STOPPED", "FINISHED_LENGTH_CAPPED")  # an abort or error frees at once
+# Names of vLLM's RequestStatus a finished prefill is lent in (the connector checks they exist at
+# start-up); an abort or error frees the blocks at once.
+LENT_STATUSES = ("FINISHED_STOPPED", "FINISHED_LENGTH_CAPPED")
 
 
 @dataclass(frozen=True)
@@ -114,7 +116,7 @@ class ProducerScheduler:
             return False, None
         status = getattr(request.status, "name", str(request.status))
         num_tokens = request.num_computed_tokens
-        if status not in _LENT_STATUSES or not block_ids or num_tokens <= 0:
+        if status not in LENT_STATUSES or not block_ids or num_tokens <= 0:
             return False, None
         if self.endpoint is None:
             log.warning("request %s: no kvlend endpoint from the worker yet; not lent", request.request_id)
@@ -202,7 +204,9 @@ class ConsumerScheduler:
         claim = self._claimed.pop(request.request_id, None)
         digest = claim[1] if claim is not None else request_digest(request, ticket.num_tokens)
         table = tuple(blocks.get_block_ids()[0][:pages_for(ticket.num_tokens, self.block_size)])
-        resume = request.num_computed_tokens
+        # What vLLM holds already (its prefix cache: whole blocks) is not read again.  vLLM sets
+        # request.num_computed_tokens only after this call, so it comes from the external count.
+        resume = ticket.num_tokens - num_external_tokens
         self._plan.loads.append(Load(request.request_id, request.kv_transfer_params[TICKET_KEY], ticket.num_tokens,
                                      table, resume, digest))
         self._loading.add(request.request_id)

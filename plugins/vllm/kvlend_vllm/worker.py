@@ -142,6 +142,7 @@ class _Loading:
     handle: Any
     blocks: tuple[int, ...]
     num_tokens: int
+    resume_from: int  # tokens vLLM held already (its prefix cache): not read
     started: float
     reported_at: float | None = None  # when vLLM was told it finished (its bound covered the ticket)
     cancelled: bool = False
@@ -200,7 +201,7 @@ class ConsumerWorker:
                 self.stats.record_failure(len(recompute))
                 self._done.add(load.request)
                 continue
-            self._loading[load.request] = _Loading(handle, load.blocks, load.num_tokens, started)
+            self._loading[load.request] = _Loading(handle, load.blocks, load.num_tokens, load.resume_from, started)
             self._by_handle[handle.id] = load.request
 
     def finished_recving(self) -> set[str]:
@@ -241,7 +242,8 @@ class ConsumerWorker:
         # seconds: start_fetch until vLLM's step saw it finish; transfer_s: kvlend's claim to done ack.
         line = {"request": request, "ok": handle.ok, "seconds": round(seconds, 6),
                 "transfer_s": round(result.seconds, 6) if result else None,
-                "bytes": result.bytes if result else 0, "blocks": len(loading.blocks), "bound": handle.bound,
+                "bytes": result.bytes if result else 0, "blocks": len(loading.blocks),
+                "resume_from": loading.resume_from, "bound": handle.bound,
                 "error": None if handle.ok else type(handle.error).__name__,
                 "reported_s": None if loading.reported_at is None else round(loading.reported_at - loading.started, 6),
                 **{f"{k}_s": None if v is None else round(v, 6) for k, v in handle.timeline.items()}}

@@ -1,0 +1,64 @@
+"""The vLLM connector refuses, at start-up, a vLLM or a configuration it does not understand.
+
+Run in .venv-vllm (the connector imports vLLM), in a child interpreter.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+
+import pytest
+
+from kvlend_vllm import launch
+from tests.support.children import child_env
+
+pytestmark = pytest.mark.system
+
+PROBE = r"""
+import json, sys
+from types import SimpleNamespace as NS
+import vllm
+from kvlend.errors import ConfigError
+from kvlend_vllm.connector import check_kv_cache_groups, check_vllm
+
+def config(role="kv_consumer", tp=1, pp=1):
+    return NS(parallel_config=NS(tensor_parallel_size=tp, pipeline_parallel_size=pp),
+              kv_transfer_config=NS(kv_role=role))
+
+def refusal(fn, *args):
+    try:
+        fn(*args)
+    except ConfigError as exc:
+        return str(exc)
+    return None
+
+print(json.dumps({
+    "installed": refusal(check_vllm, vllm.__version__, config("kv_producer")),
+    "old": refusal(check_vllm, "0.31.4", config()),
+    "next": refusal(check_vllm, "0.33.0", config()),
+    "garbage": refusal(check_vllm, "main", config()),
+    "pp": refusal(check_vllm, vllm.__version__, config(pp=2)),
+    "producer_tp": refusal(check_vllm, vllm.__version__, config("kv_producer", tp=2)),
+    "consumer_tp": refusal(check_vllm, vllm.__version__, config("kv_consumer", tp=2)),
+    "one_group": refusal(check_kv_cache_groups, NS(kv_cache_groups=[object()])),
+    "two_groups": refusal(check_kv_cache_groups, NS(kv_cache_groups=[object(), object()])),
+    "no_config": refusal(check_kv_cache_groups, None),
+}))
+"""
+
+
+def test_the_connector_refuses_what_it_does_not_understand_before_the_workers_start():
+    assert os.path.exists(launch.VLLM_VENV_PYTHON), "no .venv-vllm: scripts/test runs scripts/vllm-setup first"
+    out = subprocess.run([launch.VLLM_VENV_PYTHON, "-c", PROBE], capture_output=True, text=True, timeout=180,
+                         env=child_env())
+    assert out.returncode == 0, out.stderr[-2000:]
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    assert got["installed"] is None  # what the tests run passes
+    assert got["one_group"] is None and got["no_config"] is None
+    assert "supports vLLM 0.32.x, not '0.31.4'" in got["old"] and "'0.33.0'" in got["next"]
+    assert "'main'" in got["garbage"]
+    assert "pipeline parallel size must be 1, got 2" in got["pp"]
+    assert "tensor parallel size 1), got 2" in got["producer_tp"] and "got 2" in got["consumer_tp"]
+    assert "this model has 2" in got["two_groups"]
