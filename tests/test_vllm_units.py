@@ -15,7 +15,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from kvlend.core.layout import HeadOrder, PageLayout, Role
+from kvlend.core.layout import PageLayout, Role
 from kvlend.core.negotiate import negotiate
 from kvlend.errors import LayoutError, LayoutMismatch
 from kvlend.protocol.ticket import Ticket
@@ -61,20 +61,38 @@ def test_a_different_block_size_or_kernel_is_refused_by_scope():
         negotiate(b, a)
 
 
-def test_split_kv_planes_are_k_and_v_regions_with_token_major_heads():
-    t = torch.zeros(2, 6, BS, 4, 8)  # [2, blocks, block_size, heads, head_size]
-    lay = layout({"model.layers.0.attn": t})
-    k, v = lay.regions
-    assert (k.address, v.address - k.address, k.page_stride) == (t.data_ptr(), t.stride(0) * 4, t.stride(1) * 4)
-    assert [b.identity.role for b in lay.buffers] == [Role.K, Role.V]
-    g = lay.buffers[0].geometry
-    assert (g.heads, g.bytes_per_head, g.order) == (4, 32, HeadOrder.NHD)
+def test_token_major_blocks_and_kernel_blocks_are_one_page_per_vllm_block():
+    flat = torch.zeros(8, BS, 2, 16)  # LBNHC: [blocks, tokens, heads, content] in memory
+    nhd = layout({"model.layers.0.attn": flat.permute(0, 2, 1, 3)})  # vLLM's view: [blocks, heads, tokens, content]
+    (r,), (b,) = nhd.regions, nhd.buffers
+    assert (r.address, r.page_stride, r.num_pages, b.page_bytes) == (flat.data_ptr(), BS * 2 * 16 * 4, 8, r.page_stride)
+    halves = layout({"model.layers.0.attn": torch.zeros(16, 2, BS // 2, 16)})  # kernel blocks of BS/2 tokens
+    assert (halves.regions[0].page_stride, halves.regions[0].num_pages) == (BS * 2 * 16 * 4, 8)
+
+
+def test_block_outermost_layers_share_one_region_with_a_page_per_packed_block():
+    packed = torch.zeros(6, 2, 2, BS, 16)  # BLHNC: [blocks, layers, heads, tokens, content]
+    lay = layout({f"model.layers.{i}.attn": packed[:, i] for i in (1, 0)})
+    (r,) = lay.regions
+    page = 2 * BS * 16 * 4
+    assert (r.name, r.address, r.page_stride, r.num_pages) == ("L0-L1", packed.data_ptr(), 2 * page, 6)
+    assert [(b.name, b.region, b.offset, b.page_bytes) for b in lay.buffers] == [
+        ("L0.kv", "L0-L1", 0, page), ("L1.kv", "L0-L1", page, page)]
+
+
+def test_a_layer_sharing_another_layers_cache_moves_with_it():
+    caches = cpu_caches()
+    lay = layout({**caches, "model.layers.2.attn": caches["model.layers.0.self_attn.attn"]})
+    assert [b.name for b in lay.buffers] == ["L0.kv", "L1.kv"]
 
 
 @pytest.mark.parametrize("caches, match", [
     ({}, "no KV cache tensors"),
-    ({"model.layers.0.attn": torch.zeros(8, 2, BS + 1, 16)}, "neither"),
-    ({"model.layers.0.attn": torch.zeros(8, 2, 16, BS).transpose(2, 3)}, "not contiguous"),
+    ({"model.layers.0.attn": torch.zeros(8, 2, BS + 1, 16)}, "do not make up vLLM's blocks of 16"),
+    ({"model.layers.0.attn": torch.zeros(2, 8, BS, 16).transpose(0, 1)}, "LHBNC"),  # heads outside blocks
+    ({"model.layers.0.attn": torch.zeros(8 * 2 * BS * 16).as_strided((8, 2, BS, 16), (BS * 16, BS * 16, 16, 1))},
+     "overlap"),
+    ({"model.layers.0.attn": torch.zeros(2, 6, BS, 2, 8)}, "not vLLM's"),
     ({"model.layers.0.attn": torch.zeros(8, 2, BS, 16), "model.layers.1.attn": torch.zeros(4, 2, BS, 16)},
      "4 blocks, other layers have 8"),
     ({"lm_head": torch.zeros(8, 2, BS, 16)}, "no layer number"),

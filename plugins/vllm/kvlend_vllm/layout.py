@@ -4,29 +4,38 @@ Pure: it reads shapes, strides, element sizes and addresses (from torch
 tensors or anything with the same four methods) and imports neither vLLM
 nor torch, so it is tested without an engine.
 
-Two shapes of per-layer cache tensor are understood:
+vLLM 0.32 gives every attention backend the same logical per-layer cache,
+``[blocks, heads, tokens, content]`` (RFC #42082), a strided view of one
+int8 allocation: ``content`` is K then V of one (head, token) cell
+(``head_size + head_size_v`` elements), or one latent vector for MLA (one
+"head", no V), or a backend's packed bytes (quantised caches).  The resolved
+``KVCacheLayout`` (LBHNC, LBNHC, LHBNC, BLHNC, BLNHC, BHLNC) only permutes
+the strides.  So:
 
-- **CPU_ATTN** (vLLM's CPU backend): ``[blocks, kv_heads, block_size, 2*head_size]``.
-  Inside each (block, head) slab K is stored transposed (``[head_size, block_size]``)
-  and V token-major, and the kernel that wrote it depends on the ISA.  So a
-  block is one opaque ``Role.KV`` page: whole blocks move exactly, and any
-  transfer that would split a block by heads or tokens is refused by
-  negotiation (no head geometry; the block size and kernel are in the scope).
-- **Split K/V planes** (the GPU backends, ``[2, blocks, block_size, kv_heads, head_size]``):
-  one region per plane and layer, ``Role.K``/``Role.V`` pages with token-major
-  (``NHD``) head geometry, which kvlend can slice by heads.
+- A block of one layer is one opaque ``Role.KV`` page: K and V interleave
+  cell by cell, which kvlend's K/V parts cannot say, so there is no head
+  geometry; whole blocks move exactly and anything that would split a block
+  by heads or tokens is refused by negotiation.  What the bytes mean (block
+  size, cache layout, kernel) is in the scope.
+- The page must be one run of bytes: heads, tokens and content dense in some
+  order (head- or token-major).  LHBNC and, with more than one layer, BHLNC
+  put blocks or other layers between one block's heads; they are refused.
+- Layer-outermost layouts (LB..) give each layer its own region; with a
+  block-outermost layout (BL..) the layers' pages sit side by side in each
+  block, so they share one region whose page is the whole packed block.
+- Kernel blocks (vLLM splits a block into smaller ones for a kernel) are
+  grouped back: a page is one of vLLM's blocks, whatever the kernel's.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+from dataclasses import dataclass
 from typing import Any, Mapping
 
 from kvlend.core.layout import (
     BufferDesc,
-    HeadGeometry,
-    HeadOrder,
     LayerIdentity,
     LayerKind,
     MemoryKind,
@@ -47,52 +56,80 @@ def layer_index(name: str) -> int:
     raise LayoutError(f"kv cache {name!r}: no layer number in the name")
 
 
+@dataclass(frozen=True)
+class _Pages:
+    """One layer's blocks: ``num`` pages of ``page_bytes`` at ``address + i * stride``."""
+
+    layer: int
+    address: int
+    stride: int
+    page_bytes: int
+    num: int
+
+
 def layout_from_kv_caches(kv_caches: Mapping[str, Any], *, block_size: int, dtype: str, scope: str,
                           device_id: int = 0, on_device: bool = False) -> PageLayout:
     """The ``PageLayout`` of ``kv_caches`` (``register_kv_caches``' argument), layers in layer order."""
     if not kv_caches:
         raise LayoutError("kv_caches: no KV cache tensors to describe")
+    pages: list[_Pages] = []
+    for name, t in sorted(kv_caches.items(), key=lambda it: layer_index(it[0])):
+        p = _pages(name, t, block_size)
+        # A layer that reuses another's cache (vLLM's cross-layer KV sharing) moves with it.
+        if not any((q.address, q.stride, q.page_bytes) == (p.address, p.stride, p.page_bytes) for q in pages):
+            pages.append(p)
+    for p in pages[1:]:
+        if p.num != pages[0].num:
+            raise LayoutError(f"kv cache of layer {p.layer}: {p.num} blocks, other layers have {pages[0].num}")
     kind = MemoryKind.DEVICE if on_device else MemoryKind.HOST
     regions: list[MemoryRegion] = []
     buffers: list[BufferDesc] = []
-    blocks = None
-    for name, t in sorted(kv_caches.items(), key=lambda item: layer_index(item[0])):
-        layer = layer_index(name)
-        shape, stride, elt = tuple(t.shape), tuple(t.stride()), t.element_size()
-        if len(shape) == 4 and shape[2] == block_size:
-            num, heads, _, width = shape
-            _check_contiguous(name, shape, stride)
-            page = stride[0] * elt
-            regions.append(MemoryRegion(f"L{layer}", kind, device_id, num * page, page, num, t.data_ptr()))
-            buffers.append(BufferDesc(f"L{layer}.kv", f"L{layer}", 0, page,
-                                      LayerIdentity(layer, LayerKind.ATTENTION, Role.KV), group=GROUP))
-        elif len(shape) == 5 and shape[0] == 2 and shape[2] == block_size:
-            _, num, _, heads, head_size = shape
-            _check_contiguous(name, shape, stride)
-            page = stride[1] * elt
-            geometry = HeadGeometry(heads, head_size * elt, HeadOrder.NHD)
-            for plane, role in enumerate((Role.K, Role.V)):
-                region = f"L{layer}.{role.value}"
-                regions.append(MemoryRegion(region, kind, device_id, num * page, page, num,
-                                            t.data_ptr() + plane * stride[0] * elt))
-                buffers.append(BufferDesc(region, region, 0, page, LayerIdentity(layer, LayerKind.ATTENTION, role),
-                                          group=GROUP, geometry=geometry))
-        else:
-            raise LayoutError(f"kv cache {name!r}: shape {list(shape)} is neither [blocks, heads, {block_size}, "
-                              f"2*head] (CPU) nor [2, blocks, {block_size}, heads, head] (split K/V)")
-        if blocks is not None and num != blocks:
-            raise LayoutError(f"kv cache {name!r}: {num} blocks, other layers have {blocks}")
-        blocks = num
-    return PageLayout(tuple(regions), tuple(buffers), block_size, block_size * blocks, dtype, scope)
+    members: dict[str, list[int]] = {}
+    for p in pages:
+        home = next((r for r in regions if r.page_stride == p.stride
+                     and 0 <= p.address - r.address and p.address - r.address + p.page_bytes <= r.page_stride), None)
+        if home is None:
+            home = MemoryRegion(f"L{p.layer}", kind, device_id, p.num * p.stride, p.stride, p.num, p.address)
+            regions.append(home)
+        members.setdefault(home.name, []).append(p.layer)
+        buffers.append(BufferDesc(f"L{p.layer}.kv", home.name, p.address - home.address, p.page_bytes,
+                                  LayerIdentity(p.layer, LayerKind.ATTENTION, Role.KV), group=GROUP))
+    # A region the layers share (block-outermost layouts) is named after all of them.
+    names = {r.name: (r.name if len(members[r.name]) == 1 else f"L{members[r.name][0]}-L{members[r.name][-1]}")
+             for r in regions}
+    regions = [MemoryRegion(names[r.name], r.kind, r.device_id, r.size, r.page_stride, r.num_pages, r.address)
+               for r in regions]
+    buffers = [BufferDesc(b.name, names[b.region], b.offset, b.page_bytes, b.identity, group=b.group)
+               for b in buffers]
+    return PageLayout(tuple(regions), tuple(buffers), block_size, block_size * pages[0].num, dtype, scope)
 
 
-def _check_contiguous(name: str, shape: tuple[int, ...], stride: tuple[int, ...]) -> None:
-    want, step = [], 1
-    for size in reversed(shape):
-        want.append(step)
-        step *= size
-    if tuple(reversed(want)) != stride:
-        raise LayoutError(f"kv cache {name!r}: strides {list(stride)} are not contiguous for shape {list(shape)}")
+def _pages(name: str, t: Any, block_size: int) -> _Pages:
+    """Where one layer's blocks lie, or why kvlend cannot say it exactly."""
+    layer = layer_index(name)
+    shape, elt = tuple(t.shape), t.element_size()
+    stride = tuple(s * elt for s in t.stride())
+    if len(shape) != 4 or 0 in shape:
+        raise LayoutError(f"kv cache {name!r}: shape {list(shape)} is not vLLM's [blocks, heads, tokens, content]")
+    blocks, heads, tokens, content = shape
+    if tokens != block_size and (tokens > block_size or block_size % tokens or blocks % (block_size // tokens)):
+        raise LayoutError(f"kv cache {name!r}: {tokens} tokens per block do not make up vLLM's blocks of "
+                          f"{block_size} (shape {list(shape)})")
+    page = heads * tokens * content * elt
+    run = elt
+    for size, step in sorted(((n, s) for n, s in zip(shape[1:], stride[1:]) if n > 1), key=lambda d: d[1]):
+        if step != run:
+            raise LayoutError(f"kv cache {name!r}: a block's heads, tokens and content are not one run of bytes "
+                              f"(shape {list(shape)}, byte strides {list(stride)}): other blocks or layers lie "
+                              f"between its heads (vLLM layout LHBNC or BHLNC), which a kvlend page cannot say")
+        run *= size
+    if stride[0] < page:
+        raise LayoutError(f"kv cache {name!r}: blocks {stride[0]} bytes apart overlap their {page}-byte pages")
+    ratio = block_size // tokens
+    if ratio > 1 and stride[0] != page:
+        raise LayoutError(f"kv cache {name!r}: {ratio} kernel blocks of {tokens} tokens are not one run of bytes "
+                          f"(stride {stride[0]}, page {page}): vLLM's block is not one page")
+    return _Pages(layer, t.data_ptr(), stride[0] * ratio, page * ratio, blocks // ratio)
 
 
 def model_digest(hf_config: Mapping[str, Any]) -> str:
