@@ -24,6 +24,9 @@ VLLM_VENV_PYTHON = os.path.join(
     ".venv-vllm", "bin", "python")
 
 
+SITE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "site")  # its sitecustomize.py
+
+
 def free_port(host: str = "127.0.0.1") -> int:
     """A TCP port that was free a moment ago (the kernel picks it)."""
     with socket.socket() as s:
@@ -102,6 +105,9 @@ def vllm_env(kv_cache_gib: int = 1, extra: Mapping[str, str] | None = None) -> d
         env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
         env.setdefault("OMP_NUM_THREADS", "1")
     env.update(extra or {})
+    # Every process of the engine asks for AMX at interpreter start (kvlend_vllm.amx: a bf16 worker,
+    # even without a connector, died of SIGILL on AMX CPUs when it was not asked for first).
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (SITE, env.get("PYTHONPATH")) if p)
     return env
 
 

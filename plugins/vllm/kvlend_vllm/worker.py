@@ -17,8 +17,6 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
-import torch
-
 from kvlend.core.text import printable
 from kvlend.errors import KvlendError
 from kvlend.protocol.config import NodeConfig
@@ -26,6 +24,7 @@ from kvlend.runtime import DecodeNode, FetchState, PrefillNode
 from kvlend.security.credentials import Credentials
 from kvlend.transport import load_backend
 
+from .amx import request_amx
 from .scheduler import Endpoint, StepPlan
 
 log = logging.getLogger("kvlend.vllm")
@@ -64,16 +63,11 @@ def _place(node) -> None:
 
 
 def _request_amx() -> None:
-    """Ask Linux for AMX tile state before NIXL loads UCX (bf16 on AMX CPUs).
+    """AMX before NIXL loads UCX, for engines started without the launcher's sitecustomize.
 
-    Linux gives a process AMX only on request (arch_prctl), and refuses once a thread
-    has a signal stack too small for the AMX state.  Loading UCX before vLLM's first
-    bf16 attention kernel made that kernel die with SIGILL in the decode worker
-    (exit code -4); asking first, here, keeps bf16 working.
+    With bf16 on an AMX CPU a decode worker died of SIGILL once UCX was loaded (``kvlend_vllm.amx``).
     """
-    init_amx = getattr(getattr(torch._C, "_cpu", None), "_init_amx", None)
-    if init_amx is not None:  # False where the CPU has no AMX
-        log.info("kvlend: AMX tile state %s", "granted" if init_amx() else "not granted")
+    log.info("kvlend: AMX tile state %s", "granted" if request_amx() else "not granted")
 
 
 def _backend(credentials: Credentials):
