@@ -17,6 +17,7 @@ import time
 import pytest
 
 from kvlend_vllm import launch
+from kvlend_vllm.demo import scrape
 from tests.support.vllm_rig import Rig, ensure_model, fetch_stats, generate
 
 pytestmark = pytest.mark.system
@@ -57,6 +58,11 @@ def test_prefix_cached_prompts_read_only_their_missing_blocks_and_answer_as_a_pl
         end = time.monotonic() + 60.0
         while len(fetch_stats(stats)) < len(first) + len(shared) and time.monotonic() < end:
             time.sleep(0.1)
+        held = sum(line["resume_from"] // BLOCK for line in fetch_stats(stats))
+        local = {}
+        while local.get("blocks", -1) < held and time.monotonic() < end:  # vLLM ships stats every few steps
+            local = scrape(decode.url, {"blocks": "vllm:kvlend_local_blocks_total"})
+            time.sleep(0.5)
     finally:
         rig.close()
     assert all("tokens" in e and len(e["tokens"]) == MAX_TOKENS for e in expected), expected
@@ -73,4 +79,5 @@ def test_prefix_cached_prompts_read_only_their_missing_blocks_and_answer_as_a_pl
     assert all(line["resume_from"] >= PREFIX for line in warm), warm  # the shared prefix was never read again
     saved = sum(line["resume_from"] // BLOCK for line in warm) * BLOCK_BYTES
     moved = sum(line["bytes"] for line in warm)
+    assert held > 0 and local.get("blocks") == held, (local, held)  # what the decode reports as not moved
     print(f"\nprefix caching on: {len(warm)} requests moved {moved} bytes, {saved} bytes held locally not moved")

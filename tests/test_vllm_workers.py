@@ -47,7 +47,7 @@ class Stats:
     def __init__(self):
         self.ok, self.failed = [], []
 
-    def record(self, *, seconds, read_seconds, nbytes):
+    def record(self, *, seconds, read_seconds, nbytes, local_blocks=0):
         self.ok.append(nbytes)
 
     def record_failure(self, blocks):

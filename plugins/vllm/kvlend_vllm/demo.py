@@ -43,7 +43,8 @@ KV_METRICS = {
                "kv_read_s": "vllm:kvlend_read_time_seconds_sum",
                "kv_transfers": "vllm:kvlend_xfer_time_seconds_count",
                "kv_failed": "vllm:kvlend_failed_transfers_total",
-               "kv_recomputed_blocks": "vllm:kvlend_recomputed_blocks_total"},
+               "kv_recomputed_blocks": "vllm:kvlend_recomputed_blocks_total",
+               "kv_local_blocks": "vllm:kvlend_local_blocks_total"},
 }
 
 

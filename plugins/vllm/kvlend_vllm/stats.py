@@ -15,7 +15,8 @@ import numpy as np
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
 from vllm.v1.metrics.utils import create_metric_per_engine
 
-_KEYS = ("transfer_duration", "read_duration", "bytes_transferred", "num_failed_transfers", "num_recomputed_blocks")
+_KEYS = ("transfer_duration", "read_duration", "bytes_transferred", "num_failed_transfers", "num_recomputed_blocks",
+         "num_local_blocks")
 
 
 @dataclass
@@ -27,10 +28,11 @@ class KvlendStats(KVConnectorStats):
     def reset(self) -> None:
         self.data = {key: [] for key in _KEYS}  # plain lists: vLLM serialises them between processes
 
-    def record(self, *, seconds: float, read_seconds: float, nbytes: int) -> None:
+    def record(self, *, seconds: float, read_seconds: float, nbytes: int, local_blocks: int = 0) -> None:
         self.data["transfer_duration"].append(seconds)
         self.data["read_duration"].append(read_seconds)
         self.data["bytes_transferred"].append(nbytes)
+        self.data["num_local_blocks"].append(local_blocks)
 
     def record_failure(self, recomputed_blocks: int) -> None:
         self.data["num_failed_transfers"].append(1)
@@ -54,7 +56,8 @@ class KvlendStats(KVConnectorStats):
         mb = float(np.sum(self.data["bytes_transferred"])) / 2**20
         out = {"Num successful transfers": len(times),
                "Num failed transfers": len(self.data["num_failed_transfers"]),
-               "Blocks recomputed": int(np.sum(self.data["num_recomputed_blocks"]))}
+               "Blocks recomputed": int(np.sum(self.data["num_recomputed_blocks"])),
+               "Blocks held locally, not read": int(np.sum(self.data["num_local_blocks"]))}
         if len(times):
             out.update({"Avg xfer time (ms)": round(float(times.mean()) * 1e3, 3),
                         "P90 xfer time (ms)": round(float(np.percentile(times, 90)) * 1e3, 3),
@@ -88,6 +91,9 @@ class KvlendPromMetrics(KVConnectorPromMetrics):
         self._recomputed = per_engine(self._counter_cls(
             name="vllm:kvlend_recomputed_blocks", labelnames=labelnames,
             documentation="Blocks past a failed fetch's verified bound, handed back to vLLM to recompute."))
+        self._local = per_engine(self._counter_cls(
+            name="vllm:kvlend_local_blocks", labelnames=labelnames,
+            documentation="Blocks of fetched requests the decode held already (its prefix cache): not read."))
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
         for value in transfer_stats_data["transfer_duration"]:
@@ -100,3 +106,5 @@ class KvlendPromMetrics(KVConnectorPromMetrics):
             self._failed[engine_idx].inc(value)
         for value in transfer_stats_data["num_recomputed_blocks"]:
             self._recomputed[engine_idx].inc(value)
+        for value in transfer_stats_data.get("num_local_blocks", ()):
+            self._local[engine_idx].inc(value)

@@ -205,7 +205,7 @@ class ConsumerWorker:
             if handle.ok:
                 result = handle.result()
                 self.stats.record(seconds=result.seconds, read_seconds=result.read_seconds or 0.0,
-                                  nbytes=result.bytes)
+                                  nbytes=result.bytes, local_blocks=loading.resume_from // self.block_size)
             elif loading.reported_at is not None:  # its KV was complete and verified before this (a lost ack, say)
                 log.info("request %s: fetch ended after its KV was complete: %s", request, printable(handle.error))
             elif not loading.cancelled:  # an aborted request's blocks are freed, not recomputed
