@@ -12,7 +12,7 @@ import random
 import pytest
 
 from kvlend_vllm import launch
-from tests.support.vllm_rig import Rig, ensure_model, fetch_stats, generate
+from tests.support.vllm_rig import Rig, ensure_model, generate, wait_for_stats
 
 pytestmark = pytest.mark.system
 
@@ -38,10 +38,11 @@ def test_float32_outputs_through_kvlend_equal_a_single_float32_server(tmp_path):
         rig.wait(plain, prefill, decode, router)
         expected = generate(plain, model, prompts, MAX_TOKENS)
         got = generate(router, model, prompts, MAX_TOKENS)
+        lines = wait_for_stats(stats, len(LENGTHS))  # a fetch's line comes with its done ack
     finally:
         rig.close()
     assert all("tokens" in e and len(e["tokens"]) == MAX_TOKENS for e in expected), expected
     assert [n for n, g, e in zip(LENGTHS, got, expected) if g != e] == []
-    fetched = [s for s in fetch_stats(stats) if s["ok"]]
+    fetched = [s for s in lines if s["ok"]]
     assert len(fetched) == len(LENGTHS), fetched  # every prompt's KV came over kvlend, not a local recompute
     assert all(s["bytes"] == s["blocks"] * FLOAT32_BLOCK_BYTES > 0 for s in fetched), fetched

@@ -18,7 +18,7 @@ import pytest
 
 from kvlend_vllm import launch
 from kvlend_vllm.demo import scrape
-from tests.support.vllm_rig import Rig, ensure_model, fetch_stats, generate
+from tests.support.vllm_rig import Rig, ensure_model, generate, wait_for_stats
 
 pytestmark = pytest.mark.system
 
@@ -50,15 +50,11 @@ def test_prefix_cached_prompts_read_only_their_missing_blocks_and_answer_as_a_pl
         rig.wait(plain, prefill, decode, router)
         expected = generate(plain, model, first + shared, MAX_TOKENS)
         got_first = generate(router, model, first, MAX_TOKENS, concurrency=1)
-        end = time.monotonic() + 60.0  # a fetch's line is written once its done ack came: after the answer
-        while len(fetch_stats(stats)) < len(first) and time.monotonic() < end:
-            time.sleep(0.1)
-        cold = len(fetch_stats(stats))
+        cold = len(wait_for_stats(stats, len(first)))  # a fetch's line comes with its done ack: after the answer
         got = generate(router, model, shared, MAX_TOKENS)
+        lines = wait_for_stats(stats, len(first) + len(shared))
+        held = sum(line["resume_from"] // BLOCK for line in lines)
         end = time.monotonic() + 60.0
-        while len(fetch_stats(stats)) < len(first) + len(shared) and time.monotonic() < end:
-            time.sleep(0.1)
-        held = sum(line["resume_from"] // BLOCK for line in fetch_stats(stats))
         local = {}
         while local.get("blocks", -1) < held and time.monotonic() < end:  # vLLM ships stats every few steps
             local = scrape(decode.url, {"blocks": "vllm:kvlend_local_blocks_total"})
@@ -68,7 +64,6 @@ def test_prefix_cached_prompts_read_only_their_missing_blocks_and_answer_as_a_pl
     assert all("tokens" in e and len(e["tokens"]) == MAX_TOKENS for e in expected), expected
     assert got_first + got == expected
     assert got != expected[len(first) + 1:] + expected[len(first):len(first) + 1]  # negative control
-    lines = fetch_stats(stats)
     assert cold == len(first), lines[:cold]
     fetched = [s for s in lines if s["ok"]]
     assert len(fetched) == len(lines) == len(first) + len(shared), lines  # every prompt's missing KV came over kvlend

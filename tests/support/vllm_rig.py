@@ -135,11 +135,20 @@ def kv_usage(server: launch.Server) -> float:
 
 
 def fetch_stats(path: str) -> list[dict]:
-    """The decode connector's per-fetch lines (``stats_path``)."""
+    """The decode connector's per-fetch lines (``stats_path``) written so far, whole lines only."""
     if not os.path.exists(path):
         return []
     with open(path) as f:
-        return [json.loads(line) for line in f if line.strip()]
+        return [json.loads(line) for line in f.read().split("\n")[:-1] if line.strip()]
+
+
+def wait_for_stats(path: str, count: int, timeout: float = 60.0) -> list[dict]:
+    """The decode's per-fetch lines once there are ``count``: a fetch's line is written when the prefill's
+    done ack comes, which may be after the request was answered."""
+    end = time.monotonic() + timeout
+    while len(lines := fetch_stats(path)) < count and time.monotonic() < end:
+        time.sleep(0.05)
+    return lines
 
 
 def ensure_model(size: str) -> str:
