@@ -5,7 +5,8 @@ A started ``PrefillNode`` serves from its own thread; a started
 at once: the prefill engine lends requests (tickets, and pushed offers) and
 asks ``can_evict`` in a tight loop; the decode engine starts fetches, many in
 flight, and collects them with ``finished()``.  ``on_release`` calls back into
-the prefill node from the loop thread.  Every byte must arrive, every lent
+the prefill node from the loop thread; ``on_finished`` hears of each fetch, once,
+before ``finished()`` hands it to the engine.  Every byte must arrive, every lent
 page must be locked while its lease lives and free once ``on_release`` ran,
 and no thread may raise or deadlock.  Every wait has a deadline.
 """
@@ -93,7 +94,16 @@ def test_engine_threads_lend_fetch_and_ask_can_evict_while_the_nodes_serve(caplo
 
     prefill = PrefillNode(make_layout(src), nixl("prefill"), creds("prefill-0"), config=CONFIG,
                           on_release=on_release)
-    decode = DecodeNode(make_layout(dst), nixl("decode"), creds("decode-0"), config=CONFIG)
+    heard: dict[int, bool] = {}  # fetch id -> it was done when on_finished heard of it
+
+    def on_finished(handle) -> None:
+        if handle.id in heard:
+            failures.add(f"on_finished heard of {handle.request} twice")
+        heard[handle.id] = handle.done and handle.quiet
+        assert decode.in_flight >= 0  # on the loop thread, outside the node's lock: no deadlock
+
+    decode = DecodeNode(make_layout(dst), nixl("decode"), creds("decode-0"), config=CONFIG,
+                        on_finished=on_finished)
     router: queue.Queue = queue.Queue()  # ticket text, prefill engine -> decode engine
     cleared: queue.Queue = queue.Queue()  # requests whose pushed offer the prefill engine has checked
     verified: list[str] = []
@@ -189,6 +199,7 @@ def test_engine_threads_lend_fetch_and_ask_can_evict_while_the_nodes_serve(caplo
                     ok_to_read.discard(request)
                     start(offer, offer.num_tokens, link)
                 for handle in decode.finished():
+                    assert heard.get(handle.id), f"{handle.request}: finished() before on_finished"
                     tables = fetching.pop(handle)
                     result = handle.result()  # raises the fetch's error
                     seed, num_tokens = handle.meta["seed"], handle.meta["tokens"]
@@ -219,6 +230,7 @@ def test_engine_threads_lend_fetch_and_ask_can_evict_while_the_nodes_serve(caplo
     assert sorted(verified) == sorted(f"req-{i}" for i in range(REQUESTS))
     assert max_in_flight[0] > 1, "the decode engine never had two fetches in flight"
     assert callbacks == {"count": REQUESTS, "still_locked": 0}
+    assert len(heard) == REQUESTS and all(heard.values()), heard
     assert prefill.lender.active_leases == 0 and prefill.lender.locks.locked_pages() == 0
     errors = [r for r in caplog.records if r.levelno >= logging.ERROR or "failed" in r.getMessage()]
     assert not errors, [f"{r.threadName}: {r.getMessage()}" for r in errors]

@@ -35,6 +35,7 @@ from tests.support.vllm_rig import (
     kv_usage,
     post,
     prefill_only,
+    wait_for_stats,
 )
 
 pytestmark = pytest.mark.system
@@ -90,7 +91,7 @@ def test_greedy_outputs_through_kvlend_equal_a_single_server_token_for_token(pai
     got = generate(pair["router"], pair["model"], pair["prompts"], MAX_TOKENS)
     mismatched = [n for n, g, e in zip(LENGTHS, got, pair["expected"]) if g != e]
     assert not mismatched, f"prompt lengths whose outputs differ: {mismatched}"
-    fetched = [s for s in fetch_stats(pair["stats"]) if s["ok"]]
+    fetched = [s for s in wait_for_stats(pair["stats"], len(LENGTHS)) if s["ok"]]  # a line comes with its done ack
     # Every prompt's KV really came over kvlend (a silent local recompute would also match).
     assert len(fetched) == len(LENGTHS) and all(s["bytes"] > 0 and s["error"] is None for s in fetched), fetched
     # ... as bf16: vLLM's default dtype on this AMX CPU, where a bf16 decode once died of SIGILL.
@@ -112,7 +113,7 @@ def test_a_ticket_put_on_another_prompt_never_gives_that_request_the_tickets_kv(
         routed = post(router.url + "/v1/completions", completion(model, other, MAX_TOKENS, kv_transfer_params=params))
         assert [c["token_ids"] for c in routed["choices"]] == [want["tokens"]], (LENGTHS[i], routed)
         assert decode_with(pair["decode"], model, pair["prompts"][i], params, MAX_TOKENS) == pair["expected"][i]
-        lines = fetch_stats(pair["stats"])[before:]
+        lines = wait_for_stats(pair["stats"], before + 3)[before:]
         assert [(s["ok"], s["error"]) for s in lines] == [(False, "PromptMismatch"), (True, None), (True, None)], \
             lines
 
@@ -174,7 +175,8 @@ def test_negative_control_a_prefill_on_other_weights_changes_the_answers(pair):
     assert all("tokens" in g for g in got), got
     differ = sum(g != e for g, e in zip(got, pair["expected"][8:16]))
     assert differ >= 6, f"only {differ} of 8 outputs changed with the KV of other weights"
-    assert all(s["ok"] for s in fetch_stats(pair["stats"])[before:])  # the KV was moved, and it mattered
+    lines = wait_for_stats(pair["stats"], before + 8)[before:]
+    assert len(lines) == 8 and all(s["ok"] for s in lines), lines  # the KV was moved, and it mattered
 
 
 def test_decode_killed_frees_the_prefills_blocks_within_ttl_and_a_new_decode_is_served(pair):
@@ -206,7 +208,7 @@ def test_decode_killed_frees_the_prefills_blocks_within_ttl_and_a_new_decode_is_
     rig.wait(decode, router)
     got = generate(router, model, prompts[:8], MAX_TOKENS)
     assert got == pair["expected"][:8]
-    assert len([s for s in fetch_stats(stats) if s["ok"]]) == 8
+    assert len([s for s in wait_for_stats(stats, 8) if s["ok"]]) == 8
     pair.update(decode=decode, router=router, stats=stats)
 
 

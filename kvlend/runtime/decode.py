@@ -4,6 +4,9 @@ The engine starts fetches and gets handles back at once; many may be in
 flight, from many prefills, sharing one link per prefill endpoint.  It
 collects the finished ones with ``finished()`` (the way vLLM's
 ``get_finished`` runs each step) or waits on some with a deadline.
+``on_finished(handle)`` hears of each as it finishes, on the loop's thread
+and never under the node's lock, before ``finished()`` returns it: an engine
+that steps only when it has work still logs a fetch when it ends.
 
 Thread-safety: every public method may be called from any engine thread;
 after ``start()`` the node's thread does all I/O, otherwise the engine's
@@ -157,12 +160,15 @@ class DecodeNode(Shell):
     the caller starts it and closes it after the node).  ``capacity``: the fetches this rank
     takes at once (default ``config.quotas.max_leases_per_peer``).  ``meta``: a few strings for
     the record (the engine's API address, say); its host is this machine's name.
+    ``on_finished(handle)``: called once per fetch as it finishes (see the module's docstring).
     """
 
     def __init__(self, layout, backend: TransferBackend, credentials: Credentials, *,
                  config: NodeConfig = NodeConfig(), clock: Callable[[], float] = lease_clock,
                  registry: Registry | None = None, capacity: int | None = None,
-                 meta: Mapping[str, str] | None = None) -> None:
+                 meta: Mapping[str, str] | None = None,
+                 on_finished: Callable[[FetchHandle], None] | None = None) -> None:
+        self.on_finished = on_finished or (lambda handle: None)
         super().__init__(None, backend, credentials, clock, config)
         record = None if registry is None else self._record(
             "decode", (socket.gethostname() or "localhost")[:255], 0, layout, config, capacity, meta)
@@ -415,13 +421,14 @@ class DecodeNode(Shell):
         self.session.completed(tag, error, now)
 
     def _deliver(self, events: list) -> None:
+        finished = []
         with self._lock:
             for event in events:
                 if isinstance(event, FetchFinished):
                     handle = self._handles.pop(event.fetch.id, None)
                     self.session.forget(event.fetch.id)
                     if handle is not None:
-                        self._finished.append(handle)
+                        finished.append(handle)
                         _record(handle)
                 elif isinstance(event, PeerReady):
                     info = self.session.link_info(event.conn)
@@ -430,6 +437,14 @@ class DecodeNode(Shell):
                 elif isinstance(event, Offered) and self.session.link_info(event.conn) is not None:
                     self._offers.append((self._link(event.conn), event.offer))
             self._changed.notify_all()
+        for handle in finished:
+            try:
+                self.on_finished(handle)
+            except Exception:
+                log.exception("decode %s: on_finished failed for fetch %d", self.name, handle.id)
+        if finished:
+            with self._lock:
+                self._finished.extend(finished)
 
     def _link(self, conn: int) -> Link:
         info = self.session.link_info(conn)

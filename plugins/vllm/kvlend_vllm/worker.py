@@ -148,6 +148,8 @@ class ConsumerWorker:
     A load is reported finished as soon as its safe-resume bound covers the whole ticket
     and no read is in flight, without waiting for the prefill's done ack: the bound
     counts only reads that landed while the lease was surely alive (README, *Resume*).
+    The stats line of a fetch is written by the node's thread when it ends: vLLM steps
+    only while it has requests, and the done ack often comes after the last one.
     """
 
     def __init__(self, settings: WorkerSettings, block_size: int, stats) -> None:
@@ -155,6 +157,7 @@ class ConsumerWorker:
         self.block_size = block_size
         self.stats = stats  # a KvlendStats: what vLLM logs and exports
         self.node: DecodeNode | None = None
+        self._lock = threading.Lock()  # the loads: the node's thread reads them when a fetch ends
         self._loading: dict[str, _Loading] = {}
         self._by_handle: dict[int, str] = {}
         self._done: set[str] = set()
@@ -162,7 +165,8 @@ class ConsumerWorker:
 
     def register(self, layout) -> None:
         s = self.settings
-        self.node = DecodeNode(layout, _backend(s.credentials), s.credentials, config=s.config)
+        self.node = DecodeNode(layout, _backend(s.credentials), s.credentials, config=s.config,
+                               on_finished=self._record if s.stats_path else None)
         self.node.start()
         _place(self.node)
         log.info("kvlend decode %s ready (layout %s)", self.node.name, layout.layout_id)
@@ -185,23 +189,26 @@ class ConsumerWorker:
                 loading.cancelled = True
         for load in plan.loads:
             started = time.perf_counter()
-            try:
-                handle = self.node.start_fetch(load.ticket, {"full": list(load.blocks)},
-                                               resume_from=load.resume_from, prompt_digest=load.digest)
-            except KvlendError as exc:  # nothing was read: every block is recomputed
-                log.warning("request %s: fetch not started (%s); recomputing", load.request, printable(exc))
-                recompute = load.blocks[load.resume_from // self.block_size:]
-                self._invalid.update(recompute)
-                self.stats.record_failure(len(recompute))
-                self._done.add(load.request)
-                continue
-            self._loading[load.request] = _Loading(handle, load.blocks, load.num_tokens, load.resume_from, started)
-            self._by_handle[handle.id] = load.request
+            with self._lock:  # the node's thread may end the fetch before it is filed here
+                try:
+                    handle = self.node.start_fetch(load.ticket, {"full": list(load.blocks)},
+                                                   resume_from=load.resume_from, prompt_digest=load.digest)
+                except KvlendError as exc:  # nothing was read: every block is recomputed
+                    log.warning("request %s: fetch not started (%s); recomputing", load.request, printable(exc))
+                    recompute = load.blocks[load.resume_from // self.block_size:]
+                    self._invalid.update(recompute)
+                    self.stats.record_failure(len(recompute))
+                    self._done.add(load.request)
+                    continue
+                self._loading[load.request] = _Loading(handle, load.blocks, load.num_tokens, load.resume_from,
+                                                       started)
+                self._by_handle[handle.id] = load.request
 
     def finished_recving(self) -> set[str]:
         for handle in self.node.finished():  # each already quiet: nothing can still land
-            request = self._by_handle.pop(handle.id)
-            loading = self._loading.pop(request)
+            with self._lock:
+                request = self._by_handle.pop(handle.id)
+                loading = self._loading.pop(request)
             if handle.ok:
                 result = handle.result()
                 self.stats.record(seconds=result.seconds, read_seconds=result.read_seconds or 0.0,
@@ -214,7 +221,6 @@ class ConsumerWorker:
                 self.stats.record_failure(len(loading.blocks) - good)
                 log.warning("request %s: KV fetch failed at token %d (%s); %d blocks recomputed", request,
                             handle.bound, printable(handle.error), len(loading.blocks) - good)
-            self._record(request, handle, loading, time.perf_counter() - loading.started)
             if loading.reported_at is None:
                 self._done.add(request)
         for request, loading in self._loading.items():
@@ -229,11 +235,14 @@ class ConsumerWorker:
         invalid, self._invalid = self._invalid, set()
         return invalid
 
-    def _record(self, request: str, handle, loading: _Loading, seconds: float) -> None:
-        if not self.settings.stats_path:
-            return
+    def _record(self, handle) -> None:
+        """The fetch's stats line (``stats_path``), on the node's thread as it ends."""
+        with self._lock:
+            request = self._by_handle[handle.id]
+            loading = self._loading[request]
+        seconds = time.perf_counter() - loading.started
         result = handle.result() if handle.ok else None
-        # seconds: start_fetch until vLLM's step saw it finish; transfer_s: kvlend's claim to done ack.
+        # seconds: start_fetch until it ended; transfer_s: kvlend's claim to done ack.
         line = {"request": request, "ok": handle.ok, "seconds": round(seconds, 6),
                 "transfer_s": round(result.seconds, 6) if result else None,
                 "bytes": result.bytes if result else 0, "blocks": len(loading.blocks),
