@@ -1,4 +1,5 @@
-"""The vLLM connector refuses, at start-up, a vLLM or a configuration it does not understand.
+"""The vLLM connector refuses, at start-up, a vLLM or a configuration it does not understand
+(tensor parallel on either side it takes, when one side's degree divides the other's).
 
 Run in .venv-vllm (the connector imports vLLM), in a child interpreter.
 """
@@ -21,10 +22,10 @@ import json, sys
 from types import SimpleNamespace as NS
 import vllm
 from kvlend.errors import ConfigError
-from kvlend_vllm.connector import check_kv_cache_groups, check_vllm
+from kvlend_vllm.connector import _decode_tp, check_kv_cache_groups, check_vllm
 
-def config(role="kv_consumer", tp=1, pp=1):
-    return NS(parallel_config=NS(tensor_parallel_size=tp, pipeline_parallel_size=pp),
+def config(role="kv_consumer", tp=1, pp=1, dcp=1):
+    return NS(parallel_config=NS(tensor_parallel_size=tp, pipeline_parallel_size=pp, decode_context_parallel_size=dcp),
               kv_transfer_config=NS(kv_role=role))
 
 def refusal(fn, *args):
@@ -40,8 +41,12 @@ print(json.dumps({
     "next": refusal(check_vllm, "0.33.0", config()),
     "garbage": refusal(check_vllm, "main", config()),
     "pp": refusal(check_vllm, vllm.__version__, config(pp=2)),
+    "dcp": refusal(check_vllm, vllm.__version__, config(dcp=2)),
     "producer_tp": refusal(check_vllm, vllm.__version__, config("kv_producer", tp=2)),
-    "consumer_tp": refusal(check_vllm, vllm.__version__, config("kv_consumer", tp=2)),
+    "consumer_tp": refusal(check_vllm, vllm.__version__, config("kv_consumer", tp=4)),
+    "decode_tp": refusal(_decode_tp, {"decode_tp": 4}, 2),
+    "decode_tp_odd": refusal(_decode_tp, {"decode_tp": 3}, 2),
+    "decode_tp_bad": refusal(_decode_tp, {"decode_tp": 1.5}, 1),
     "one_group": refusal(check_kv_cache_groups, NS(kv_cache_groups=[object()])),
     "two_groups": refusal(check_kv_cache_groups, NS(kv_cache_groups=[object(), object()])),
     "no_config": refusal(check_kv_cache_groups, None),
@@ -60,5 +65,8 @@ def test_the_connector_refuses_what_it_does_not_understand_before_the_workers_st
     assert "supports vLLM 0.32.x, not '0.31.4'" in got["old"] and "'0.33.0'" in got["next"]
     assert "'main'" in got["garbage"]
     assert "pipeline parallel size must be 1, got 2" in got["pp"]
-    assert "tensor parallel size 1), got 2" in got["producer_tp"] and "got 2" in got["consumer_tp"]
+    assert "decode_context_parallel_size must be 1, got 2" in got["dcp"]
+    assert got["producer_tp"] is None and got["consumer_tp"] is None and got["decode_tp"] is None
+    assert "prefill 2 and decode 3 workers, neither a multiple of the other" in got["decode_tp_odd"]
+    assert "decode_tp: expected an integer in [1, 64], got 1.5" in got["decode_tp_bad"]
     assert "this model has 2" in got["two_groups"]

@@ -9,18 +9,31 @@ The real engines run in ``test_vllm.py``.
 
 from __future__ import annotations
 
+import ctypes
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 import torch
 
-from kvlend.core.layout import PageLayout, Role
+from kvlend.core.layout import HeadGeometry, HeadOrder, PageLayout, Role, Sharding
 from kvlend.core.negotiate import negotiate
-from kvlend.errors import LayoutError, LayoutMismatch
+from kvlend.core.pages import GroupPages
+from kvlend.core.plan import plan_reads
+from kvlend.errors import LayoutError, LayoutMismatch, UsageError
 from kvlend.protocol.ticket import Ticket
 from kvlend_vllm.layout import layout_from_kv_caches, model_digest, scope_of
-from kvlend_vllm.scheduler import TICKET_KEY, ConsumerScheduler, Endpoint, ProducerScheduler, request_digest
+from kvlend_vllm.scheduler import (
+    TICKET_KEY,
+    ConsumerScheduler,
+    Endpoint,
+    ProducerScheduler,
+    parse_tickets,
+    readers_per_worker,
+    request_digest,
+    worker_tickets,
+)
 
 pytestmark = pytest.mark.unit
 
@@ -38,7 +51,7 @@ def layout(caches, scope="s", block_size=BS) -> PageLayout:
     return layout_from_kv_caches(caches, block_size=block_size, dtype="float32", scope=scope)
 
 
-def test_cpu_layout_is_one_opaque_page_per_block_and_layer_in_layer_order():
+def test_cpu_layout_is_one_head_major_page_per_block_and_layer_in_layer_order():
     caches = cpu_caches()
     lay = layout(caches)
     assert [r.name for r in lay.regions] == ["L0", "L1"]
@@ -46,7 +59,8 @@ def test_cpu_layout_is_one_opaque_page_per_block_and_layer_in_layer_order():
     r0 = lay.regions[0]
     assert (r0.address, r0.page_stride, r0.num_pages) == (t0.data_ptr(), t0.stride(0) * 4, 8)
     assert lay.regions[1].address == r0.address + r0.size  # back to back in one allocation
-    assert all(b.identity.role is Role.KV and b.geometry is None for b in lay.buffers)
+    heads = HeadGeometry(2, 2 * 8 * 4, HeadOrder.HND, Sharding.INDEXED)  # a cell: K and V of 8 float32 each
+    assert all(b.identity.role is Role.HEAD_KV and b.geometry == heads for b in lay.buffers)
     assert lay.tokens_per_page == BS and lay.kept_window == 8 * BS
     plan = negotiate(layout(cpu_caches()), lay)
     assert plan.summary().startswith("identity plan")
@@ -66,8 +80,83 @@ def test_token_major_blocks_and_kernel_blocks_are_one_page_per_vllm_block():
     nhd = layout({"model.layers.0.attn": flat.permute(0, 2, 1, 3)})  # vLLM's view: [blocks, heads, tokens, content]
     (r,), (b,) = nhd.regions, nhd.buffers
     assert (r.address, r.page_stride, r.num_pages, b.page_bytes) == (flat.data_ptr(), BS * 2 * 16 * 4, 8, r.page_stride)
+    assert b.geometry.order is HeadOrder.NHD
     halves = layout({"model.layers.0.attn": torch.zeros(16, 2, BS // 2, 16)})  # kernel blocks of BS/2 tokens
     assert (halves.regions[0].page_stride, halves.regions[0].num_pages) == (BS * 2 * 16 * 4, 8)
+    assert halves.buffers[0].geometry is None  # its heads repeat per kernel block: it moves whole
+
+
+# -------------------------------------------------------- tensor parallel
+def filled(layers=2, blocks=8, heads=2, head=8, seed=0):
+    """CPU caches whose every element differs (and differs by seed)."""
+    caches = cpu_caches(layers, blocks, heads, head)
+    for i, t in enumerate(caches.values()):
+        t.copy_(torch.arange(t.numel(), dtype=torch.float32).reshape(t.shape) + 1e5 * (i + 10 * seed))
+    return caches
+
+
+def tp_layout(caches, tp_size, tp_rank):
+    return layout_from_kv_caches(caches, block_size=BS, dtype="float32", scope="s", tp_size=tp_size, tp_rank=tp_rank)
+
+
+def move(plan, blocks: dict[int, int]) -> None:
+    """Carry out ``plan`` for a lease of ``blocks`` (remote block -> local block), bytes by ctypes."""
+    src = {"full": GroupPages(np.arange(len(blocks)), np.array(list(blocks)))}
+    dst = {"full": np.array(list(blocks.values()))}
+    for batch in plan_reads(plan, src, dst, plan.remote.full_selection()):
+        for (r_addr, length, _), (l_addr, _, _) in zip(batch.remote.tolist(), batch.local.tolist()):
+            ctypes.memmove(l_addr, r_addr, length)
+
+
+@pytest.mark.parametrize("tp_prefill, tp_decode", [(1, 2), (2, 1), (2, 4), (4, 2)])
+def test_each_decode_worker_gets_exactly_its_heads_of_every_block(tp_prefill, tp_decode):
+    """Prefill and decode TP degrees differ: every decode worker's blocks end up holding its slice of the
+    model's 4 KV heads, read through negotiated plans from the prefill worker(s) holding them, as vLLM's
+    CPU kernel views them (a head's K rows, then its V rows)."""
+    heads = 4
+    prefill = [filled(heads=heads // tp_prefill, seed=s) for s in range(tp_prefill)]
+    blocks = {1: 5, 2: 0, 6: 3}
+    for rank in range(tp_decode):
+        decode = cpu_caches(heads=heads // tp_decode)
+        local = tp_layout(decode, tp_decode, rank)
+        for source in range(tp_prefill):
+            try:
+                plan = negotiate(local, tp_layout(prefill[source], tp_prefill, source))
+            except LayoutMismatch as exc:
+                assert "replica.tp_rank" in str(exc)  # a prefill worker holding none of this rank's heads
+                continue
+            move(plan, blocks)
+        for name, t in decode.items():
+            whole = torch.cat([p[name] for p in prefill], dim=1)  # [blocks, all heads, tokens, content]
+            mine = whole[:, rank * heads // tp_decode:(rank + 1) * heads // tp_decode]
+            for remote, here in blocks.items():
+                assert torch.equal(t[here], mine[remote]), (name, rank, remote)
+                kernel = t.view(8, heads // tp_decode, BS * 2, -1).chunk(2, dim=2)  # cpu_attn.py's K/V split
+                want = mine.reshape(8, heads // tp_decode, BS * 2, -1).chunk(2, dim=2)
+                assert all(torch.equal(k[here], w[remote]) for k, w in zip(kernel, want))
+            untouched = [b for b in range(8) if b not in blocks.values()]
+            assert not t[untouched].any()
+
+
+def test_a_vllm_block_is_never_split_by_tokens():
+    """Whatever the scope says, a HEAD_KV page moves whole: the kernel orders a head's bytes (CPU: its K
+    rows then its V rows), so a token range of it is not a run of bytes."""
+    small = layout_from_kv_caches(cpu_caches(block_size=BS), block_size=BS, dtype="float32", scope="s")
+    big = layout_from_kv_caches(cpu_caches(blocks=4, block_size=2 * BS), block_size=2 * BS, dtype="float32",
+                                scope="s")
+    with pytest.raises(LayoutMismatch, match="HEAD_KV page orders each head's bytes"):
+        negotiate(small, big)
+
+
+def test_a_tensor_parallel_mapping_vllm_cannot_slice_is_refused():
+    nhd = {"model.layers.0.attn": torch.zeros(8, BS, 4, 16).permute(0, 2, 1, 3)}  # token-major: LBNHC
+    half = {"model.layers.0.attn": torch.zeros(8, BS, 2, 16).permute(0, 2, 1, 3)}
+    with pytest.raises(LayoutMismatch, match="contiguous only in HND"):
+        negotiate(tp_layout(half, 2, 0), tp_layout(nhd, 1, 0))
+    kernel_blocks = {"model.layers.0.attn": torch.zeros(16, 2, BS // 2, 16)}
+    half_blocks = {"model.layers.0.attn": torch.zeros(16, 1, BS // 2, 16)}
+    with pytest.raises(LayoutMismatch, match="no head geometry"):
+        negotiate(tp_layout(half_blocks, 2, 0), tp_layout(kernel_blocks, 1, 0))
 
 
 def test_block_outermost_layers_share_one_region_with_a_page_per_packed_block():
@@ -124,9 +213,9 @@ class Req:
 ENDPOINT = Endpoint("127.0.0.1", 5555, "prefill-a", "ab" * 32)
 
 
-def producer() -> ProducerScheduler:
-    s = ProducerScheduler(BS)
-    s.set_endpoint(ENDPOINT)
+def producer(endpoints=(ENDPOINT,), readers=1) -> ProducerScheduler:
+    s = ProducerScheduler(BS, readers)
+    s.set_endpoints(list(endpoints))
     return s
 
 
@@ -137,7 +226,7 @@ def test_producer_lends_a_finished_request_and_mints_its_ticket():
     ticket = Ticket.from_text(params[TICKET_KEY])
     assert (ticket.host, ticket.port, ticket.prefill, ticket.num_tokens) == ("127.0.0.1", 5555, "prefill-a", 40)
     (lend,) = s.take_plan().lends
-    assert (lend.request, lend.lease, lend.blocks) == ("r1", ticket.lease, (7, 3, 9))  # 40 tokens: 3 blocks
+    assert (lend.request, lend.leases, lend.blocks) == ("r1", ((ticket.lease,),), (7, 3, 9))  # 40 tokens: 3 blocks
     assert lend.digest == request_digest(Req(), 40)  # lent for this prompt alone
     assert s.holding == 1 and not s.take_plan().lends
     s.finished_sending({"r1"})
@@ -165,6 +254,40 @@ def test_producer_frees_at_once_what_it_must_not_lend(req, blocks):
     assert not s.take_plan().lends and s.holding == 0
 
 
+@pytest.mark.parametrize("prefill_tp, decode_tp", [(1, 2), (2, 1), (2, 2), (2, 4), (4, 2)])
+def test_tensor_parallel_tickets_give_each_decode_worker_every_prefill_worker_holding_its_heads(prefill_tp,
+                                                                                              decode_tp):
+    """One lease per (prefill worker, decode worker reading it); decode worker r's share of the list names
+    exactly the prefill ranks whose heads overlap r's (the negotiator's sources), each lease read once."""
+    endpoints = [Endpoint("127.0.0.1", 5555 + r, f"prefill-{r}", "ab" * 32) for r in range(prefill_tp)]
+    s = producer(endpoints, readers_per_worker(prefill_tp, decode_tp))
+    params = s.request_finished(Req(), [7, 3, 9])[1]
+    texts = params[TICKET_KEY]
+    assert isinstance(texts, list) and len(texts) == max(prefill_tp, decode_tp)
+    (lend,) = s.take_plan().lends
+    assert [len(leases) for leases in lend.leases] == [max(1, decode_tp // prefill_tp)] * prefill_tp
+    assert sorted(Ticket.from_text(t).lease for t in texts) == sorted(x for leases in lend.leases for x in leases)
+    parse_tickets(texts, decode_tp)  # what the decode checks
+    for rank in range(decode_tp):
+        share = [Ticket.from_text(t) for t in worker_tickets(tuple(texts), decode_tp, rank)]
+        first, count = rank * prefill_tp // decode_tp, max(1, prefill_tp // decode_tp)
+        assert [t.prefill for t in share] == [f"prefill-{r}" for r in range(first, first + count)]
+        for t in share:  # the lease lent on that prefill worker
+            assert t.lease in lend.leases[int(t.prefill.split("-")[1])]
+
+
+def test_a_ticket_list_that_does_not_fit_the_decodes_workers_is_computed_locally():
+    endpoints = [Endpoint("127.0.0.1", 5555 + r, f"prefill-{r}", "ab" * 32) for r in range(2)]
+    two = producer(endpoints).request_finished(Req(), [7, 3, 9])[1][TICKET_KEY]
+    doubled = producer(endpoints[:1], readers=2).request_finished(Req(), [7, 3, 9])[1][TICKET_KEY]
+    for texts, tp, match in ((two, 4, "cannot be shared by 4"), (doubled, 1, "would read prefill 'prefill-0' twice"),
+                             ([], 1, "a list of 1 to"), (two * 40, 1, "a list of 1 to"), ([two[0], 5], 1, "a list")):
+        with pytest.raises(UsageError, match=match):
+            parse_tickets(texts, tp)
+        s = ConsumerScheduler(BS, tp)
+        assert s.get_num_new_matched_tokens(decode_req(texts), 0) == (0, False)
+
+
 def test_producer_without_its_workers_endpoint_does_not_lend():
     assert ProducerScheduler(BS).request_finished(Req(), [1, 2, 3]) == (False, None)
 
@@ -189,7 +312,7 @@ def test_consumer_loads_a_ticket_once_into_the_blocks_vllm_allocated():
     assert s.get_num_new_matched_tokens(req, 0) == (40, True)  # side-effect free
     s.update_state_after_alloc(req, Blocks([5, 4, 8, 2]), 40)
     (load,) = s.take_plan().loads
-    assert (load.ticket, load.num_tokens, load.blocks, load.resume_from) == (text, 40, (5, 4, 8), 0)
+    assert (load.tickets, load.num_tokens, load.blocks, load.resume_from) == ((text,), 40, (5, 4, 8), 0)
     assert load.digest == request_digest(req, 40)
     assert s.get_num_new_matched_tokens(req, 0) == (0, False)  # used: a reschedule recomputes
     s.update_state_after_alloc(req, Blocks([5, 4, 8, 2]), 0)
@@ -232,14 +355,14 @@ def test_consumer_claims_at_arrival_and_gives_back_what_it_will_not_load():
     loaded, local, aborted = decode_req(text), decode_req(text, request_id="r2"), decode_req(text, request_id="r3")
     for req in (loaded, local, aborted):
         s.on_new_request(req)
-    assert s.take_plan().claims == [(text, request_digest(loaded, 40))] * 3
+    assert s.take_plan().claims == [((text,), request_digest(loaded, 40))] * 3
     s.update_state_after_alloc(loaded, Blocks([5, 4, 8]), 40)
     s.update_state_after_alloc(local, Blocks([1, 2, 3]), 0)  # a full local hit after all
     s.request_finished(aborted)  # aborted in the queue
     s.request_finished(loaded)  # finished while loading: a cancel, not an unclaim
     plan = s.take_plan()
     assert [load.request for load in plan.loads] == ["r1"]
-    assert plan.unclaims == [text, text] and plan.cancels == ["r1"]
+    assert plan.unclaims == [(text,), (text,)] and plan.cancels == ["r1"]
 
 
 def test_consumer_claims_nothing_for_a_request_without_a_usable_ticket():

@@ -24,7 +24,10 @@ class LayerKind(str, Enum):
 class Role(str, Enum):
     K = "K"
     V = "V"
-    KV = "KV"
+    KV = "KV"  # K part then V part, each heads x tokens x bytes_per_head
+    # Each head's K and V together, in an order only the engine's kernel knows (vLLM's CPU blocks
+    # hold a head's K rows then its V rows): split by heads only, never by tokens.
+    HEAD_KV = "HEAD_KV"
     STATE = "STATE"
     CONV = "CONV"
 
@@ -44,7 +47,7 @@ class SelectionMode(str, Enum):
     NAMED = "NAMED"
 
 
-_ATTENTION_ROLES = {Role.K, Role.V, Role.KV}
+_ATTENTION_ROLES = {Role.K, Role.V, Role.KV, Role.HEAD_KV}
 _RECURRENT_ROLES = {Role.STATE, Role.CONV}
 
 

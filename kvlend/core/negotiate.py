@@ -17,7 +17,9 @@ layout ids give an *identity* plan (whole page slots copy 1:1); otherwise a
   one row per request and is copied whole whatever the page size.
 
 A ``KV`` buffer holds its K part then its V part, each ``heads x tokens x
-bytes_per_head`` in the buffer's head order.  Everything else that differs in
+bytes_per_head`` in the buffer's head order; a ``HEAD_KV`` buffer holds each
+head's K and V together (``bytes_per_head`` counts both, the engine orders
+them), so it is split by heads only, never by tokens.  Everything else that differs in
 bytes is refused with a ``LayoutMismatch`` naming every field at once: wrong
 bytes are worse than no bytes.  Group and region names and capacities never
 block a plan.
@@ -305,6 +307,10 @@ class _Negotiation:
         m, s = (1, 1) if lb.recurrent else ratio
         parts = 2 if lb.identity.role is Role.KV else 1
         tl, tr = (1, 1) if lb.recurrent else (self.local.tokens_per_page, self.remote.tokens_per_page)
+        if lb.identity.role is Role.HEAD_KV and tl != tr:
+            self.refuse(f"{where}.tokens_per_page", tl, tr,
+                        "a HEAD_KV page orders each head's bytes as its engine's kernel does: it moves whole")
+            return []
         gl, gr = lb.geometry, rb.geometry
         if (gl is None) != (gr is None):
             self.refuse(f"{where}.geometry", gl, gr, "only one side describes the heads of this buffer")

@@ -8,9 +8,9 @@ block size (``select_common_block_size``, not split for block-outermost layouts,
 ``prepare_kernel_block_sizes`` does) and the worker's strided views (``allocate_kv_cache``).  Each element gets
 its own value through vLLM's logical view; then, for every block of every layer, the bytes at the addresses
 kvlend's layout names (region address + page * page stride + buffer offset) must be exactly that block's values,
-and moving those bytes into another cache of the same shape must give, through vLLM's view and the K/V split
-the kernels use, the same block there.  A layout kvlend refuses is reported with its reason; a wrong
-description is a problem.
+each (head, token) cell where the buffer's head geometry (if any) puts it, and moving those bytes into another
+cache of the same shape must give, through vLLM's view and the K/V split the kernels use, the same block there.
+A layout kvlend refuses is reported with its reason; a wrong description is a problem.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ from vllm.v1.core.kv_cache_utils import get_kv_cache_config_from_groups
 from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheGroupSpec, KVCacheLayout, MLAAttentionSpec
 from vllm.v1.worker.utils import allocate_kv_cache, customize_attention_spec, select_common_block_size
 
+from kvlend.core.layout import HeadOrder
 from kvlend.errors import LayoutError
 from kvlend_vllm.layout import layout_from_kv_caches
 
@@ -69,6 +70,13 @@ def blocks_of(view: torch.Tensor, block_size: int) -> torch.Tensor:
     return view.unflatten(0, (BLOCKS, block_size // view.shape[2]))
 
 
+def cells(page: torch.Tensor, geometry) -> torch.Tensor:
+    """A page as [heads, tokens, content] by kvlend's head geometry (what a head slice would read)."""
+    if geometry.order is HeadOrder.HND:
+        return page.view(geometry.heads, -1, geometry.bytes_per_head // 2)
+    return page.view(-1, geometry.heads, geometry.bytes_per_head // 2).transpose(0, 1)
+
+
 def kernel_kv(block: torch.Tensor, mla: bool) -> tuple[torch.Tensor, ...]:
     """What the kernels read of one block: K and V split as FlashAttention/Triton do, or MLA's latent."""
     if mla:
@@ -99,13 +107,13 @@ def check(backend, layout: KVCacheLayout, block_size: int) -> str:
     moves = {p: (p + 1) % BLOCKS for p in range(BLOCKS - 1)}  # destination block 0 receives nothing
     for buf_s, buf_d in zip(*(lay.buffers for lay in lays)):
         name = NAMES[buf_s.identity.layer]
-        if buf_s.geometry is not None:
-            return f"WRONG: {buf_s.name} has head geometry, which this probe does not check"
         want = blocks_of(src[name].view(torch.int16), block_size)
         for p, q in moves.items():
             got = page_values(raw_s, base_s, lays[0], buf_s, p).view(torch.int16)
             if not torch.equal(got.sort().values, want[p].flatten().sort().values):
                 return f"WRONG: {buf_s.name} page {p} is not exactly block {p}'s values"
+            if buf_s.geometry is not None and not torch.equal(cells(got, buf_s.geometry), want[p][0]):
+                return f"WRONG: {buf_s.name} page {p}: a (head, token) cell is not where its head geometry says"
             page_values(raw_d, base_d, lays[1], buf_d, q)[...] = page_values(raw_s, base_s, lays[0], buf_s, p)
     for name in NAMES:
         s, d = (blocks_of(c[name].view(torch.int16), block_size) for c in (src, dst))  # bit patterns, NaNs too

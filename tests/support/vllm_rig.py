@@ -39,11 +39,19 @@ class Rig:
         self._certs = os.path.join(logs, "certs")
 
     def engine(self, name: str, config: dict | None = None, *, extra=(), env=None,
-               dtype: str = "bfloat16", prefix_caching: bool = True) -> launch.Server:
+               dtype: str = "bfloat16", prefix_caching: bool = True, tp: int = 1) -> launch.Server:
+        """A ``vllm serve``; with ``tp`` > 1 its workers are ``name-0`` ... (``{rank}`` in the cert paths)."""
         port = launch.free_port()
+        parallel = ["--tensor-parallel-size", str(tp)] if tp > 1 else []
         argv = launch.vllm_serve_argv(self.model, port, kv_transfer_config=config, max_model_len=2048,
-                                      dtype=dtype, prefix_caching=prefix_caching, extra=extra)
-        tls = save_rank(self._authority.issue(name), self._certs) if config else {}
+                                      dtype=dtype, prefix_caching=prefix_caching, extra=[*parallel, *extra])
+        tls = {}
+        if config and tp == 1:
+            tls = save_rank(self._authority.issue(name), self._certs)
+        elif config:
+            for rank in range(tp):
+                tls = save_rank(self._authority.issue(f"{name}-{rank}"), self._certs)
+            tls = {k: v.replace(f"{name}-{tp - 1}.", f"{name}-{{rank}}.") for k, v in tls.items()}
         return self._start(name, port, argv, launch.vllm_env(1, {**tls, **(env or {})}))
 
     def router(self, name: str, prefill: launch.Server, decode: launch.Server) -> launch.Server:

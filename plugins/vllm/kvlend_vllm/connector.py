@@ -32,7 +32,7 @@ from kvlend.protocol.config import NodeConfig
 from kvlend.security.credentials import Credentials
 
 from .layout import layout_from_kv_caches, model_digest, scope_of
-from .scheduler import LENT_STATUSES, ConsumerScheduler, Endpoint, ProducerScheduler, StepPlan
+from .scheduler import LENT_STATUSES, ConsumerScheduler, Endpoint, ProducerScheduler, StepPlan, readers_per_worker
 from .stats import KvlendPromMetrics, KvlendStats
 from .worker import ConsumerWorker, ProducerWorker, WorkerSettings
 
@@ -51,7 +51,7 @@ def _show_kvlend_logs() -> None:
 
 # kv_connector_extra_config keys and defaults (seconds): docs/vllm.md.
 DEFAULTS = {"host": "127.0.0.1", "port": 0, "advertise": None, "ttl": 30.0, "heartbeat": 1.0,
-            "claim_wait": 5.0, "transfer_timeout": 30.0, "stats_path": None}
+            "claim_wait": 5.0, "transfer_timeout": 30.0, "stats_path": None, "decode_tp": 1}
 
 
 def _number(extra: dict, key: str) -> float:
@@ -86,9 +86,19 @@ def check_vllm(version: str, config) -> None:
     parallel = config.parallel_config
     if parallel.pipeline_parallel_size != 1:
         raise ConfigError(f"KvlendConnector: pipeline parallel size must be 1, got {parallel.pipeline_parallel_size}")
-    if parallel.tensor_parallel_size != 1:  # each side's head slicing is not yet tested inside vLLM
-        raise ConfigError("KvlendConnector runs one worker per engine on either side (tensor parallel size 1), "
-                          f"got {parallel.tensor_parallel_size}")
+    for name in ("decode_context_parallel_size", "prefill_context_parallel_size"):
+        size = getattr(parallel, name, 1)
+        if size != 1:  # each rank would hold some of a request's tokens, which no layout here says
+            raise ConfigError(f"KvlendConnector: {name} must be 1, got {size}")
+
+
+def _decode_tp(extra: dict, prefill_tp: int) -> int:
+    """The prefill's ``decode_tp``: how many workers the decode engine reads with (checked at start-up)."""
+    value = _number(extra, "decode_tp")
+    if value != int(value) or not 1 <= value <= 64:
+        raise ConfigError(f"kv_connector_extra_config.decode_tp: expected an integer in [1, 64], got {value!r}")
+    readers_per_worker(prefill_tp, int(value))  # one TP must divide the other
+    return int(value)
 
 
 def check_kv_cache_groups(kv_cache_config) -> None:
@@ -125,18 +135,21 @@ class KvlendConnector(KVConnectorBase_V1):
             raise ConfigError(f"KvlendConnector: unknown kv_connector_extra_config keys {unknown}; "
                              f"known: {sorted(DEFAULTS)}")
         self.block_size = vllm_config.cache_config.block_size
+        tp = vllm_config.parallel_config.tensor_parallel_size
+        readers = readers_per_worker(tp, _decode_tp(extra, tp)) if self.producer else 1
         self.scheduler = self.worker = None
         if role == KVConnectorRole.SCHEDULER:
-            self.scheduler = (ProducerScheduler if self.producer else ConsumerScheduler)(self.block_size)
+            self.scheduler = (ProducerScheduler(self.block_size, readers) if self.producer
+                              else ConsumerScheduler(self.block_size, tp))
         else:
             config = NodeConfig(ttl=_number(extra, "ttl"), heartbeat=_number(extra, "heartbeat"),
                                 claim_wait=_number(extra, "claim_wait") if self.producer else 0.0,
                                 transfer_timeout=_number(extra, "transfer_timeout"))
             # Each TP worker runs a node of its own: {rank} in $KVLEND_CERT/$KVLEND_KEY names its certificate.
-            credentials = Credentials.from_env(rank=get_tensor_model_parallel_rank(),
-                                               ranks=vllm_config.parallel_config.tensor_parallel_size)
+            rank = get_tensor_model_parallel_rank()
+            credentials = Credentials.from_env(rank=rank, ranks=tp)
             settings = WorkerSettings(credentials, extra["host"], int(_number(extra, "port")), extra["advertise"],
-                                      config, extra["stats_path"])
+                                      config, extra["stats_path"], tp, rank)
             self.stats = KvlendStats()
             self.worker = (ProducerWorker(settings) if self.producer
                            else ConsumerWorker(settings, self.block_size, self.stats))
@@ -176,10 +189,12 @@ class KvlendConnector(KVConnectorBase_V1):
         return self.producer and self.scheduler.holding > 0
 
     def set_xfer_handshake_metadata(self, metadata: dict[int, KVConnectorHandshakeMetadata]) -> None:
-        if self.producer:
-            if len(metadata) != 1:
-                raise ConfigError(f"KvlendConnector supports one worker per engine (TP 1), got {len(metadata)}")
-            self.scheduler.set_endpoint(next(iter(metadata.values())).endpoint)
+        if self.producer:  # one endpoint per TP worker, keyed by its rank
+            tp = self._vllm_config.parallel_config.tensor_parallel_size
+            if sorted(metadata) != list(range(tp)):
+                raise ConfigError(f"KvlendConnector: handshake metadata from workers {sorted(metadata)}, "
+                                  f"expected ranks 0..{tp - 1}")
+            self.scheduler.set_endpoints([metadata[rank].endpoint for rank in range(tp)])
 
     # --------------------------------------------------------------- worker
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
@@ -192,8 +207,12 @@ class KvlendConnector(KVConnectorBase_V1):
         scope = scope_of(platform=first.device.type, kernel=kernel, dtype=dtype, block_size=self.block_size,
                          cache_layout=str(getattr(self._kv_cache_config, "kv_cache_layout", "default")),
                          model=model_digest(config.model_config.hf_config.to_dict()))
+        tp = config.parallel_config.tensor_parallel_size
+        model = config.model_config
         layout = layout_from_kv_caches(kv_caches, block_size=self.block_size, dtype=dtype, scope=scope,
-                                       device_id=first.device.index or 0, on_device=on_device)
+                                       device_id=first.device.index or 0, on_device=on_device, tp_size=tp,
+                                       tp_rank=get_tensor_model_parallel_rank(),
+                                       replicated=model.use_mla or model.get_total_num_kv_heads() < tp)
         if self.producer:
             self._endpoint = self.worker.register(layout)
         else:

@@ -12,11 +12,14 @@ int8 allocation: ``content`` is K then V of one (head, token) cell
 ``KVCacheLayout`` (LBHNC, LBNHC, LHBNC, BLHNC, BLNHC, BHLNC) only permutes
 the strides.  So:
 
-- A block of one layer is one opaque ``Role.KV`` page: K and V interleave
-  cell by cell, which kvlend's K/V parts cannot say, so there is no head
-  geometry; whole blocks move exactly and anything that would split a block
-  by heads or tokens is refused by negotiation.  What the bytes mean (block
-  size, cache layout, kernel) is in the scope.
+- A block of one layer is one ``Role.HEAD_KV`` page: each head's K and V
+  together, ``heads x tokens x content`` in the block's head order.  On GPU
+  backends K and V interleave cell by cell; vLLM's CPU kernel keeps a head's
+  K rows then its V rows inside the head's run (``cpu_attn.py`` views a
+  block as ``[heads, 2 x tokens, head_size]``).  Either way a head's bytes are
+  its own, so a tensor-parallel peer may read a head slice of a head-major
+  block, while nothing splits a block by tokens (negotiation refuses it).
+  What the bytes mean (block size, cache layout, kernel) is in the scope.
 - The page must be one run of bytes: heads, tokens and content dense in some
   order (head- or token-major).  LHBNC and, with more than one layer, BHLNC
   put blocks or other layers between one block's heads; they are refused.
@@ -24,7 +27,12 @@ the strides.  So:
   block-outermost layout (BL..) the layers' pages sit side by side in each
   block, so they share one region whose page is the whole packed block.
 - Kernel blocks (vLLM splits a block into smaller ones for a kernel) are
-  grouped back: a page is one of vLLM's blocks, whatever the kernel's.
+  grouped back: a page is one of vLLM's blocks, whatever the kernel's.  Such
+  a page holds its heads once per kernel block, so it has no head geometry:
+  it moves whole, and a tensor-parallel mapping is refused.
+- Heads are ``INDEXED`` (each TP rank holds its slice) unless the model has
+  fewer KV heads than TP ranks or one latent (MLA), which every rank holds
+  whole: ``REPLICATED``.
 """
 
 from __future__ import annotations
@@ -36,12 +44,16 @@ from typing import Any, Mapping
 
 from kvlend.core.layout import (
     BufferDesc,
+    HeadGeometry,
+    HeadOrder,
     LayerIdentity,
     LayerKind,
     MemoryKind,
     MemoryRegion,
     PageLayout,
+    ReplicaRank,
     Role,
+    Sharding,
 )
 from kvlend.errors import LayoutError
 
@@ -65,11 +77,17 @@ class _Pages:
     stride: int
     page_bytes: int
     num: int
+    heads: tuple[int, int, HeadOrder] | None  # (heads, bytes per head and token, order); None: kernel blocks
 
 
 def layout_from_kv_caches(kv_caches: Mapping[str, Any], *, block_size: int, dtype: str, scope: str,
-                          device_id: int = 0, on_device: bool = False) -> PageLayout:
-    """The ``PageLayout`` of ``kv_caches`` (``register_kv_caches``' argument), layers in layer order."""
+                          device_id: int = 0, on_device: bool = False, tp_size: int = 1, tp_rank: int = 0,
+                          replicated: bool = False) -> PageLayout:
+    """The ``PageLayout`` of ``kv_caches`` (``register_kv_caches``' argument), layers in layer order.
+
+    ``tp_size``/``tp_rank``: this worker's place in the engine's tensor-parallel group; ``replicated``:
+    every rank holds the same heads (fewer KV heads than ranks, or MLA).
+    """
     if not kv_caches:
         raise LayoutError("kv_caches: no KV cache tensors to describe")
     pages: list[_Pages] = []
@@ -92,16 +110,20 @@ def layout_from_kv_caches(kv_caches: Mapping[str, Any], *, block_size: int, dtyp
             home = MemoryRegion(f"L{p.layer}", kind, device_id, p.num * p.stride, p.stride, p.num, p.address)
             regions.append(home)
         members.setdefault(home.name, []).append(p.layer)
+        geometry = None if p.heads is None else HeadGeometry(
+            p.heads[0], p.heads[1], p.heads[2], Sharding.REPLICATED if replicated else Sharding.INDEXED)
         buffers.append(BufferDesc(f"L{p.layer}.kv", home.name, p.address - home.address, p.page_bytes,
-                                  LayerIdentity(p.layer, LayerKind.ATTENTION, Role.KV), group=GROUP))
+                                  LayerIdentity(p.layer, LayerKind.ATTENTION, Role.HEAD_KV), group=GROUP,
+                                  geometry=geometry))
     # A region the layers share (block-outermost layouts) is named after all of them.
     names = {r.name: (r.name if len(members[r.name]) == 1 else f"L{members[r.name][0]}-L{members[r.name][-1]}")
              for r in regions}
     regions = [MemoryRegion(names[r.name], r.kind, r.device_id, r.size, r.page_stride, r.num_pages, r.address)
                for r in regions]
-    buffers = [BufferDesc(b.name, names[b.region], b.offset, b.page_bytes, b.identity, group=b.group)
-               for b in buffers]
-    return PageLayout(tuple(regions), tuple(buffers), block_size, block_size * pages[0].num, dtype, scope)
+    buffers = [BufferDesc(b.name, names[b.region], b.offset, b.page_bytes, b.identity, group=b.group,
+                          geometry=b.geometry) for b in buffers]
+    return PageLayout(tuple(regions), tuple(buffers), block_size, block_size * pages[0].num, dtype, scope,
+                      ReplicaRank(tp_size, tp_rank))
 
 
 def _pages(name: str, t: Any, block_size: int) -> _Pages:
@@ -129,7 +151,10 @@ def _pages(name: str, t: Any, block_size: int) -> _Pages:
     if ratio > 1 and stride[0] != page:
         raise LayoutError(f"kv cache {name!r}: {ratio} kernel blocks of {tokens} tokens are not one run of bytes "
                           f"(stride {stride[0]}, page {page}): vLLM's block is not one page")
-    return _Pages(layer, t.data_ptr(), stride[0] * ratio, page * ratio, blocks // ratio)
+    order = HeadOrder.HND if heads == 1 or stride[1] > stride[2] else HeadOrder.NHD
+    cells = content == 1 or stride[3] == elt  # a (head, token) cell's content is one run
+    geometry = (heads, content * elt, order) if ratio == 1 and cells else None
+    return _Pages(layer, t.data_ptr(), stride[0] * ratio, page * ratio, blocks // ratio, geometry)
 
 
 def model_digest(hf_config: Mapping[str, Any]) -> str:

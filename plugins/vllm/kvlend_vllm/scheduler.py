@@ -9,6 +9,13 @@ waits for the lend (``NodeConfig.claim_wait``).  Nothing here blocks,
 raises into vLLM on a bad ticket, or touches NIXL.  vLLM objects are read
 duck-typed (``request``, ``blocks``), so the logic is tested without an engine.
 
+Tensor parallel: each prefill worker runs a node of its own and lends its heads
+of a request's blocks, once per decode worker that reads it (``readers``: the
+decode's TP over the prefill's, at least 1), each lease under its own id.  The
+ticket key then holds a list, prefill rank major, and decode worker ``r`` of
+``n`` reads the ``r``-th ``len/n`` of it (``worker_tickets``): its own slice of
+heads, from every prefill worker holding part of it.
+
 A ticket travels in ``kv_transfer_params``, which any HTTP client can set, so
 both sides bind it to the request's content (``request_digest``): the prefill
 lends under the digest of its prompt, the decode claims with its own request's,
@@ -25,12 +32,13 @@ from typing import Any
 
 from kvlend.core.lender import LEASE_ID_BYTES
 from kvlend.core.prompt import prompt_digest
-from kvlend.errors import KvlendError
+from kvlend.errors import ConfigError, KvlendError, UsageError
 from kvlend.protocol.ticket import Ticket
 
 log = logging.getLogger("kvlend.vllm")
 
 TICKET_KEY = "kvlend_ticket"  # in kv_transfer_params, next to the do_remote_* flags routers already set
+MAX_TICKETS = 64  # tickets one request may carry (prefill TP x readers): more is refused unread
 # Names of vLLM's RequestStatus a finished prefill is lent in (the connector checks they exist at
 # start-up); an abort or error frees the blocks at once.
 LENT_STATUSES = ("FINISHED_STOPPED", "FINISHED_LENGTH_CAPPED")
@@ -49,7 +57,7 @@ class Endpoint:
 @dataclass(frozen=True)
 class Lend:
     request: str
-    lease: bytes
+    leases: tuple[tuple[bytes, ...], ...]  # per prefill TP rank, one lease per decode worker reading it
     num_tokens: int
     blocks: tuple[int, ...]
     digest: bytes  # ``request_digest`` of the request: only a claim for the same content reads it
@@ -58,7 +66,7 @@ class Lend:
 @dataclass(frozen=True)
 class Load:
     request: str
-    ticket: str
+    tickets: tuple[str, ...]  # every decode worker's: each reads its own share (worker_tickets)
     num_tokens: int  # the ticket's: the load is complete once the bound reaches it
     blocks: tuple[int, ...]
     resume_from: int  # tokens vLLM already holds locally (block-aligned): not fetched
@@ -70,14 +78,49 @@ class StepPlan:
     """What one engine step asks of the worker (the connector metadata's contents)."""
 
     lends: list[Lend] = field(default_factory=list)
-    claims: list[tuple[str, bytes]] = field(default_factory=list)  # (ticket, digest) to claim before vLLM has blocks
+    # (tickets, digest) to claim before vLLM has blocks
+    claims: list[tuple[tuple[str, ...], bytes]] = field(default_factory=list)
     loads: list[Load] = field(default_factory=list)
-    unclaims: list[str] = field(default_factory=list)  # tickets claimed and never to be loaded
+    unclaims: list[tuple[str, ...]] = field(default_factory=list)  # tickets claimed and never to be loaded
     cancels: list[str] = field(default_factory=list)
 
 
 def pages_for(num_tokens: int, block_size: int) -> int:
     return -(-num_tokens // block_size)
+
+
+def readers_per_worker(prefill_tp: int, decode_tp: int) -> int:
+    """How many decode workers read each prefill worker's heads; ConfigError unless one TP divides the other."""
+    if max(prefill_tp, decode_tp) % min(prefill_tp, decode_tp):
+        raise ConfigError(f"tensor parallel: prefill {prefill_tp} and decode {decode_tp} workers, "
+                          "neither a multiple of the other")
+    return max(1, decode_tp // prefill_tp)
+
+
+def worker_tickets(tickets: tuple[str, ...], tp_size: int, tp_rank: int) -> tuple[str, ...]:
+    """Decode worker ``tp_rank`` of ``tp_size``'s share of a request's tickets (prefill rank major)."""
+    per = len(tickets) // tp_size
+    return tickets[tp_rank * per:(tp_rank + 1) * per]
+
+
+def parse_tickets(value: Any, tp_size: int) -> tuple[tuple[str, ...], list[Ticket]]:
+    """The ticket key's texts and tickets, checked against this decode's TP; KvlendError says what is wrong."""
+    texts = (value,) if isinstance(value, str) else tuple(value) if isinstance(value, list) else None
+    if texts is None or not texts or len(texts) > MAX_TICKETS or not all(isinstance(t, str) for t in texts):
+        raise UsageError(f"{TICKET_KEY}: expected a ticket or a list of 1 to {MAX_TICKETS} tickets")
+    if len(texts) % tp_size:
+        raise UsageError(f"{TICKET_KEY}: {len(texts)} tickets cannot be shared by {tp_size} decode workers "
+                         "(set the prefill's decode_tp to this engine's tensor parallel size)")
+    tickets = [Ticket.from_text(t) for t in texts]
+    for rank in range(tp_size):
+        share = worker_tickets(tuple(range(len(texts))), tp_size, rank)
+        prefills = [tickets[i].prefill for i in share]
+        if len(set(prefills)) != len(prefills):
+            raise UsageError(f"{TICKET_KEY}: decode worker {rank} would read prefill {prefills[0]!r} twice "
+                             "(set the prefill's decode_tp to this engine's tensor parallel size)")
+    if len({t.num_tokens for t in tickets}) != 1:
+        raise UsageError(f"{TICKET_KEY}: the tickets cover different token counts")
+    return texts, tickets
 
 
 def request_digest(request: Any, num_tokens: int) -> bytes | None:
@@ -99,16 +142,17 @@ def request_digest(request: Any, num_tokens: int) -> bytes | None:
 
 
 class ProducerScheduler:
-    """Prefill: lend a finished request's blocks in place and hand back its ticket."""
+    """Prefill: lend a finished request's blocks in place and hand back its ticket(s)."""
 
-    def __init__(self, block_size: int) -> None:
+    def __init__(self, block_size: int, readers: int = 1) -> None:
         self.block_size = block_size
-        self.endpoint: Endpoint | None = None
+        self.readers = readers  # decode workers reading each of this engine's workers
+        self.endpoints: list[Endpoint] = []  # one per TP rank, in rank order
         self._plan = StepPlan()
         self._held: set[str] = set()  # requests whose blocks wait for finished_sending
 
-    def set_endpoint(self, endpoint: Endpoint) -> None:
-        self.endpoint = endpoint
+    def set_endpoints(self, endpoints: list[Endpoint]) -> None:
+        self.endpoints = list(endpoints)
 
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict | None]:
         params = request.kv_transfer_params
@@ -118,21 +162,21 @@ class ProducerScheduler:
         num_tokens = request.num_computed_tokens
         if status not in LENT_STATUSES or not block_ids or num_tokens <= 0:
             return False, None
-        if self.endpoint is None:
-            log.warning("request %s: no kvlend endpoint from the worker yet; not lent", request.request_id)
+        if not self.endpoints:
+            log.warning("request %s: no kvlend endpoint from the workers yet; not lent", request.request_id)
             return False, None
         digest = request_digest(request, num_tokens)
         if digest is None:
             log.info("request %s: its KV covers more than its prompt token ids; not lent", request.request_id)
             return False, None
         blocks = tuple(block_ids[:pages_for(num_tokens, self.block_size)])
-        lease = secrets.token_bytes(LEASE_ID_BYTES)
-        e = self.endpoint
-        ticket = Ticket(lease, e.host, e.port, e.name, num_tokens, e.layout_id)
-        self._plan.lends.append(Lend(request.request_id, lease, num_tokens, blocks, digest))
+        leases = tuple(tuple(secrets.token_bytes(LEASE_ID_BYTES) for _ in range(self.readers)) for _ in self.endpoints)
+        texts = [Ticket(lease, e.host, e.port, e.name, num_tokens, e.layout_id).to_text()
+                 for e, ranks in zip(self.endpoints, leases) for lease in ranks]
+        self._plan.lends.append(Lend(request.request_id, leases, num_tokens, blocks, digest))
         self._held.add(request.request_id)
-        return True, {"do_remote_prefill": True, "do_remote_decode": False, TICKET_KEY: ticket.to_text(),
-                      "remote_num_tokens": num_tokens}
+        return True, {"do_remote_prefill": True, "do_remote_decode": False,
+                      TICKET_KEY: texts[0] if len(texts) == 1 else texts, "remote_num_tokens": num_tokens}
 
     def finished_sending(self, request_ids) -> None:
         self._held.difference_update(request_ids or ())
@@ -148,36 +192,39 @@ class ProducerScheduler:
 
 
 class ConsumerScheduler:
-    """Decode: load a ticket's KV into the blocks vLLM allocated, once per request."""
+    """Decode: load a request's tickets into the blocks vLLM allocated, once per request."""
 
-    def __init__(self, block_size: int) -> None:
+    def __init__(self, block_size: int, tp_size: int = 1) -> None:
         self.block_size = block_size
+        self.tp_size = tp_size  # this engine's workers: each reads its share of the tickets
         self._plan = StepPlan()
-        self._claimed: dict[str, tuple[str, bytes]] = {}  # request -> (ticket, digest), claimed and not yet loading
+        # request -> (tickets, digest), claimed and not yet loading
+        self._claimed: dict[str, tuple[tuple[str, ...], bytes]] = {}
         self._loading: set[str] = set()
 
-    def ticket_of(self, request: Any) -> Ticket | None:
-        """The request's ticket, if it still has one to redeem and it fits the prompt; never raises."""
+    def tickets_of(self, request: Any) -> tuple[tuple[str, ...], int] | None:
+        """The request's tickets and their token count, if it still has some to redeem and they fit the
+        prompt and this engine's workers; never raises."""
         params = request.kv_transfer_params
         if not params or not params.get("do_remote_prefill") or TICKET_KEY not in params:
             return None
         try:
-            ticket = Ticket.from_text(params[TICKET_KEY])
+            texts, tickets = parse_tickets(params[TICKET_KEY], self.tp_size)
         except KvlendError as exc:
             log.warning("request %s: bad kvlend ticket, computing locally: %s", request.request_id, exc)
             return None
         prompt = len(request.prompt_token_ids or ())
-        if ticket.num_tokens != prompt:
+        if tickets[0].num_tokens != prompt:
             log.warning("request %s: ticket covers %d tokens but the prompt has %d; computing locally",
-                        request.request_id, ticket.num_tokens, prompt)
+                        request.request_id, tickets[0].num_tokens, prompt)
             return None
-        return ticket
+        return texts, tickets[0].num_tokens
 
     def on_new_request(self, request: Any) -> None:
-        """Claim the ticket as the request arrives: heartbeats keep the lease alive while it queues."""
-        ticket = self.ticket_of(request)
-        if ticket is not None:
-            claim = (request.kv_transfer_params[TICKET_KEY], request_digest(request, ticket.num_tokens))
+        """Claim the tickets as the request arrives: heartbeats keep the leases alive while it queues."""
+        found = self.tickets_of(request)
+        if found is not None:
+            claim = (found[0], request_digest(request, found[1]))
             self._plan.claims.append(claim)
             self._claimed[request.request_id] = claim
 
@@ -187,28 +234,28 @@ class ConsumerScheduler:
             self._plan.unclaims.append(claim[0])
 
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
-        ticket = self.ticket_of(request)
-        if ticket is None:
+        found = self.tickets_of(request)
+        if found is None:
             return 0, False
-        count = ticket.num_tokens - num_computed_tokens
+        count = found[1] - num_computed_tokens
         return (count, True) if count > 0 else (0, False)
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
-        ticket = self.ticket_of(request)
-        if ticket is None:
+        found = self.tickets_of(request)
+        if found is None:
             return
+        texts, num_tokens = found
         request.kv_transfer_params["do_remote_prefill"] = False  # one load per request, even if rescheduled
         if num_external_tokens <= 0:
             self._unclaim(request.request_id)  # all local: give the prefill its blocks back now
             return
         claim = self._claimed.pop(request.request_id, None)
-        digest = claim[1] if claim is not None else request_digest(request, ticket.num_tokens)
-        table = tuple(blocks.get_block_ids()[0][:pages_for(ticket.num_tokens, self.block_size)])
+        digest = claim[1] if claim is not None else request_digest(request, num_tokens)
+        table = tuple(blocks.get_block_ids()[0][:pages_for(num_tokens, self.block_size)])
         # What vLLM holds already (its prefix cache: whole blocks) is not read again.  vLLM sets
         # request.num_computed_tokens only after this call, so it comes from the external count.
-        resume = ticket.num_tokens - num_external_tokens
-        self._plan.loads.append(Load(request.request_id, request.kv_transfer_params[TICKET_KEY], ticket.num_tokens,
-                                     table, resume, digest))
+        resume = num_tokens - num_external_tokens
+        self._plan.loads.append(Load(request.request_id, texts, num_tokens, table, resume, digest))
         self._loading.add(request.request_id)
 
     def request_finished(self, request: Any) -> None:

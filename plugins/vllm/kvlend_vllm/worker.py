@@ -15,7 +15,6 @@ import threading
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Any
 
 from kvlend.core.text import printable
 from kvlend.errors import KvlendError
@@ -25,7 +24,7 @@ from kvlend.security.credentials import Credentials
 from kvlend.transport import load_backend
 
 from .amx import request_amx
-from .scheduler import Endpoint, StepPlan
+from .scheduler import Endpoint, StepPlan, worker_tickets
 
 log = logging.getLogger("kvlend.vllm")
 _FINISHED_KEPT = 65536
@@ -38,7 +37,9 @@ class WorkerSettings:
     port: int = 0
     advertise: str | None = None
     config: NodeConfig = NodeConfig()
-    stats_path: str | None = None  # decode: one JSON line per finished fetch
+    stats_path: str | None = None  # decode: one JSON line per finished load
+    tp_size: int = 1  # the engine's tensor-parallel workers; this one is tp_rank
+    tp_rank: int = 0
 
 
 def _place(node) -> None:
@@ -78,13 +79,16 @@ def _backend(credentials: Credentials):
 
 
 class ProducerWorker:
-    """Prefill: lend blocks under the scheduler's lease ids; report them back when their lease ends."""
+    """Prefill: lend blocks under the scheduler's lease ids (this worker's: one per decode worker reading
+    its heads); report a request back once all its leases ended."""
 
     def __init__(self, settings: WorkerSettings) -> None:
         self.settings = settings
         self.node: PrefillNode | None = None
         self._lock = threading.Lock()
-        self._ended: set[str] = set()  # leases over (done, aborted, expired, released): blocks may be freed
+        self._open: dict[str, int] = {}  # request -> its leases not yet over
+        self._requests: dict[bytes, str] = {}  # lease id -> request, while the lease lives
+        self._ended: set[str] = set()  # requests whose leases are all over (done, aborted, expired, released)
         # Requests vLLM said finished (only those may be reported), the most recent ones: a lend
         # comes a step after its request finished, so this need not remember long.
         self._finished: OrderedDict[str, None] = OrderedDict()
@@ -100,18 +104,31 @@ class ProducerWorker:
         return Endpoint(self.node.advertise, self.node.port, self.node.name, layout.layout_id)
 
     def _on_release(self, lease, reason: str) -> None:
+        self._lease_over(lease.id)
+
+    def _lease_over(self, lease: bytes) -> None:
         with self._lock:
-            self._ended.add(lease.request)
+            request = self._requests.pop(lease)
+            self._open[request] -= 1
+            if not self._open[request]:
+                del self._open[request]
+                self._ended.add(request)
 
     def start(self, plan: StepPlan) -> None:
         for lend in plan.lends:
-            try:
-                self.node.lend(lend.request, lend.num_tokens, {"full": list(lend.blocks)},
-                               self.node.layout.full_selection(), lease_id=lend.lease, prompt_digest=lend.digest)
-            except KvlendError as exc:  # nothing lent: free the blocks now; a claim is refused after claim_wait
-                log.warning("request %s: not lent (%s); its blocks are freed", lend.request, printable(exc))
-                with self._lock:
-                    self._ended.add(lend.request)
+            leases = lend.leases[self.settings.tp_rank]
+            with self._lock:
+                self._open[lend.request] = len(leases)
+                self._requests.update(dict.fromkeys(leases, lend.request))
+            for reader, lease in enumerate(leases):
+                # The node holds one live lease per name: each decode worker reading this one gets its own.
+                name = lend.request if len(leases) == 1 else f"{lend.request}#{reader}"
+                try:
+                    self.node.lend(name, lend.num_tokens, {"full": list(lend.blocks)},
+                                   self.node.layout.full_selection(), lease_id=lease, prompt_digest=lend.digest)
+                except KvlendError as exc:  # not lent: a claim is refused after claim_wait
+                    log.warning("request %s: not lent (%s)", name, printable(exc))
+                    self._lease_over(lease)
 
     def finished_sending(self, finished_req_ids: set[str]) -> set[str]:
         with self._lock:
@@ -133,23 +150,39 @@ class ProducerWorker:
 
 @dataclass
 class _Loading:
-    handle: Any
+    request: str
+    handles: list  # one fetch per prefill worker holding heads of this worker's slice
     blocks: tuple[int, ...]
     num_tokens: int
     resume_from: int  # tokens vLLM held already (its prefix cache): not read
     started: float
-    reported_at: float | None = None  # when vLLM was told it finished (its bound covered the ticket)
-    cancelled: bool = False
+    finished: int = 0  # handles vLLM's step collected (engine thread)
+    recorded: int = 0  # handles the node's thread heard end (stats line)
+    reported_at: float | None = None  # when vLLM was told it finished (every bound covered the ticket)
+    cancelled: bool = False  # the request was aborted: its blocks are freed, not recomputed
+    broken: bool = False  # a fetch of its share could not start: the others were cancelled, all is recomputed
+
+    def verified(self) -> bool:
+        """Every fetch read the whole ticket, verified, and nothing is in flight (done acks may be pending)."""
+        return not self.broken and all(h.ok or (h.state is FetchState.ACKING and h.bound >= self.num_tokens)
+                                       for h in self.handles)
+
+    def bound(self) -> int:
+        """Tokens below which every head of this worker's slice landed, verified."""
+        return self.resume_from if self.broken else min(h.bound for h in self.handles)
 
 
 class ConsumerWorker:
     """Decode: fetch tickets into vLLM's blocks; failed blocks are reported only once quiet.
 
-    A load is reported finished as soon as its safe-resume bound covers the whole ticket
-    and no read is in flight, without waiting for the prefill's done ack: the bound
-    counts only reads that landed while the lease was surely alive (README, *Resume*).
-    The stats line of a fetch is written by the node's thread when it ends: vLLM steps
-    only while it has requests, and the done ack often comes after the last one.
+    Each load reads this worker's share of the tickets (``worker_tickets``): one fetch per
+    prefill worker holding heads of its slice, all into the same blocks.  A load is reported
+    finished as soon as every fetch's safe-resume bound covers the whole ticket and no read
+    is in flight, without waiting for the prefills' done acks: a bound counts only reads that
+    landed while the lease was surely alive (README, *Resume*).  A failed load is reported
+    once all its fetches are quiet, with the blocks above the lowest bound to recompute.
+    The stats line of a load is written by the node's thread when its last fetch ends:
+    vLLM steps only while it has requests, and the done ack often comes after the last one.
     """
 
     def __init__(self, settings: WorkerSettings, block_size: int, stats) -> None:
@@ -159,7 +192,7 @@ class ConsumerWorker:
         self.node: DecodeNode | None = None
         self._lock = threading.Lock()  # the loads: the node's thread reads them when a fetch ends
         self._loading: dict[str, _Loading] = {}
-        self._by_handle: dict[int, str] = {}
+        self._by_handle: dict[int, _Loading] = {}
         self._done: set[str] = set()
         self._invalid: set[int] = set()
 
@@ -169,85 +202,118 @@ class ConsumerWorker:
                                on_finished=self._record if s.stats_path else None)
         self.node.start()
         _place(self.node)
-        log.info("kvlend decode %s ready (layout %s)", self.node.name, layout.layout_id)
+        log.info("kvlend decode %s ready (layout %s, tp rank %d of %d)", self.node.name, layout.layout_id,
+                 s.tp_rank, s.tp_size)
+
+    def _mine(self, tickets: tuple[str, ...]) -> tuple[str, ...]:
+        return worker_tickets(tickets, self.settings.tp_size, self.settings.tp_rank)
 
     def start(self, plan: StepPlan) -> None:
-        for text, digest in plan.claims:
-            try:
-                self.node.claim(text, prompt_digest=digest)
-            except KvlendError as exc:  # the fetch will claim again, or fail and be recomputed
-                log.warning("early claim of a ticket failed: %s", printable(exc))
-        for text in plan.unclaims:
-            try:
-                self.node.unclaim(text)
-            except KvlendError as exc:
-                log.info("giving back an unread lease: %s", printable(exc))
+        for tickets, digest in plan.claims:
+            for text in self._mine(tickets):
+                try:
+                    self.node.claim(text, prompt_digest=digest)
+                except KvlendError as exc:  # the fetch will claim again, or fail and be recomputed
+                    log.warning("early claim of a ticket failed: %s", printable(exc))
+        for tickets in plan.unclaims:
+            for text in self._mine(tickets):
+                try:
+                    self.node.unclaim(text)
+                except KvlendError as exc:
+                    log.info("giving back an unread lease: %s", printable(exc))
         for request in plan.cancels:
             loading = self._loading.get(request)
             if loading is not None and loading.reported_at is None:
-                loading.handle.cancel()
+                for handle in loading.handles:
+                    handle.cancel()
                 loading.cancelled = True
         for load in plan.loads:
-            started = time.perf_counter()
-            with self._lock:  # the node's thread may end the fetch before it is filed here
+            self._start_load(load)
+
+    def _start_load(self, load) -> None:
+        loading = _Loading(load.request, [], load.blocks, load.num_tokens, load.resume_from, time.perf_counter())
+        with self._lock:  # the node's thread may end a fetch before it is filed here
+            for text in self._mine(load.tickets):
                 try:
-                    handle = self.node.start_fetch(load.ticket, {"full": list(load.blocks)},
-                                                   resume_from=load.resume_from, prompt_digest=load.digest)
-                except KvlendError as exc:  # nothing was read: every block is recomputed
+                    handle = self.node.start_fetch(text, {"full": list(load.blocks)}, resume_from=load.resume_from,
+                                                   prompt_digest=load.digest)
+                except KvlendError as exc:  # it read nothing: the load is recomputed once the others are quiet
                     log.warning("request %s: fetch not started (%s); recomputing", load.request, printable(exc))
-                    recompute = load.blocks[load.resume_from // self.block_size:]
-                    self._invalid.update(recompute)
-                    self.stats.record_failure(len(recompute))
-                    self._done.add(load.request)
-                    continue
-                self._loading[load.request] = _Loading(handle, load.blocks, load.num_tokens, load.resume_from,
-                                                       started)
-                self._by_handle[handle.id] = load.request
+                    loading.broken = True
+                    for handle in loading.handles:
+                        handle.cancel()
+                    break
+                loading.handles.append(handle)
+                self._by_handle[handle.id] = loading
+            if loading.handles:
+                self._loading[load.request] = loading
+                return
+        recompute = load.blocks[load.resume_from // self.block_size:]  # nothing started: nothing is in flight
+        self._invalid.update(recompute)
+        self.stats.record_failure(len(recompute))
+        self._done.add(load.request)
 
     def finished_recving(self) -> set[str]:
         for handle in self.node.finished():  # each already quiet: nothing can still land
             with self._lock:
-                request = self._by_handle.pop(handle.id)
-                loading = self._loading.pop(request)
-            if handle.ok:
-                result = handle.result()
-                self.stats.record(seconds=result.seconds, read_seconds=result.read_seconds or 0.0,
-                                  nbytes=result.bytes, local_blocks=loading.resume_from // self.block_size)
-            elif loading.reported_at is not None:  # its KV was complete and verified before this (a lost ack, say)
-                log.info("request %s: fetch ended after its KV was complete: %s", request, printable(handle.error))
-            elif not loading.cancelled:  # an aborted request's blocks are freed, not recomputed
-                good = handle.bound // self.block_size  # pages below the verified bound landed whole
-                self._invalid.update(loading.blocks[good:])
-                self.stats.record_failure(len(loading.blocks) - good)
-                log.warning("request %s: KV fetch failed at token %d (%s); %d blocks recomputed", request,
-                            handle.bound, printable(handle.error), len(loading.blocks) - good)
-            if loading.reported_at is None:
-                self._done.add(request)
-        for request, loading in self._loading.items():
-            if loading.reported_at is None and loading.handle.state is FetchState.ACKING \
-                    and loading.handle.bound >= loading.num_tokens:
+                loading = self._by_handle.pop(handle.id)
+                loading.finished += 1
+                if loading.finished < len(loading.handles):
+                    continue
+                if self._loading.get(loading.request) is loading:
+                    del self._loading[loading.request]
+            self._ended(loading)
+        for loading in self._loading.values():
+            if loading.reported_at is None and not loading.cancelled and loading.verified():
                 loading.reported_at = time.perf_counter()
-                self._done.add(request)
+                self._done.add(loading.request)
         done, self._done = self._done, set()
         return done
+
+    def _ended(self, loading: _Loading) -> None:
+        """Every fetch of a load is over and quiet: account for it, and tell vLLM unless already told."""
+        request, handles = loading.request, loading.handles
+        if not loading.broken and all(h.ok for h in handles):
+            results = [h.result() for h in handles]
+            self.stats.record(seconds=max(r.seconds for r in results),
+                              read_seconds=max(r.read_seconds or 0.0 for r in results),
+                              nbytes=sum(r.bytes for r in results), local_blocks=loading.resume_from // self.block_size)
+        elif loading.reported_at is not None:  # its KV was complete and verified before this (a lost ack, say)
+            log.info("request %s: fetch ended after its KV was complete: %s", request,
+                     "; ".join(printable(h.error) for h in handles if not h.ok))
+        elif not loading.cancelled:  # an aborted request's blocks are freed, not recomputed
+            bound = loading.bound()
+            good = bound // self.block_size  # pages below every verified bound landed whole
+            self._invalid.update(loading.blocks[good:])
+            self.stats.record_failure(len(loading.blocks) - good)
+            log.warning("request %s: KV fetch failed at token %d (%s); %d blocks recomputed", request, bound,
+                        "; ".join(printable(h.error) for h in handles if not h.ok), len(loading.blocks) - good)
+        if loading.reported_at is None:
+            self._done.add(request)
 
     def load_errors(self) -> set[int]:
         invalid, self._invalid = self._invalid, set()
         return invalid
 
     def _record(self, handle) -> None:
-        """The fetch's stats line (``stats_path``), on the node's thread as it ends."""
+        """A load's stats line (``stats_path``), on the node's thread as its last fetch ends."""
         with self._lock:
-            request = self._by_handle[handle.id]
-            loading = self._loading[request]
-        seconds = time.perf_counter() - loading.started
-        result = handle.result() if handle.ok else None
-        # seconds: start_fetch until it ended; transfer_s: kvlend's claim to done ack.
-        line = {"request": request, "ok": handle.ok, "seconds": round(seconds, 6),
-                "transfer_s": round(result.seconds, 6) if result else None,
-                "bytes": result.bytes if result else 0, "blocks": len(loading.blocks),
-                "resume_from": loading.resume_from, "bound": handle.bound,
-                "error": None if handle.ok else type(handle.error).__name__,
+            loading = self._by_handle.get(handle.id)
+            if loading is None:
+                return
+            loading.recorded += 1
+            if loading.recorded < len(loading.handles):
+                return
+        handles = loading.handles
+        results = [h.result() if h.ok else None for h in handles]
+        failed = [h for h in handles if not h.ok]
+        # seconds: start until its last fetch ended; transfer_s: kvlend's claim to done ack (the slowest).
+        line = {"request": loading.request, "ok": not failed, "tp_rank": self.settings.tp_rank,
+                "fetches": len(handles), "seconds": round(time.perf_counter() - loading.started, 6),
+                "transfer_s": None if failed else round(max(r.seconds for r in results), 6),
+                "bytes": sum(r.bytes for r in results if r is not None), "blocks": len(loading.blocks),
+                "resume_from": loading.resume_from, "bound": loading.bound(),
+                "error": type(failed[0].error).__name__ if failed else None,
                 "reported_s": None if loading.reported_at is None else round(loading.reported_at - loading.started, 6),
                 **{f"{k}_s": None if v is None else round(v, 6) for k, v in handle.timeline.items()}}
         with open(self.settings.stats_path, "a") as f:

@@ -1,0 +1,91 @@
+"""kvlend inside real vLLM servers with tensor parallel on one side: prefill TP 1 -> decode TP 2, and
+prefill TP 2 -> decode TP 1, token for token against one plain server.
+
+The tiny model has 2 KV heads, so at TP 2 each worker holds one: every decode worker must read
+exactly its head of every block (TP 1 -> 2: half a block each, from the one prefill worker), or
+both heads from the two prefill workers (TP 2 -> 1: two fetches per request into the same
+blocks).  The decode answers nothing from its own prefix cache, so each answer's KV crossed
+kvlend; the per-worker stats lines say how.  float32: tensor parallel changes the order of
+vLLM's reductions, and in bf16 one prompt of eight came out different through a TP 2 decode
+whose every fetch was whole and verified.  UCX over tcp, as test_vllm.py.  About two and a
+half minutes on 2 cores.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+
+import pytest
+
+from kvlend_vllm import launch
+from tests.support.vllm_rig import Rig, ensure_model, generate, wait_for_stats
+
+pytestmark = pytest.mark.system
+
+LENGTHS = [5, 127, 128, 129, 300, 700, 1000, 1500]
+MAX_TOKENS = 6
+# The tiny model's KV per 128-token block: 2 layers x K and V x 2 KV heads x 64 x 128 tokens x 4 bytes.
+BLOCK_BYTES = 2 * 2 * 2 * 64 * 128 * 4
+TCP = {"UCX_TLS": "tcp"}
+
+
+@pytest.fixture(scope="module")
+def plain(tmp_path_factory):
+    """The prompts and a plain TP 1 server's greedy answers to them."""
+    assert os.path.exists(launch.VLLM_VENV_PYTHON), "no .venv-vllm: scripts/test runs scripts/vllm-setup first"
+    model = ensure_model("tiny")
+    rng = random.Random(24)
+    prompts = [[rng.randrange(4, 1000) for _ in range(n)] for n in LENGTHS]
+    rig = Rig(model, str(tmp_path_factory.mktemp("vllm-tp-plain")))
+    try:
+        server = rig.engine("plain", dtype="float32")
+        rig.wait(server)
+        expected = generate(server, model, prompts, MAX_TOKENS)
+    finally:
+        rig.close()
+    assert all("tokens" in e and len(e["tokens"]) == MAX_TOKENS for e in expected), expected
+    return model, prompts, expected
+
+
+def run_pair(tmp_path, model, prompts, prefill_tp: int, decode_tp: int) -> tuple[list[dict], list[dict]]:
+    """Answers through router -> prefill (TP prefill_tp) -> kvlend -> decode (TP decode_tp), and the decode
+    workers' stats lines (one per load and worker)."""
+    stats = str(tmp_path / "decode-stats.jsonl")
+    rig = Rig(model, str(tmp_path))
+    try:
+        prefill = rig.engine("prefill", launch.kvlend_transfer_config("kv_producer", {"decode_tp": decode_tp}),
+                             tp=prefill_tp, dtype="float32", env=TCP)
+        decode = rig.engine("decode", launch.kvlend_transfer_config("kv_consumer", {"stats_path": stats}),
+                            tp=decode_tp, prefix_caching=False, dtype="float32", env=TCP)
+        router = rig.router("router", prefill, decode)
+        rig.wait(prefill, decode, router)
+        got = generate(router, model, prompts, MAX_TOKENS)
+        lines = wait_for_stats(stats, decode_tp * len(prompts))  # a load's line comes with its done acks
+    finally:
+        rig.close()
+    return got, lines
+
+
+def test_prefill_tp1_to_decode_tp2_each_decode_worker_reads_its_head(tmp_path, plain):
+    model, prompts, expected = plain
+    got, lines = run_pair(tmp_path, model, prompts, 1, 2)
+    assert [n for n, g, e in zip(LENGTHS, got, expected) if g != e] == []
+    assert all(s["ok"] and s["fetches"] == 1 for s in lines) and len(lines) == 2 * len(LENGTHS), lines
+    for rank in (0, 1):
+        mine = [s for s in lines if s["tp_rank"] == rank]
+        assert len(mine) == len(LENGTHS), lines
+        # One of the two KV heads of every block: exactly half the block's bytes.
+        assert all(s["bytes"] == s["blocks"] * BLOCK_BYTES // 2 > 0 for s in mine), mine
+        assert sorted(s["bound"] for s in mine) == sorted(LENGTHS)
+
+
+def test_prefill_tp2_to_decode_tp1_the_decode_reads_both_prefill_workers_heads(tmp_path, plain):
+    model, prompts, expected = plain
+    got, lines = run_pair(tmp_path, model, prompts, 2, 1)
+    assert [n for n, g, e in zip(LENGTHS, got, expected) if g != e] == []
+    assert len(lines) == len(LENGTHS), lines
+    # Two fetches per request (one per prefill worker, one head each) make up whole blocks.
+    assert all(s["ok"] and s["fetches"] == 2 and s["bytes"] == s["blocks"] * BLOCK_BYTES > 0
+               for s in lines), lines
+    assert sorted(s["bound"] for s in lines) == sorted(LENGTHS)
