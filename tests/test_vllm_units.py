@@ -23,6 +23,7 @@ from kvlend.core.pages import GroupPages
 from kvlend.core.plan import plan_reads
 from kvlend.errors import LayoutError, LayoutMismatch, UsageError
 from kvlend.protocol.ticket import Ticket
+from kvlend_vllm.bench import merge, parse_connector, shared_prompts, table
 from kvlend_vllm.layout import layout_from_kv_caches, model_digest, scope_of
 from kvlend_vllm.scheduler import (
     TICKET_KEY,
@@ -411,3 +412,27 @@ def test_a_ticket_on_another_prompt_of_its_length_is_claimed_with_that_prompts_d
     plan = s.take_plan()
     assert [digest for _, digest in plan.claims] == [load.digest for load in plan.loads]
     assert [load.digest == lend.digest for load in plan.loads] == [True, False]
+
+
+# ------------------------------------------------------------------ the bench
+def test_bench_shared_prefix_prompts_share_exactly_their_prefix():
+    prompts = shared_prompts(4, 2048, 90)
+    assert {len(p) for p in prompts} == {2048}
+    assert len({tuple(p[:1843]) for p in prompts}) == 1  # 90 % of 2048, rounded down
+    assert len({tuple(p[1843:]) for p in prompts}) == 4  # and each its own after it
+    assert len({tuple(p[:8]) for p in shared_prompts(4, 2048, 0)}) == 4
+
+
+def test_bench_compares_every_baseline_it_ran_with_kvlend():
+    def run(connector, ttft):
+        return {"connector": connector, "row": "r", "requests": 1, "errors": 0, "ttft_s": [ttft],
+                "decode_leg_s": [ttft / 2], "kv_transfers": 1, "kv_xfer_s": 0.1, "kv_read_s": 0.05,
+                "kv_bytes": 2**20, "kv_failed": 0, "wall_s": 1.0}
+    lines = table(merge([run("kvlend", 0.1), run("nixl:1", 0.5), run("nixl:4", 0.3)])).splitlines()
+    assert [line.split(" | ")[1] for line in lines[2:]] == ["kvlend", "nixl:1", "nixl:4", "nixl:1/kvlend",
+                                                            "nixl:4/kvlend"]
+    assert lines[-1].split(" | ")[2] == "3.00x"
+    assert parse_connector("nixl:2") == ("nixl", 2) and parse_connector("kvlend") == ("kvlend", None)
+    for bad in ("nixl:0", "kvlend:2", "mooncake", "nixl:x"):
+        with pytest.raises(ValueError):
+            parse_connector(bad)

@@ -1,18 +1,23 @@
 """kvlend's connector against vLLM's own NixlConnector: same machine, model, prompts and run.
 
     scripts/vllm-bench [--size large] [--lengths 512,2048,8192] [--requests 6] [--rounds 2]
+                       [--shared 0,50,90 --shared-tokens 2048] [--connectors kvlend,nixl:1,nixl:2,nixl:4]
 
 Each round boots one connector's prefill/decode pair and router, runs every
 row (each prompt length one request at a time, then a burst of concurrent
-requests), stops the pair and boots the other connector's: the pairs never
+requests, then with ``--shared`` one row per shared-prefix share: prompts
+whose first P % of tokens are the same, after one warm-up request with that
+prefix, so both engines' prefix caches hold it and each connector may move
+only what the decode lacks), stops the pair and boots the other connector's: the pairs never
 compete for the CPU, and alternating rounds spread the host's noise over
 both.  Per row: TTFT p50/p99 through the router, the decode leg's TTFT (TTFT
 minus the prefill call, which both connectors share), and the KV transfer
 time each connector reports for itself in vLLM's ``/metrics``
 (reads alone, posted to landed: ``vllm:kvlend_read_time_seconds`` and
 ``vllm:nixl_xfer_time_seconds``; and kvlend's whole fetch, claim to done ack,
-``vllm:kvlend_xfer_time_seconds``), mean per request.  Ratios are nixl/kvlend:
-above 1 means kvlend is faster.
+``vllm:kvlend_xfer_time_seconds``), mean per request.  Ratios are baseline/kvlend:
+above 1 means kvlend is faster.  ``nixl:N`` is NixlConnector with ``num_threads``
+N, its progress threads (vLLM's default, plain ``nixl``, is 4): a fair run sweeps it.
 """
 
 from __future__ import annotations
@@ -60,6 +65,14 @@ def _ms(seconds: float | None) -> float | None:
     return None if seconds is None else round(seconds * 1e3, 1)
 
 
+def parse_connector(spec: str) -> tuple[str, int | None]:
+    """``kvlend``, ``nixl`` or ``nixl:N`` (NixlConnector with num_threads N) -> (kind, threads)."""
+    kind, _, threads = spec.partition(":")
+    if kind not in KV_METRICS or (threads and (kind != "nixl" or not threads.isdigit() or int(threads) < 1)):
+        raise ValueError(f"connector {spec!r}: expected kvlend, nixl or nixl:N")
+    return kind, int(threads) if threads else None
+
+
 def settled(url: str, connector: str, before: dict, expected: int, timeout: float = 30.0) -> dict:
     """The decode's metrics once they count ``expected`` more transfers (vLLM publishes them late)."""
     deadline = time.monotonic() + timeout
@@ -72,14 +85,16 @@ def settled(url: str, connector: str, before: dict, expected: int, timeout: floa
         time.sleep(0.5)
 
 
-def run_pair(connector: str, args, model: str, max_len: int, log_dir: str, certs: dict) -> list[dict]:
+def run_pair(spec: str, args, model: str, max_len: int, log_dir: str, certs: dict) -> list[dict]:
+    connector, threads = parse_connector(spec)
+    name = spec.replace(":", "-")
     servers = []
     try:
-        prefill = start_engine(f"{connector}-prefill", connector, "kv_producer", model, max_len, args.kv_cache_gib,
-                               log_dir, certs["prefill"], dtype=args.dtype)
-        decode = start_engine(f"{connector}-decode", connector, "kv_consumer", model, max_len, args.kv_cache_gib,
+        prefill = start_engine(f"{name}-prefill", connector, "kv_producer", model, max_len, args.kv_cache_gib,
+                               log_dir, certs["prefill"], dtype=args.dtype, nixl_threads=threads)
+        decode = start_engine(f"{name}-decode", connector, "kv_consumer", model, max_len, args.kv_cache_gib,
                               log_dir, certs["decode"], {"stats_path": os.path.join(log_dir, "kvlend-fetches.jsonl")},
-                              dtype=args.dtype)
+                              dtype=args.dtype, nixl_threads=threads)
         servers = [prefill, decode]
         servers.append(start_router(prefill, decode, log_dir, args.request_timeout))
         boot(servers, args.boot_timeout)
@@ -87,20 +102,35 @@ def run_pair(connector: str, args, model: str, max_len: int, log_dir: str, certs
         before = scrape(decode.url, KV_METRICS[connector])
         asyncio.run(workload(url, model, make_prompts(2, [64], seed=99), 2, 1, args.request_timeout))  # warm-up
         settled(decode.url, connector, before, 2)  # its metrics must not land in the first row
-        plan = [(f"{n} tokens", make_prompts(args.requests, [n], seed=n), 1) for n in args.lengths]
-        plan.append((f"{args.burst} concurrent x {args.burst_tokens} tokens",
-                     make_prompts(args.burst, [args.burst_tokens], seed=7), args.burst))
-        for name, prompts, concurrency in plan:
+        plan = [(f"{n} tokens", make_prompts(args.requests, [n], seed=n), 1, None) for n in args.lengths]
+        if args.burst:
+            plan.append((f"{args.burst} concurrent x {args.burst_tokens} tokens",
+                         make_prompts(args.burst, [args.burst_tokens], seed=7), args.burst, None))
+        for share in args.shared:
+            prompts = shared_prompts(args.requests + 1, args.shared_tokens, share)
+            plan.append((f"{args.shared_tokens} tokens, {share}% shared prefix", prompts[1:], 1, prompts[:1]))
+        for name, prompts, concurrency, warm in plan:
+            if warm:  # puts the shared prefix in both engines' caches; not counted
+                before = scrape(decode.url, KV_METRICS[connector])
+                asyncio.run(workload(url, model, warm, args.max_tokens, 1, args.request_timeout))
+                settled(decode.url, connector, before, 1)
             before = scrape(decode.url, KV_METRICS[connector])
             results, wall = asyncio.run(workload(url, model, prompts, args.max_tokens, concurrency,
                                                  args.request_timeout))
             after = settled(decode.url, connector, before, len(results))
-            rows.append({"connector": connector, **row(name, results, before, after, wall)})
-            print(f"bench: {connector} {name}: " + json.dumps(summary([rows[-1]])), flush=True)
+            rows.append({"connector": spec, **row(name, results, before, after, wall)})
+            print(f"bench: {spec} {name}: " + json.dumps(summary([rows[-1]])), flush=True)
         return rows
     finally:
         with ThreadPoolExecutor(max(1, len(servers))) as pool:
             list(pool.map(launch.Server.stop, servers))
+
+
+def shared_prompts(n: int, tokens: int, share: int) -> list[list[int]]:
+    """``n`` prompts of ``tokens`` tokens whose first ``share`` % are the same (and differ after it)."""
+    common = make_prompts(1, [tokens * share // 100], seed=1000 + share)[0] if share else []
+    tails = make_prompts(n, [tokens - len(common)], seed=2000 + share)
+    return [common + tail for tail in tails]
 
 
 def merge(rows: list[dict]) -> list[dict]:
@@ -113,27 +143,26 @@ def merge(rows: list[dict]) -> list[dict]:
 
 
 def table(merged: list[dict]) -> str:
+    """Each row's connectors in run order, then each baseline's ratios to kvlend (above 1: kvlend faster)."""
     lines = ["| row | connector | TTFT p50 ms | TTFT p99 ms | decode leg p50 ms | decode leg p99 ms | reads ms (mean) "
              "| whole transfer ms (mean) | MiB/request | requests (errors) |",
              "|---|---|---|---|---|---|---|---|---|---|"]
-    by_row = {}
+    by_row: dict[str, dict[str, dict]] = {}
     for m in merged:
         by_row.setdefault(m["row"], {})[m["connector"]] = m
-    for name, pair in by_row.items():
-        for connector in ("kvlend", "nixl"):
-            m = pair.get(connector)
-            if m:
-                lines.append(f"| {name} | {connector} | {m['ttft_p50_ms']} | {m['ttft_p99_ms']} | "
-                             f"{m['decode_leg_p50_ms']} | {m['decode_leg_p99_ms']} | {m['read_ms_mean']} | "
-                             f"{m['xfer_ms_mean'] if connector == 'kvlend' else ''} | {m['mib_per_request']} | "
-                             f"{m['requests']} ({m['errors']}) |")
-        if len(pair) == 2 and pair["nixl"]["ttft_p50_ms"] and pair["kvlend"]["ttft_p50_ms"]:
-            ratio = pair["nixl"]["ttft_p50_ms"] / pair["kvlend"]["ttft_p50_ms"]
-            leg = _ratio(pair["nixl"]["decode_leg_p50_ms"], pair["kvlend"]["decode_leg_p50_ms"])
-            reads = _ratio(pair["nixl"]["read_ms_mean"], pair["kvlend"]["read_ms_mean"])
-            p99 = _ratio(pair["nixl"]["ttft_p99_ms"], pair["kvlend"]["ttft_p99_ms"])
-            leg99 = _ratio(pair["nixl"]["decode_leg_p99_ms"], pair["kvlend"]["decode_leg_p99_ms"])
-            lines.append(f"| {name} | nixl/kvlend | {ratio:.2f}x | {p99} | {leg} | {leg99} | {reads} | | | |")
+    for name, runs in by_row.items():
+        for connector, m in runs.items():
+            lines.append(f"| {name} | {connector} | {m['ttft_p50_ms']} | {m['ttft_p99_ms']} | "
+                         f"{m['decode_leg_p50_ms']} | {m['decode_leg_p99_ms']} | {m['read_ms_mean']} | "
+                         f"{m['xfer_ms_mean'] if connector == 'kvlend' else ''} | {m['mib_per_request']} | "
+                         f"{m['requests']} ({m['errors']}) |")
+        ours = runs.get("kvlend")
+        for connector, m in runs.items():
+            if ours is None or connector == "kvlend":
+                continue
+            cells = [_ratio(m[k], ours[k]) for k in ("ttft_p50_ms", "ttft_p99_ms", "decode_leg_p50_ms",
+                                                      "decode_leg_p99_ms", "read_ms_mean")]
+            lines.append(f"| {name} | {connector}/kvlend | {' | '.join(cells)} | | | |")
     return "\n".join(lines)
 
 
@@ -146,19 +175,30 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--size", choices=sorted(models.SIZES), default="large")
     ap.add_argument("--lengths", default="512,2048,8192", help="prompt lengths, one row each")
     ap.add_argument("--requests", type=int, default=6, help="requests per length row (one at a time)")
-    ap.add_argument("--burst", type=int, default=16, help="concurrent requests in the last row")
+    ap.add_argument("--burst", type=int, default=16, help="concurrent requests in the burst row (0: none)")
     ap.add_argument("--burst-tokens", type=int, default=1024)
     ap.add_argument("--max-tokens", type=int, default=4)
     ap.add_argument("--dtype", choices=launch.DTYPES, default="bfloat16",
                     help="weights and KV cache (default bfloat16)")
     ap.add_argument("--rounds", type=int, default=2, help="kvlend then nixl, this many times")
-    ap.add_argument("--connectors", default="kvlend,nixl")
+    ap.add_argument("--connectors", default="kvlend,nixl",
+                    help="run in this order each round: kvlend, nixl (vLLM's default num_threads 4) or nixl:N")
+    ap.add_argument("--shared", default="", help="shared-prefix shares in %%, one row each (say 0,50,90)")
+    ap.add_argument("--shared-tokens", type=int, default=2048, help="prompt length of the shared-prefix rows")
     ap.add_argument("--kv-cache-gib", type=int, default=4)
     ap.add_argument("--boot-timeout", type=float, default=300.0)
     ap.add_argument("--request-timeout", type=float, default=300.0)
     ap.add_argument("--json", help="write every row and the merged table here")
     args = ap.parse_args(argv)
-    args.lengths = [int(x) for x in args.lengths.split(",")]
+    args.lengths = [int(x) for x in args.lengths.split(",") if x]
+    args.shared = [int(x) for x in args.shared.split(",") if x]
+    if any(not 0 <= x < 100 for x in args.shared):
+        ap.error("--shared: shares in [0, 100)")
+    try:
+        for spec in args.connectors.split(","):
+            parse_connector(spec)
+    except ValueError as exc:
+        ap.error(f"--connectors: {exc}")
     max_len = models.SIZES[args.size]["max_position_embeddings"]
     signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
     log_dir = tempfile.mkdtemp(prefix="kvlend-vllm-bench-")

@@ -102,12 +102,12 @@ def write_certs(log_dir: str, *identities: str) -> dict[str, dict[str, str]]:
 
 def start_engine(name: str, connector: str | None, role: str | None, model: str, max_len: int, kv_gib: int,
                  log_dir: str, tls_env: dict[str, str], kvlend_extra: dict | None = None,
-                 dtype: str = "bfloat16") -> launch.Server:
+                 dtype: str = "bfloat16", nixl_threads: int | None = None) -> launch.Server:
     """One `vllm serve` with ``connector`` (kvlend | nixl) in ``role``, or a plain one (None);
     ``tls_env`` names kvlend's credentials (``write_certs``)."""
     port, extra_env, cfg = launch.free_port(), {}, None
     if connector == "nixl":
-        cfg = launch.nixl_transfer_config(role)
+        cfg = launch.nixl_transfer_config(role, nixl_threads)
         extra_env = {"VLLM_NIXL_SIDE_CHANNEL_HOST": HOST, "VLLM_NIXL_SIDE_CHANNEL_PORT": str(launch.free_port())}
     elif connector == "kvlend":
         cfg = launch.kvlend_transfer_config(role, kvlend_extra)

@@ -79,10 +79,14 @@ def kvlend_transfer_config(role: str, extra: Mapping | None = None) -> dict:
             "kv_connector_extra_config": dict(extra or {})}
 
 
-def nixl_transfer_config(role: str) -> dict:
-    """kv_transfer_config of vLLM's own NixlConnector, host memory."""
-    return {"kv_connector": "NixlConnector", "kv_role": role, "kv_buffer_device": "cpu",
-            "kv_load_failure_policy": "recompute"}
+def nixl_transfer_config(role: str, num_threads: int | None = None) -> dict:
+    """kv_transfer_config of vLLM's own NixlConnector, host memory; ``num_threads``: its NIXL progress
+    threads (its knob; vLLM's default is 4)."""
+    config = {"kv_connector": "NixlConnector", "kv_role": role, "kv_buffer_device": "cpu",
+              "kv_load_failure_policy": "recompute"}
+    if num_threads is not None:
+        config["kv_connector_extra_config"] = {"num_threads": num_threads}
+    return config
 
 
 def vllm_env(kv_cache_gib: int = 1, extra: Mapping[str, str] | None = None) -> dict[str, str]:
