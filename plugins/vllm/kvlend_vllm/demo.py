@@ -102,7 +102,7 @@ def write_certs(log_dir: str, *identities: str) -> dict[str, dict[str, str]]:
 
 def start_engine(name: str, connector: str | None, role: str | None, model: str, max_len: int, kv_gib: int,
                  log_dir: str, tls_env: dict[str, str], kvlend_extra: dict | None = None,
-                 dtype: str = "bfloat16", nixl_threads: int | None = None) -> launch.Server:
+                 dtype: str = "bfloat16", nixl_threads: int | None = None, extra: tuple = ()) -> launch.Server:
     """One `vllm serve` with ``connector`` (kvlend | nixl) in ``role``, or a plain one (None);
     ``tls_env`` names kvlend's credentials (``write_certs``)."""
     port, extra_env, cfg = launch.free_port(), {}, None
@@ -113,7 +113,7 @@ def start_engine(name: str, connector: str | None, role: str | None, model: str,
         cfg = launch.kvlend_transfer_config(role, kvlend_extra)
         extra_env = dict(tls_env)
     return launch.Server(name, f"http://{HOST}:{port}").start(
-        launch.vllm_serve_argv(model, port, kv_transfer_config=cfg, max_model_len=max_len, dtype=dtype),
+        launch.vllm_serve_argv(model, port, kv_transfer_config=cfg, max_model_len=max_len, dtype=dtype, extra=extra),
         launch.vllm_env(kv_gib, extra_env), os.path.join(log_dir, f"{name}.log"))
 
 
@@ -249,6 +249,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--kv-cache-gib", type=int, help="per server (default tiny 1, large 4)")
     ap.add_argument("--check", action="store_true",
                     help="also boot one plain server and compare greedy tokens")
+    ap.add_argument("--gpu-memory-utilization", type=float,
+                    help="per server, on a GPU host (three servers share one GPU with --check: 0.25)")
     ap.add_argument("--boot-timeout", type=float, default=300.0)
     ap.add_argument("--request-timeout", type=float, default=300.0)
     ap.add_argument("--log-dir", help="server logs (default: a new temp dir)")
@@ -270,8 +272,10 @@ def main(argv: list[str] | None = None) -> int:
     print(f"demo: model {model}, logs in {log_dir}", flush=True)
 
     def engine(name: str, role: str | None) -> launch.Server:
+        gpu = () if args.gpu_memory_utilization is None else ("--gpu-memory-utilization",
+                                                               str(args.gpu_memory_utilization))
         return start_engine(name, args.connector if role else None, role, model, max_len, kv_gib, log_dir,
-                            certs.get(name, {}), dtype=args.dtype)
+                            certs.get(name, {}), dtype=args.dtype, extra=gpu)
 
     servers: list[launch.Server] = []
     try:
