@@ -60,6 +60,22 @@ class Rig:
                 "--prefill", prefill.url, "--decode", decode.url, "--timeout", "120"]
         return self._start(name, port, argv, dict(os.environ), ready=("/health",))
 
+    def vllm_router(self, name: str, prefills, decodes, policy: str = "round_robin") -> launch.Server:
+        """vLLM's own P/D router (``vllm-router``, Rust) in front of running engines: it passes the
+        prefill's ``kv_transfer_params`` to the decode unchanged, so kvlend's tickets ride it.  Health
+        checks every second take a dead worker out of rotation quickly."""
+        port = launch.free_port()
+        argv = [os.path.join(os.path.dirname(launch.VLLM_VENV_PYTHON), "vllm-router"), "--host", "127.0.0.1",
+                "--port", str(port), "--vllm-pd-disaggregation", "--policy", policy,
+                "--prometheus-port", str(launch.free_port()), "--request-timeout-secs", "120",
+                "--health-check-interval-secs", "1", "--health-failure-threshold", "1",
+                "--worker-startup-timeout-secs", "60"]
+        for server in prefills:
+            argv += ["--prefill", server.url]
+        for server in decodes:
+            argv += ["--decode", server.url]
+        return self._start(name, port, argv, dict(os.environ), ready=("/health",))
+
     def _start(self, name, port, argv, env, ready=("/health", "/v1/models")) -> launch.Server:
         server = launch.Server(name, f"http://127.0.0.1:{port}", ready)
         server.start(argv, env, os.path.join(self.logs, f"{name}.log"))
@@ -132,6 +148,13 @@ def _tokens(answer: dict) -> dict:
         return answer
     choice = answer["choices"][0]
     return {"tokens": choice["token_ids"], "finish": choice["finish_reason"]}
+
+
+def served(server: launch.Server) -> int:
+    """Requests the engine finished (vLLM's ``request_success_total``, every finish reason)."""
+    with urllib.request.urlopen(server.url + "/metrics", timeout=10) as r:
+        text = r.read().decode()
+    return int(sum(float(v) for v in re.findall(r"^vllm:request_success_total\{[^}]*\} ([0-9.e+-]+)$", text, re.M)))
 
 
 def kv_usage(server: launch.Server) -> float:

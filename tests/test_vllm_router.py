@@ -1,0 +1,84 @@
+"""kvlend behind vLLM's own P/D router (``vllm-router``, as production teams run it): two kvlend
+prefills and one decode, token for token against a plain server, then one prefill SIGKILLed.
+
+vllm-router (its default and ``--kv-connector nixl`` modes) sends the decode the prefill's
+``kv_transfer_params`` unchanged, so kvlend's tickets ride it with no change to either.  It also
+forwards a client's own ``kv_transfer_params`` when the prefill returns none; kvlend's tickets are
+bound to their prompt, so such a ticket reads nothing (``test_vllm.py`` shows the binding).
+About three minutes on 2 cores.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import threading
+import time
+
+import pytest
+
+from kvlend_vllm import launch
+from tests.support.vllm_rig import Rig, ensure_model, generate, served, wait_for_stats
+
+pytestmark = pytest.mark.system
+
+LENGTHS = [5, 100, 127, 128, 129, 200, 300, 400, 500, 640, 700, 900]
+MAX_TOKENS = 6
+TCP = {"UCX_TLS": "tcp"}  # reads really in flight when a prefill dies
+KILLED_WITHIN = 90.0  # seconds: every request caught by the kill is answered or failed by then
+
+
+def test_vllm_router_carries_kvlend_tickets_from_two_prefills_and_survives_one_killed(tmp_path):
+    assert os.path.exists(launch.VLLM_VENV_PYTHON), "no .venv-vllm: scripts/test runs scripts/vllm-setup first"
+    model = ensure_model("tiny")
+    rng = random.Random(25)
+    batches = [[[rng.randrange(4, 1000) for _ in range(n)] for n in LENGTHS] for _ in range(3)]
+    stats = str(tmp_path / "decode-stats.jsonl")
+    rig = Rig(model, str(tmp_path))
+    try:
+        plain = rig.engine("plain")
+        rig.wait(plain)
+        expected = [generate(plain, model, batch, MAX_TOKENS) for batch in batches]
+        rig.stop(plain)
+        assert all("tokens" in e for batch in expected for e in batch), expected
+        producer = launch.kvlend_transfer_config("kv_producer")
+        prefills = [rig.engine(f"prefill-{i}", producer, env=TCP) for i in range(2)]
+        decode = rig.engine("decode", launch.kvlend_transfer_config("kv_consumer", {"stats_path": stats}),
+                            env=TCP, prefix_caching=False)
+        rig.wait(*prefills, decode)
+        router = rig.vllm_router("vllm-router", prefills, [decode])
+        rig.wait(router)
+
+        # 1. Both prefills serve, every answer's KV crossed kvlend, every answer is the plain server's.
+        got = generate(router, model, batches[0], MAX_TOKENS)
+        assert [n for n, g, e in zip(LENGTHS, got, expected[0]) if g != e] == [], got
+        lines = wait_for_stats(stats, len(LENGTHS))  # a fetch's line comes with its done ack
+        assert len(lines) == len(LENGTHS) and all(s["ok"] for s in lines), lines
+        deadline = time.monotonic() + 30  # vLLM's metrics may trail its answers
+        while sum(counts := [served(p) for p in prefills]) < len(LENGTHS) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert sum(counts) == len(LENGTHS) and min(counts) > 0, counts  # spread over both
+
+        # 2. One prefill SIGKILLed with requests in flight: each is answered right or fails, never wrong.
+        results: dict[int, dict] = {}
+
+        def one(i: int) -> None:
+            results[i] = generate(router, model, [batches[1][i]], MAX_TOKENS, timeout=KILLED_WITHIN)[0]
+
+        flying = [threading.Thread(target=one, args=(i,), daemon=True) for i in range(len(LENGTHS))]
+        for t in flying:
+            t.start()
+        time.sleep(0.2)
+        killed_at = time.monotonic()
+        rig.kill(prefills[1])
+        for t in flying:
+            t.join(max(0.0, killed_at + KILLED_WITHIN + 10 - time.monotonic()))
+        assert not any(t.is_alive() for t in flying), "a request caught by the kill is still waiting"
+        wrong = [LENGTHS[i] for i, r in results.items() if "error" not in r and r != expected[1][i]]
+        assert wrong == [], results
+
+        # 3. The survivor serves everything after it.
+        got = generate(router, model, batches[2], MAX_TOKENS)
+        assert [n for n, g, e in zip(LENGTHS, got, expected[2]) if g != e] == [], got
+    finally:
+        rig.close()
