@@ -5,19 +5,22 @@ vllm-router (its default and ``--kv-connector nixl`` modes) sends the decode the
 ``kv_transfer_params`` unchanged, so kvlend's tickets ride it with no change to either.  It also
 forwards a client's own ``kv_transfer_params`` when the prefill returns none; kvlend's tickets are
 bound to their prompt, so such a ticket reads nothing (``test_vllm.py`` shows the binding).
-About three minutes on 2 cores.
+Then the demo's other shape behind it: one prefill, two decodes.  About three minutes on 2 cores.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import random
+import subprocess
 import threading
 import time
 
 import pytest
 
 from kvlend_vllm import launch
+from tests.support.children import child_env
 from tests.support.vllm_rig import Rig, ensure_model, generate, served, wait_for_stats
 
 pytestmark = pytest.mark.system
@@ -82,3 +85,19 @@ def test_vllm_router_carries_kvlend_tickets_from_two_prefills_and_survives_one_k
         assert [n for n, g, e in zip(LENGTHS, got, expected[2]) if g != e] == [], got
     finally:
         rig.close()
+
+
+def test_the_demo_runs_one_prefill_and_two_decodes_behind_vllm_router_with_a_load_aware_policy(tmp_path):
+    """``scripts/vllm-demo --router vllm-router``: the other shape (1 prefill, 2 decodes), power-of-two
+    choices, tokens checked against a plain server."""
+    report = tmp_path / "demo.json"
+    out = subprocess.run([launch.VLLM_VENV_PYTHON, "-m", "kvlend_vllm.demo", "--router", "vllm-router",
+                          "--prefills", "1", "--decodes", "2", "--policy", "power_of_two", "--check", "--prompts", "8",
+                          "--log-dir", str(tmp_path / "logs"), "--json", str(report)],
+                         capture_output=True, text=True, timeout=900, env=child_env())
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    rep = json.loads(report.read_text())
+    assert rep["check_vs_single_server"] == "match" and rep["errors"] == 0, rep
+    assert rep["kv_transfers"] == 8 and rep["kv_failed"] == 0, rep  # every answer's KV came over kvlend
+    # Where power-of-two choices sends each request is its business (one decode may take all 8).
+    assert rep["served"]["prefill"] == 8 and rep["served"]["decode-0"] + rep["served"]["decode-1"] == 8, rep

@@ -6,6 +6,10 @@ OpenAI client measuring TTFT and throughput.  `--check` also boots one plain
 server and compares greedy tokens, so a connector that moves wrong KV fails.
 
     python -m kvlend_vllm.demo --connector kvlend|nixl [--size tiny|large] [--check] ...
+    python -m kvlend_vllm.demo --router vllm-router --prefills 2 --decodes 1 [--policy power_of_two]
+
+``--router vllm-router`` puts vLLM's own P/D router in front (it carries kvlend's
+tickets unchanged), which takes any number of prefills and decodes.
 """
 
 from __future__ import annotations
@@ -124,6 +128,21 @@ def start_router(prefill: launch.Server, decode: launch.Server, log_dir: str, ti
          "--decode", decode.url, "--timeout", str(timeout)], None, os.path.join(log_dir, "router.log"))
 
 
+def start_vllm_router(prefills: list[launch.Server], decodes: list[launch.Server], policy: str, log_dir: str,
+                      timeout: float) -> launch.Server:
+    """vLLM's ``vllm-router`` in P/D mode; start it once the engines are up (it checks them at start-up)."""
+    port = launch.free_port()
+    argv = [os.path.join(os.path.dirname(sys.executable), "vllm-router"), "--host", HOST, "--port", str(port),
+            "--vllm-pd-disaggregation", "--policy", policy, "--prometheus-port", str(launch.free_port()),
+            "--request-timeout-secs", str(int(timeout)), "--health-check-interval-secs", "1"]
+    for server in prefills:
+        argv += ["--prefill", server.url]
+    for server in decodes:
+        argv += ["--decode", server.url]
+    return launch.Server("router", f"http://{HOST}:{port}", ("/health",)).start(
+        argv, None, os.path.join(log_dir, "router.log"))
+
+
 def boot(servers: list[launch.Server], timeout: float) -> None:
     """Wait for all servers together, printing a progress line every 5 s."""
     t0 = time.monotonic()
@@ -206,7 +225,8 @@ def report(args, results: list[dict], wall_s: float, boot_s: dict, rss: dict,
     ttft = [r["ttft_s"] for r in ok if r["ttft_s"] is not None]
     pre = [r["prefill_ms"] for r in ok if r["prefill_ms"] is not None]
     toks = sum(len(r["token_ids"]) for r in ok)
-    rep = {"connector": args.connector, "size": args.size, "dtype": args.dtype, "requests": len(results),
+    rep = {"connector": args.connector, "router": args.router, "prefills": args.prefills, "decodes": args.decodes,
+           "size": args.size, "dtype": args.dtype, "requests": len(results),
            "ok": len(ok), "errors": len(results) - len(ok),
            "first_errors": [r["error"] for r in results if "error" in r][:3],
            "prompt_tokens": args.prompt_tokens, "max_tokens": args.max_tokens,
@@ -231,6 +251,11 @@ def print_report(rep: dict) -> None:
         print(f"  {k:24} {f(v) if not isinstance(v, str) else v}")
 
 
+def _names(role: str, count: int) -> list[str]:
+    """Server (and kvlend identity) names: ``prefill``, or ``prefill-0``, ``prefill-1``, ..."""
+    return [role] if count == 1 else [f"{role}-{i}" for i in range(count)]
+
+
 def _interrupt(*_) -> None:
     raise KeyboardInterrupt
 
@@ -249,6 +274,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--kv-cache-gib", type=int, help="per server (default tiny 1, large 4)")
     ap.add_argument("--check", action="store_true",
                     help="also boot one plain server and compare greedy tokens")
+    ap.add_argument("--router", choices=("kvlend", "vllm-router"), default="kvlend",
+                    help="kvlend's router (one prefill, one decode) or vLLM's vllm-router (any number)")
+    ap.add_argument("--prefills", type=int, default=1, help="prefill servers (more than 1: --router vllm-router)")
+    ap.add_argument("--decodes", type=int, default=1, help="decode servers (more than 1: --router vllm-router)")
+    ap.add_argument("--policy", default="round_robin",
+                    help="vllm-router's policy: round_robin, power_of_two (load-aware), cache_aware, ...")
     ap.add_argument("--gpu-memory-utilization", type=float,
                     help="per server, on a GPU host (three servers share one GPU with --check: 0.25)")
     ap.add_argument("--boot-timeout", type=float, default=300.0)
@@ -261,13 +292,16 @@ def main(argv: list[str] | None = None) -> int:
     max_len = models.SIZES[args.size]["max_position_embeddings"]
     if max(lengths) + args.max_tokens > max_len:
         ap.error(f"prompt + max tokens exceed the {args.size} model's {max_len} positions")
+    if min(args.prefills, args.decodes) < 1 or (args.router == "kvlend" and max(args.prefills, args.decodes) > 1):
+        ap.error("--prefills/--decodes: at least 1 each; more than 1 needs --router vllm-router")
     kv_gib = args.kv_cache_gib or (1 if args.size == "tiny" else 4)
     log_dir = args.log_dir or tempfile.mkdtemp(prefix="kvlend-vllm-demo-")
     os.makedirs(log_dir, exist_ok=True)
 
     # SIGTERM as well as Ctrl-C must reach the finally below, which kills groups.
     signal.signal(signal.SIGTERM, _interrupt)
-    certs = write_certs(log_dir, "prefill", "decode")
+    names = {"kv_producer": _names("prefill", args.prefills), "kv_consumer": _names("decode", args.decodes)}
+    certs = write_certs(log_dir, *names["kv_producer"], *names["kv_consumer"])
     model = models.ensure_model(args.size)
     print(f"demo: model {model}, logs in {log_dir}", flush=True)
 
@@ -279,13 +313,16 @@ def main(argv: list[str] | None = None) -> int:
 
     servers: list[launch.Server] = []
     try:
-        prefill = engine("prefill", "kv_producer")
-        servers.append(prefill)
-        decode = engine("decode", "kv_consumer")
-        servers.append(decode)
+        prefills = [engine(name, "kv_producer") for name in names["kv_producer"]]
+        decodes = [engine(name, "kv_consumer") for name in names["kv_consumer"]]
+        servers += prefills + decodes
         single = engine("single", None) if args.check else None
         servers += [single] if single else []
-        router = start_router(prefill, decode, log_dir, args.request_timeout)
+        if args.router == "kvlend":
+            router = start_router(prefills[0], decodes[0], log_dir, args.request_timeout)
+        else:  # it checks its workers as it starts: they must be up
+            boot(servers, args.boot_timeout)
+            router = start_vllm_router(prefills, decodes, args.policy, log_dir, args.request_timeout)
         servers.append(router)
         boot(servers, args.boot_timeout)
         boot_s = {s.name: round(s.boot_s, 1) for s in servers}
@@ -295,7 +332,13 @@ def main(argv: list[str] | None = None) -> int:
         results, wall = asyncio.run(workload(router.url, model, prompts, args.max_tokens,
                                              args.concurrency, args.request_timeout))
         rss = group_rss_gib(servers)
-        kv = scrape(decode.url, KV_METRICS[args.connector])
+        kv: dict[str, float] = {}
+        for decode in decodes:
+            for key, value in scrape(decode.url, KV_METRICS[args.connector]).items():
+                kv[key] = kv.get(key, 0.0) + value
+        if len(prefills) + len(decodes) > 2:  # how the router spread the work
+            kv["served"] = {s.name: scrape(s.url, {"n": "vllm:request_success_total"}).get("n", 0.0)
+                            for s in prefills + decodes}
         mismatches = None
         if single:
             print("demo: checking against the single server", flush=True)
