@@ -51,7 +51,8 @@ def _show_kvlend_logs() -> None:
 
 # kv_connector_extra_config keys and defaults (seconds): docs/vllm.md.
 DEFAULTS = {"host": "127.0.0.1", "port": 0, "advertise": None, "ttl": 30.0, "heartbeat": 1.0,
-            "claim_wait": 5.0, "transfer_timeout": 30.0, "stats_path": None, "decode_tp": 1}
+            "claim_wait": 5.0, "transfer_timeout": 30.0, "stats_path": None, "decode_tp": 1,
+            "etcd": None, "cluster_prefix": "/kvlend/default"}
 
 
 def _number(extra: dict, key: str) -> float:
@@ -90,6 +91,16 @@ def check_vllm(version: str, config) -> None:
         size = getattr(parallel, name, 1)
         if size != 1:  # each rank would hold some of a request's tokens, which no layout here says
             raise ConfigError(f"KvlendConnector: {name} must be 1, got {size}")
+
+
+def _endpoints(extra: dict) -> tuple[str, ...]:
+    """``etcd``: host:port[,host:port...] of kvlend's registry, or none."""
+    value = extra["etcd"]
+    if value is None:
+        return ()
+    if not isinstance(value, str) or not value.strip():
+        raise ConfigError(f"kv_connector_extra_config.etcd: expected host:port[,host:port...], got {value!r}")
+    return tuple(e.strip() for e in value.split(",") if e.strip())
 
 
 def _decode_tp(extra: dict, prefill_tp: int) -> int:
@@ -149,7 +160,8 @@ class KvlendConnector(KVConnectorBase_V1):
             rank = get_tensor_model_parallel_rank()
             credentials = Credentials.from_env(rank=rank, ranks=tp)
             settings = WorkerSettings(credentials, extra["host"], int(_number(extra, "port")), extra["advertise"],
-                                      config, extra["stats_path"], tp, rank)
+                                      config, extra["stats_path"], tp, rank, _endpoints(extra),
+                                      str(extra["cluster_prefix"]))
             self.stats = KvlendStats()
             self.worker = (ProducerWorker(settings) if self.producer
                            else ConsumerWorker(settings, self.block_size, self.stats))

@@ -40,6 +40,8 @@ class WorkerSettings:
     stats_path: str | None = None  # decode: one JSON line per finished load
     tp_size: int = 1  # the engine's tensor-parallel workers; this one is tp_rank
     tp_rank: int = 0
+    etcd: tuple[str, ...] = ()  # kvlend's registry: publish this rank there (and, decoding, trust it)
+    cluster_prefix: str = "/kvlend/default"
 
 
 def _place(node) -> None:
@@ -71,6 +73,25 @@ def _request_amx() -> None:
     log.info("kvlend: AMX tile state %s", "granted" if request_amx() else "not granted")
 
 
+def _registry(settings: WorkerSettings):
+    """The rank's ``Registry`` in etcd, started, or None without ``etcd`` (its record goes up with the node)."""
+    if not settings.etcd:
+        return None
+    from kvlend.cluster.registry import Registry, etcd_security_from_env
+
+    return Registry(list(settings.etcd), settings.cluster_prefix, **etcd_security_from_env()).start()
+
+
+def _close(node, registry) -> None:
+    """The node (which withdraws its record), its backend, then the registry."""
+    if node is not None:
+        backend = node.backend
+        node.close()
+        backend.close()
+    if registry is not None:
+        registry.close()
+
+
 def _backend(credentials: Credentials):
     _request_amx()
     # The progress thread starves under busy polling on small hosts; the node's loop drives NIXL.
@@ -85,6 +106,7 @@ class ProducerWorker:
     def __init__(self, settings: WorkerSettings) -> None:
         self.settings = settings
         self.node: PrefillNode | None = None
+        self.registry = None
         self._lock = threading.Lock()
         self._open: dict[str, int] = {}  # request -> its leases not yet over
         self._requests: dict[bytes, str] = {}  # lease id -> request, while the lease lives
@@ -95,8 +117,10 @@ class ProducerWorker:
 
     def register(self, layout) -> Endpoint:
         s = self.settings
+        self.registry = _registry(s)
         self.node = PrefillNode(layout, _backend(s.credentials), s.credentials, host=s.host, port=s.port,
-                                advertise=s.advertise, config=s.config, on_release=self._on_release)
+                                advertise=s.advertise, config=s.config, on_release=self._on_release,
+                                registry=self.registry)
         self.node.start()
         _place(self.node)
         log.info("kvlend prefill %s listening on %s:%d (layout %s)", self.node.name, self.node.host,
@@ -142,10 +166,7 @@ class ProducerWorker:
         return done
 
     def close(self) -> None:
-        if self.node is not None:
-            backend = self.node.backend
-            self.node.close()
-            backend.close()
+        _close(self.node, self.registry)
 
 
 @dataclass
@@ -190,6 +211,7 @@ class ConsumerWorker:
         self.block_size = block_size
         self.stats = stats  # a KvlendStats: what vLLM logs and exports
         self.node: DecodeNode | None = None
+        self.registry = None
         self._lock = threading.Lock()  # the loads: the node's thread reads them when a fetch ends
         self._loading: dict[str, _Loading] = {}
         self._by_handle: dict[int, _Loading] = {}
@@ -198,8 +220,9 @@ class ConsumerWorker:
 
     def register(self, layout) -> None:
         s = self.settings
+        self.registry = _registry(s)
         self.node = DecodeNode(layout, _backend(s.credentials), s.credentials, config=s.config,
-                               on_finished=self._record if s.stats_path else None)
+                               registry=self.registry, on_finished=self._record if s.stats_path else None)
         self.node.start()
         _place(self.node)
         log.info("kvlend decode %s ready (layout %s, tp rank %d of %d)", self.node.name, layout.layout_id,
@@ -232,6 +255,7 @@ class ConsumerWorker:
 
     def _start_load(self, load) -> None:
         loading = _Loading(load.request, [], load.blocks, load.num_tokens, load.resume_from, time.perf_counter())
+        refused: KvlendError | None = None
         with self._lock:  # the node's thread may end a fetch before it is filed here
             for text in self._mine(load.tickets):
                 try:
@@ -239,7 +263,7 @@ class ConsumerWorker:
                                                    prompt_digest=load.digest)
                 except KvlendError as exc:  # it read nothing: the load is recomputed once the others are quiet
                     log.warning("request %s: fetch not started (%s); recomputing", load.request, printable(exc))
-                    loading.broken = True
+                    loading.broken, refused = True, exc
                     for handle in loading.handles:
                         handle.cancel()
                     break
@@ -252,6 +276,8 @@ class ConsumerWorker:
         self._invalid.update(recompute)
         self.stats.record_failure(len(recompute))
         self._done.add(load.request)
+        if self.settings.stats_path:
+            self._write(loading, None, 0, type(refused).__name__, {})
 
     def finished_recving(self) -> set[str]:
         for handle in self.node.finished():  # each already quiet: nothing can still land
@@ -308,19 +334,20 @@ class ConsumerWorker:
         results = [h.result() if h.ok else None for h in handles]
         failed = [h for h in handles if not h.ok]
         # seconds: start until its last fetch ended; transfer_s: kvlend's claim to done ack (the slowest).
-        line = {"request": loading.request, "ok": not failed, "tp_rank": self.settings.tp_rank,
-                "fetches": len(handles), "seconds": round(time.perf_counter() - loading.started, 6),
-                "transfer_s": None if failed else round(max(r.seconds for r in results), 6),
-                "bytes": sum(r.bytes for r in results if r is not None), "blocks": len(loading.blocks),
-                "resume_from": loading.resume_from, "bound": loading.bound(),
-                "error": type(failed[0].error).__name__ if failed else None,
+        self._write(loading, None if failed else round(max(r.seconds for r in results), 6),
+                    sum(r.bytes for r in results if r is not None),
+                    type(failed[0].error).__name__ if failed else None, handle.timeline)
+
+    def _write(self, loading: _Loading, transfer_s: float | None, nbytes: int, error: str | None,
+               timeline: dict) -> None:
+        line = {"request": loading.request, "ok": error is None, "tp_rank": self.settings.tp_rank,
+                "fetches": len(loading.handles), "seconds": round(time.perf_counter() - loading.started, 6),
+                "transfer_s": transfer_s, "bytes": nbytes, "blocks": len(loading.blocks),
+                "resume_from": loading.resume_from, "bound": loading.bound(), "error": error,
                 "reported_s": None if loading.reported_at is None else round(loading.reported_at - loading.started, 6),
-                **{f"{k}_s": None if v is None else round(v, 6) for k, v in handle.timeline.items()}}
+                **{f"{k}_s": None if v is None else round(v, 6) for k, v in timeline.items()}}
         with open(self.settings.stats_path, "a") as f:
             f.write(json.dumps(line) + "\n")
 
     def close(self) -> None:
-        if self.node is not None:
-            backend = self.node.backend
-            self.node.close()
-            backend.close()
+        _close(self.node, self.registry)
