@@ -6,11 +6,8 @@ a dead endpoint.  A real etcd member, real ``vllm serve`` engines.  About two mi
 
 from __future__ import annotations
 
-import json
 import os
 import random
-import subprocess
-import sys
 import time
 
 import pytest
@@ -19,6 +16,7 @@ from kvlend.cluster.etcd_members import EtcdMembers
 from kvlend_vllm import launch
 from tests.support.vllm_rig import (
     Rig,
+    cluster_ranks,
     decode_with,
     ensure_model,
     generate,
@@ -32,24 +30,6 @@ LENGTHS = [5, 128, 129, 300, 700]
 MAX_TOKENS = 6
 PREFIX = "/kvlend/vllm-test"
 RECORD_TTL = 5.0  # the Registry's default: a dead rank's record outlives it by at most this (and a pass)
-
-
-def cluster_status(etcd: str) -> dict:
-    kvlend = os.path.join(os.path.dirname(sys.executable), "kvlend")  # the command users run
-    out = subprocess.run([kvlend, "cluster", "status", "--etcd", etcd, "--prefix", PREFIX, "--json",
-                          "--timeout", "10"], capture_output=True, text=True, timeout=60)
-    assert out.returncode == 0, out.stderr
-    return json.loads(out.stdout)
-
-
-def wait_for_ranks(etcd: str, want: set[str], timeout: float) -> dict:
-    """The cluster's status once its live identities are exactly ``want`` (or at the deadline)."""
-    deadline = time.monotonic() + timeout
-    while True:
-        status = cluster_status(etcd)
-        if {r["identity"] for r in status["ranks"]} == want or time.monotonic() > deadline:
-            return status
-        time.sleep(0.5)
 
 
 def test_vllm_ranks_publish_themselves_and_a_killed_prefill_drops_out_within_its_ttl(tmp_path):
@@ -75,9 +55,8 @@ def test_vllm_ranks_publish_themselves_and_a_killed_prefill_drops_out_within_its
             assert all(s["ok"] for s in wait_for_stats(stats, len(LENGTHS)))
 
             # Both workers' nodes are listed, with their roles, layouts and load, while they serve.
-            status = wait_for_ranks(etcd, {"prefill", "decode"}, 30.0)
-            ranks = {r["identity"]: r for r in status["ranks"]}
-            assert set(ranks) == {"prefill", "decode"}, status
+            ranks = {r["identity"]: r for r in cluster_ranks(etcd, PREFIX, {"prefill", "decode"}, 30.0)}
+            assert set(ranks) == {"prefill", "decode"}, ranks
             assert ranks["prefill"]["role"] == "prefill" and ranks["decode"]["role"] == "decode", ranks
             assert ranks["prefill"]["endpoint"].startswith("127.0.0.1:") and ranks["prefill"]["layout_id"], ranks
             assert all(r["healthy"] for r in ranks.values()), ranks
@@ -86,8 +65,8 @@ def test_vllm_ranks_publish_themselves_and_a_killed_prefill_drops_out_within_its
             ticket = prefill_only(prefill, model, prompts[1])
             rig.kill(prefill)
             killed = time.monotonic()
-            status = wait_for_ranks(etcd, {"decode"}, RECORD_TTL + 15.0)
-            assert {r["identity"] for r in status["ranks"]} == {"decode"}, status
+            ranks = cluster_ranks(etcd, PREFIX, {"decode"}, RECORD_TTL + 15.0)
+            assert {r["identity"] for r in ranks} == {"decode"}, ranks
             gone_after = time.monotonic() - killed
 
             # The decode's registry saw it leave: the dead prefill's ticket fails at once, computed locally.

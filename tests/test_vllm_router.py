@@ -1,5 +1,7 @@
 """kvlend behind vLLM's own P/D router (``vllm-router``, as production teams run it): two kvlend
-prefills and one decode, token for token against a plain server, then one prefill SIGKILLed.
+prefills and one decode, token for token against a plain server, then one prefill SIGKILLed; the
+engines are in kvlend's etcd registry all along (``kvlend cluster status`` lists them, and the
+killed prefill drops out).
 
 vllm-router (its default and ``--kv-connector nixl`` modes) sends the decode the prefill's
 ``kv_transfer_params`` unchanged, so kvlend's tickets ride it with no change to either.  It also
@@ -19,9 +21,10 @@ import time
 
 import pytest
 
+from kvlend.cluster.etcd_members import EtcdMembers
 from kvlend_vllm import launch
 from tests.support.children import child_env
-from tests.support.vllm_rig import Rig, ensure_model, generate, served, wait_for_stats
+from tests.support.vllm_rig import Rig, cluster_ranks, ensure_model, generate, served, wait_for_stats
 
 pytestmark = pytest.mark.system
 
@@ -29,6 +32,8 @@ LENGTHS = [5, 100, 127, 128, 129, 200, 300, 400, 500, 640, 700, 900]
 MAX_TOKENS = 6
 TCP = {"UCX_TLS": "tcp"}  # reads really in flight when a prefill dies
 KILLED_WITHIN = 90.0  # seconds: every request caught by the kill is answered or failed by then
+PREFIX = "/kvlend/vllm-router-test"
+RECORD_TTL = 5.0  # the Registry's default: a dead rank's record outlives it by at most this (and a pass)
 
 
 def test_vllm_router_carries_kvlend_tickets_from_two_prefills_and_survives_one_killed(tmp_path):
@@ -37,6 +42,8 @@ def test_vllm_router_carries_kvlend_tickets_from_two_prefills_and_survives_one_k
     rng = random.Random(25)
     batches = [[[rng.randrange(4, 1000) for _ in range(n)] for n in LENGTHS] for _ in range(3)]
     stats = str(tmp_path / "decode-stats.jsonl")
+    etcd = EtcdMembers(1)
+    cluster = {"etcd": etcd.endpoints[0], "cluster_prefix": PREFIX}
     rig = Rig(model, str(tmp_path))
     try:
         plain = rig.engine("plain")
@@ -44,9 +51,9 @@ def test_vllm_router_carries_kvlend_tickets_from_two_prefills_and_survives_one_k
         expected = [generate(plain, model, batch, MAX_TOKENS) for batch in batches]
         rig.stop(plain)
         assert all("tokens" in e for batch in expected for e in batch), expected
-        producer = launch.kvlend_transfer_config("kv_producer")
+        producer = launch.kvlend_transfer_config("kv_producer", cluster)
         prefills = [rig.engine(f"prefill-{i}", producer, env=TCP) for i in range(2)]
-        decode = rig.engine("decode", launch.kvlend_transfer_config("kv_consumer", {"stats_path": stats}),
+        decode = rig.engine("decode", launch.kvlend_transfer_config("kv_consumer", {**cluster, "stats_path": stats}),
                             env=TCP, prefix_caching=False)
         rig.wait(*prefills, decode)
         router = rig.vllm_router("vllm-router", prefills, [decode])
@@ -61,6 +68,9 @@ def test_vllm_router_carries_kvlend_tickets_from_two_prefills_and_survives_one_k
         while sum(counts := [served(p) for p in prefills]) < len(LENGTHS) and time.monotonic() < deadline:
             time.sleep(0.2)
         assert sum(counts) == len(LENGTHS) and min(counts) > 0, counts  # spread over both
+        ranks = cluster_ranks(etcd.endpoints[0], PREFIX, {"prefill-0", "prefill-1", "decode"}, 30.0)
+        assert {r["identity"]: r["role"] for r in ranks} == {"prefill-0": "prefill", "prefill-1": "prefill",
+                                                             "decode": "decode"}, ranks
 
         # 2. One prefill SIGKILLed with requests in flight: each is answered right or fails, never wrong.
         results: dict[int, dict] = {}
@@ -79,12 +89,15 @@ def test_vllm_router_carries_kvlend_tickets_from_two_prefills_and_survives_one_k
         assert not any(t.is_alive() for t in flying), "a request caught by the kill is still waiting"
         wrong = [LENGTHS[i] for i, r in results.items() if "error" not in r and r != expected[1][i]]
         assert wrong == [], results
+        ranks = cluster_ranks(etcd.endpoints[0], PREFIX, {"prefill-0", "decode"}, RECORD_TTL + 15.0)
+        assert {r["identity"] for r in ranks} == {"prefill-0", "decode"}, ranks  # the dead one left
 
         # 3. The survivor serves everything after it.
         got = generate(router, model, batches[2], MAX_TOKENS)
         assert [n for n, g, e in zip(LENGTHS, got, expected[2]) if g != e] == [], got
     finally:
         rig.close()
+        etcd.close()
 
 
 def test_the_demo_runs_one_prefill_and_two_decodes_behind_vllm_router_with_a_load_aware_policy(tmp_path):

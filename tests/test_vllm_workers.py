@@ -23,7 +23,7 @@ from kvlend.protocol.config import NodeConfig
 from kvlend.protocol.ticket import Ticket
 from kvlend.security.certs import Authority
 from kvlend_vllm.layout import layout_from_kv_caches
-from kvlend_vllm.scheduler import TICKET_KEY, ConsumerScheduler, ProducerScheduler
+from kvlend_vllm.scheduler import TICKET_KEY, ConsumerScheduler, ProducerScheduler, readers_per_worker
 from kvlend_vllm.worker import ConsumerWorker, ProducerWorker, WorkerSettings
 from tests.support.certs import creds
 
@@ -82,7 +82,8 @@ def make_pair(config: NodeConfig, decode: WorkerSettings | None = None):
     producer = ProducerWorker(WorkerSettings(creds("p"), config=config))
     consumer = ConsumerWorker(decode or WorkerSettings(creds("d"), config=config), BS, Stats())
     p_sched, d_sched = ProducerScheduler(BS), ConsumerScheduler(BS)
-    p_sched.set_endpoint(producer.register(layout_from_kv_caches(src, block_size=BS, dtype="float32", scope=scope)))
+    p_sched.set_endpoints([producer.register(layout_from_kv_caches(src, block_size=BS, dtype="float32",
+                                                                   scope=scope))])
     consumer.register(layout_from_kv_caches(dst, block_size=BS, dtype="float32", scope=scope))
     yield SimpleNamespace(src=src, dst=dst, producer=producer, consumer=consumer, p=p_sched, d=d_sched)
     consumer.close()
@@ -257,3 +258,59 @@ def test_a_prefills_abort_reason_is_logged_escaped(pair, monkeypatch, caplog):
     steps(pair, lambda r, s: "d1" in r)
     lines = [r.getMessage() for r in caplog.records if r.name == "kvlend.vllm" and "forged" in r.getMessage()]
     assert lines and all(line.isprintable() and "\\n2030" in line for line in lines), lines
+
+
+@pytest.mark.parametrize("prefill_tp, decode_tp", [(2, 1), (1, 2), (2, 2)])
+def test_tensor_parallel_workers_each_land_exactly_their_heads(prefill_tp, decode_tp):
+    """Every worker a node of its own (real NIXL agents), as vLLM runs them: the prefill workers each lend
+    their heads of the request's blocks, the tickets go through both schedulers, and every decode worker's
+    blocks end up holding exactly its heads; the request is reported loaded by every decode worker and sent
+    by every prefill worker."""
+    whole = caches(True)
+
+    def heads(tensors: dict, tp: int, rank: int) -> dict:
+        share = HEADS // tp
+        return {name: t[:, rank * share:(rank + 1) * share].clone() for name, t in tensors.items()}
+
+    def layout(tensors: dict, tp: int, rank: int):
+        return layout_from_kv_caches(tensors, block_size=BS, dtype="float32", scope="test/cpu/bs16", tp_size=tp,
+                                     tp_rank=rank)
+
+    src = [heads(whole, prefill_tp, r) for r in range(prefill_tp)]
+    dst = [heads(caches(False), decode_tp, r) for r in range(decode_tp)]
+    producers = [ProducerWorker(WorkerSettings(creds(f"p-{r}"), config=CONFIG, tp_size=prefill_tp, tp_rank=r))
+                 for r in range(prefill_tp)]
+    consumers = [ConsumerWorker(WorkerSettings(creds(f"d-{r}"), config=CONFIG, tp_size=decode_tp, tp_rank=r), BS,
+                                Stats()) for r in range(decode_tp)]
+    try:
+        p_sched = ProducerScheduler(BS, readers_per_worker(prefill_tp, decode_tp))
+        p_sched.set_endpoints([w.register(layout(src[r], prefill_tp, r)) for r, w in enumerate(producers)])
+        for r, w in enumerate(consumers):
+            w.register(layout(dst[r], decode_tp, r))
+        d_sched = ConsumerScheduler(BS, decode_tp)
+        pair = SimpleNamespace(p=p_sched, d=d_sched)
+        params = lend(pair, "r1", 40, [5, 2, 9])
+        load(pair, "d1", params, 40, [7, 1, 30])
+        recved = {r: set() for r in range(decode_tp)}
+        sent = {r: set() for r in range(prefill_tp)}
+        deadline = time.monotonic() + 10.0
+        while not (all("d1" in s for s in recved.values()) and all("r1" in s for s in sent.values())):
+            assert time.monotonic() < deadline, (recved, sent)
+            p_plan, d_plan = p_sched.take_plan(), d_sched.take_plan()  # one plan, every worker
+            for r, w in enumerate(producers):
+                w.start(p_plan)
+                sent[r] |= w.finished_sending({"r1"})
+            for r, w in enumerate(consumers):
+                w.start(d_plan)
+                recved[r] |= w.finished_recving()
+            time.sleep(0.005)
+        share = HEADS // decode_tp
+        for r, w in enumerate(consumers):
+            assert not w.load_errors()
+            assert w.stats.ok and sum(w.stats.ok) == 2 * 3 * share * BS * 2 * HEAD * 4  # layers x blocks x its heads
+            for name, t in dst[r].items():
+                assert torch.equal(t[[7, 1, 30]], whole[name][[5, 2, 9], r * share:(r + 1) * share]), (r, name)
+                assert not t[[0, 3]].any()  # nothing else written
+    finally:
+        for w in consumers + producers:
+            w.close()

@@ -13,6 +13,7 @@ import os
 import re
 import signal
 import subprocess
+import sys
 import time
 import urllib.error
 import urllib.request
@@ -148,6 +149,21 @@ def _tokens(answer: dict) -> dict:
         return answer
     choice = answer["choices"][0]
     return {"tokens": choice["token_ids"], "finish": choice["finish_reason"]}
+
+
+def cluster_ranks(etcd: str, prefix: str, want: set[str], timeout: float) -> list[dict]:
+    """``kvlend cluster status``'s live ranks once their identities are exactly ``want`` (or at the deadline)."""
+    kvlend = os.path.join(os.path.dirname(sys.executable), "kvlend")  # the command users run
+    deadline = time.monotonic() + timeout
+    while True:
+        out = subprocess.run([kvlend, "cluster", "status", "--etcd", etcd, "--prefix", prefix, "--json",
+                              "--timeout", "10"], capture_output=True, text=True, timeout=60)
+        if out.returncode != 0:
+            raise AssertionError(f"kvlend cluster status failed: {out.stderr}")
+        ranks = json.loads(out.stdout)["ranks"]
+        if {r["identity"] for r in ranks} == want or time.monotonic() > deadline:
+            return ranks
+        time.sleep(0.5)
 
 
 def served(server: launch.Server) -> int:

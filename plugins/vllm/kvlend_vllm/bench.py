@@ -28,11 +28,21 @@ import json
 import os
 import signal
 import tempfile
-import time
 from concurrent.futures import ThreadPoolExecutor
 
 from . import launch, models
-from .demo import KV_METRICS, boot, make_prompts, pct, scrape, start_engine, start_router, workload, write_certs
+from .demo import (
+    KV_METRICS,
+    boot,
+    make_prompts,
+    pct,
+    scrape,
+    settled,
+    start_engine,
+    start_router,
+    workload,
+    write_certs,
+)
 
 _KV_KEYS = ("kv_transfers", "kv_xfer_s", "kv_read_s", "kv_bytes", "kv_failed")  # summed over a row's requests
 
@@ -71,18 +81,6 @@ def parse_connector(spec: str) -> tuple[str, int | None]:
     if kind not in KV_METRICS or (threads and (kind != "nixl" or not threads.isdigit() or int(threads) < 1)):
         raise ValueError(f"connector {spec!r}: expected kvlend, nixl or nixl:N")
     return kind, int(threads) if threads else None
-
-
-def settled(url: str, connector: str, before: dict, expected: int, timeout: float = 30.0) -> dict:
-    """The decode's metrics once they count ``expected`` more transfers (vLLM publishes them late)."""
-    deadline = time.monotonic() + timeout
-    while True:
-        after = scrape(url, KV_METRICS[connector])
-        done = after.get("kv_transfers", 0) + after.get("kv_failed", 0) - before.get("kv_transfers", 0) \
-            - before.get("kv_failed", 0)
-        if done >= expected or time.monotonic() > deadline:
-            return after
-        time.sleep(0.5)
 
 
 def run_pair(spec: str, args, model: str, max_len: int, log_dir: str, certs: dict) -> list[dict]:

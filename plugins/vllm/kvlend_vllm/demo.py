@@ -82,6 +82,32 @@ def scrape(url: str, names: dict[str, str]) -> dict[str, float]:
     return out
 
 
+def settled(url: str, connector: str, before: dict, expected: int, timeout: float = 30.0) -> dict:
+    """The decode's metrics once they count ``expected`` more transfers (vLLM publishes them late)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        after = scrape(url, KV_METRICS[connector])
+        done = after.get("kv_transfers", 0) + after.get("kv_failed", 0) - before.get("kv_transfers", 0) \
+            - before.get("kv_failed", 0)
+        if done >= expected or time.monotonic() > deadline:
+            return after
+        time.sleep(0.5)
+
+
+def decode_metrics(decodes: list[launch.Server], connector: str, answered: int, timeout: float = 10.0) -> dict:
+    """The decodes' transfer counters summed, once they count ``answered`` transfers (vLLM publishes a
+    step's stats after the step) or at the deadline."""
+    deadline = time.monotonic() + timeout
+    while True:
+        total: dict[str, float] = {}
+        for decode in decodes:
+            for key, value in scrape(decode.url, KV_METRICS[connector]).items():
+                total[key] = total.get(key, 0.0) + value
+        if total.get("kv_transfers", 0) + total.get("kv_failed", 0) >= answered or time.monotonic() > deadline:
+            return total
+        time.sleep(0.5)
+
+
 def group_rss_gib(servers: list[launch.Server]) -> dict[str, float]:
     """RSS of each server's whole process group."""
     import psutil
@@ -332,10 +358,7 @@ def main(argv: list[str] | None = None) -> int:
         results, wall = asyncio.run(workload(router.url, model, prompts, args.max_tokens,
                                              args.concurrency, args.request_timeout))
         rss = group_rss_gib(servers)
-        kv: dict[str, float] = {}
-        for decode in decodes:
-            for key, value in scrape(decode.url, KV_METRICS[args.connector]).items():
-                kv[key] = kv.get(key, 0.0) + value
+        kv = decode_metrics(decodes, args.connector, sum("error" not in r for r in results))
         if len(prefills) + len(decodes) > 2:  # how the router spread the work
             kv["served"] = {s.name: scrape(s.url, {"n": "vllm:request_success_total"}).get("n", 0.0)
                             for s in prefills + decodes}
