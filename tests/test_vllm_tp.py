@@ -8,7 +8,7 @@ blocks).  The decode answers nothing from its own prefix cache, so each answer's
 kvlend; the per-worker stats lines say how.  float32: tensor parallel changes the order of
 vLLM's reductions, and in bf16 one prompt of eight came out different through a TP 2 decode
 whose every fetch was whole and verified.  UCX over tcp, as test_vllm.py.  About two and a
-half minutes on 2 cores.
+half minutes on 2 cores.  One request runs before the measured ones (see ``run_pair``).
 """
 
 from __future__ import annotations
@@ -60,8 +60,12 @@ def run_pair(tmp_path, model, prompts, prefill_tp: int, decode_tp: int) -> tuple
                             tp=decode_tp, prefix_caching=False, dtype="float32", env=TCP)
         router = rig.router("router", prefill, decode)
         rig.wait(prefill, decode, router)
+        # One request first, not counted: the first requests after a TP engine boots have twice stalled about
+        # 30 s and been recomputed (right) instead of read (docs/vllm.md, Faults: a known issue).
+        generate(router, model, [prompts[0]], MAX_TOKENS, timeout=120)
+        warm = len(wait_for_stats(stats, decode_tp))
         got = generate(router, model, prompts, MAX_TOKENS)
-        lines = wait_for_stats(stats, decode_tp * len(prompts))  # a load's line comes with its done acks
+        lines = wait_for_stats(stats, warm + decode_tp * len(prompts))[warm:]  # a load's line comes with its acks
     finally:
         rig.close()
     return got, lines
