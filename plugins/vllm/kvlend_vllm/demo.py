@@ -301,7 +301,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--check", action="store_true",
                     help="also boot one plain server and compare greedy tokens")
     ap.add_argument("--router", choices=("kvlend", "vllm-router"), default="kvlend",
-                    help="kvlend's router (one prefill, one decode) or vLLM's vllm-router (any number)")
+                    help="kvlend's router (this demo gives it one prefill, one decode) "
+                         "or vLLM's vllm-router (any number)")
     ap.add_argument("--prefills", type=int, default=1, help="prefill servers (more than 1: --router vllm-router)")
     ap.add_argument("--decodes", type=int, default=1, help="decode servers (more than 1: --router vllm-router)")
     ap.add_argument("--policy", default="round_robin",
