@@ -112,6 +112,19 @@ def test_overlap_is_found_past_a_short_neighbour():
                       buf("b2", offset=700, page_bytes=10, role=Role.KV)])
 
 
+def test_buffers_of_different_groups_may_share_exactly_the_same_bytes():
+    # One pool serving two groups (vLLM's hybrid allocator): a slot belongs to one group at a time.
+    shared = make(buffers=[buf("b0", layer=0, group="full"), buf("b1", layer=1, group="swa", window=64)])
+    assert set(shared.groups) == {"full", "swa"}
+    with pytest.raises(LayoutError, match=r"buffer 'b1'\.offset.*also buffer 'b0'.*same group 'g'"):
+        make(buffers=[buf("b0", layer=0), buf("b1", layer=1)])
+    with pytest.raises(LayoutError, match=r"buffer 'b1'\.offset.*\[256, \.\.\.\) overlap buffer 'b0' \[0, 512\)"):
+        make(buffers=[buf("b0", layer=0, group="full"), buf("b1", layer=1, offset=256, page_bytes=256, group="swa")])
+    with pytest.raises(LayoutError, match=r"buffer 'b2'\.offset.*same group 'swa'"):
+        make(buffers=[buf("b0", layer=0, group="full"), buf("b1", layer=1, group="swa"),
+                      buf("b2", layer=2, group="swa")])
+
+
 @pytest.mark.parametrize("role, heads, bph, page_bytes, ok", [
     (Role.K, 2, 16, 2 * 16 * 16, True),
     (Role.V, 2, 16, 2 * 16 * 16 + 1, False),

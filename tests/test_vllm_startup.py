@@ -20,13 +20,23 @@ pytestmark = pytest.mark.system
 PROBE = r"""
 import json, sys
 from types import SimpleNamespace as NS
+import torch
 import vllm
+from vllm.v1.kv_cache_interface import ChunkedLocalAttentionSpec, FullAttentionSpec, SlidingWindowSpec
 from kvlend.errors import ConfigError
-from kvlend_vllm.connector import _decode_tp, check_kv_cache_groups, check_vllm
+from kvlend_vllm.connector import _decode_tp, cache_groups, check_vllm
 
 def config(role="kv_consumer", tp=1, pp=1, dcp=1):
     return NS(parallel_config=NS(tensor_parallel_size=tp, pipeline_parallel_size=pp, decode_context_parallel_size=dcp),
               kv_transfer_config=NS(kv_role=role))
+
+geometry = dict(block_size=128, num_kv_heads=2, head_size=64, dtype=torch.bfloat16)
+full, swa = FullAttentionSpec(**geometry), SlidingWindowSpec(**geometry, sliding_window=256)
+chunked = ChunkedLocalAttentionSpec(**geometry, attention_chunk_size=256)
+
+def groups(*specs):
+    return NS(kv_cache_groups=[NS(layer_names=[f"model.layers.{i}.attn"], kv_cache_spec=s)
+                               for i, s in enumerate(specs)])
 
 def refusal(fn, *args):
     try:
@@ -47,9 +57,10 @@ print(json.dumps({
     "decode_tp": refusal(_decode_tp, {"decode_tp": 4}, 2),
     "decode_tp_odd": refusal(_decode_tp, {"decode_tp": 3}, 2),
     "decode_tp_bad": refusal(_decode_tp, {"decode_tp": 1.5}, 1),
-    "one_group": refusal(check_kv_cache_groups, NS(kv_cache_groups=[object()])),
-    "two_groups": refusal(check_kv_cache_groups, NS(kv_cache_groups=[object(), object()])),
-    "no_config": refusal(check_kv_cache_groups, None),
+    "groups": [[g.name, g.window, list(layers)] for g, layers in cache_groups(groups(full, swa))],
+    "one_group": [[g.name, g.window] for g, _ in cache_groups(groups(full))],
+    "chunked": refusal(cache_groups, groups(full, chunked)),
+    "no_config": [[g.name, g.window] for g, _ in cache_groups(None)],
 }))
 """
 
@@ -61,7 +72,10 @@ def test_the_connector_refuses_what_it_does_not_understand_before_the_workers_st
     assert out.returncode == 0, out.stderr[-2000:]
     got = json.loads(out.stdout.strip().splitlines()[-1])
     assert got["installed"] is None  # what the tests run passes
-    assert got["one_group"] is None and got["no_config"] is None
+    assert got["one_group"] == got["no_config"] == [["full", None]]
+    assert got["groups"] == [["g0", None, ["model.layers.0.attn"]], ["g1", 256, ["model.layers.1.attn"]]]
+    assert "group 1 (ChunkedLocalAttentionSpec" in got["chunked"] and "not full attention or a sliding window" \
+        in got["chunked"]
     assert "supports vLLM 0.32.x, not '0.31.4'" in got["old"] and "'0.33.0'" in got["next"]
     assert "'main'" in got["garbage"]
     assert "pipeline parallel size must be 1, got 2" in got["pp"]
@@ -69,4 +83,3 @@ def test_the_connector_refuses_what_it_does_not_understand_before_the_workers_st
     assert got["producer_tp"] is None and got["consumer_tp"] is None and got["decode_tp"] is None
     assert "prefill 2 and decode 3 workers, neither a multiple of the other" in got["decode_tp_odd"]
     assert "decode_tp: expected an integer in [1, 64], got 1.5" in got["decode_tp_bad"]
-    assert "this model has 2" in got["two_groups"]

@@ -24,12 +24,14 @@ from kvlend.core.plan import plan_reads
 from kvlend.errors import LayoutError, LayoutMismatch, UsageError
 from kvlend.protocol.ticket import Ticket
 from kvlend_vllm.bench import merge, parse_connector, shared_prompts, table
-from kvlend_vllm.layout import layout_from_kv_caches, model_digest, scope_of
+from kvlend_vllm.layout import CacheGroup, layout_from_kv_caches, model_digest, scope_of
 from kvlend_vllm.scheduler import (
+    NULL_BLOCK,
     TICKET_KEY,
     ConsumerScheduler,
     Endpoint,
     ProducerScheduler,
+    group_tables,
     parse_tickets,
     readers_per_worker,
     request_digest,
@@ -65,6 +67,42 @@ def test_cpu_layout_is_one_head_major_page_per_block_and_layer_in_layer_order():
     assert lay.tokens_per_page == BS and lay.kept_window == 8 * BS
     plan = negotiate(layout(cpu_caches()), lay)
     assert plan.summary().startswith("identity plan")
+
+
+def test_hybrid_allocator_layers_sharing_a_tensor_are_one_page_each_in_their_own_group():
+    # vLLM's hybrid allocator: layer i of the windowed group and layer i of the full group share a tensor.
+    shared = cpu_caches(layers=2)
+    caches = {f"model.layers.{2 * i + j}.self_attn.attn": t
+              for i, t in enumerate(shared[f"model.layers.{k}.self_attn.attn"] for k in range(2)) for j in range(2)}
+    swa, full = CacheGroup("g0", 4 * BS), CacheGroup("g1")
+    groups = {name: swa if layer % 2 == 0 else full
+              for layer, name in ((int(n.split(".")[2]), n) for n in caches)}
+    lay = layout_from_kv_caches(caches, block_size=BS, dtype="float32", scope="s", groups=groups)
+    assert [(b.name, b.region, b.offset, b.group, b.window) for b in lay.buffers] == [
+        ("L0.kv", "L0-L1", 0, "g0", 4 * BS), ("L1.kv", "L0-L1", 0, "g1", None),
+        ("L2.kv", "L2-L3", 0, "g0", 4 * BS), ("L3.kv", "L2-L3", 0, "g1", None)]
+    assert lay.groups["g0"].read_window == 4 * BS and lay.groups["g1"].read_window == lay.kept_window
+    assert negotiate(layout_from_kv_caches(caches, block_size=BS, dtype="float32", scope="s", groups=groups),
+                     lay).summary().startswith("identity plan")
+    # A layer in no group that shares another's tensor reuses its cache (cross-layer KV sharing): folded.
+    folded = layout_from_kv_caches(caches, block_size=BS, dtype="float32", scope="s",
+                                   groups={n: g for n, g in groups.items() if ".3." not in n})
+    assert [b.name for b in folded.buffers] == ["L0.kv", "L1.kv", "L2.kv"]
+    with pytest.raises(LayoutError, match="model.layers.2.self_attn.attn.*in no KV cache group"):
+        layout_from_kv_caches(caches, block_size=BS, dtype="float32", scope="s",
+                              groups={n: g for n, g in groups.items() if ".2." not in n and ".3." not in n})
+
+
+def test_group_tables_take_each_groups_blocks_and_refuse_a_window_vllm_already_freed():
+    groups = (CacheGroup("g0", 2 * BS), CacheGroup("g1"))
+    n = 5 * BS  # 5 blocks; the window reads rows 3 and 4
+    assert group_tables(groups, ([NULL_BLOCK] * 3 + [8, 9, 10], [1, 2, 3, 4, 5, 6]), n, BS) == {
+        "g0": (NULL_BLOCK,) * 3 + (8, 9), "g1": (1, 2, 3, 4, 5)}
+    # One token less: the window starts one token back, in row 2, which vLLM freed (the null block).
+    assert group_tables(groups, ([NULL_BLOCK] * 3 + [8, 9], [1, 2, 3, 4, 5]), n - 1, BS) is None
+    assert group_tables(groups, ([8, 9], [1, 2, 3, 4, 5]), n, BS) is None  # too few blocks
+    with pytest.raises(Exception, match="2 block tables for 1 KV cache groups"):
+        group_tables(groups[:1], ([1], [2]), BS, BS)
 
 
 def test_a_different_block_size_or_kernel_is_refused_by_scope():
@@ -222,12 +260,13 @@ def producer(endpoints=(ENDPOINT,), readers=1) -> ProducerScheduler:
 
 def test_producer_lends_a_finished_request_and_mints_its_ticket():
     s = producer()
-    delay, params = s.request_finished(Req(), [7, 3, 9, 11])
+    delay, params = s.request_finished(Req(), ([7, 3, 9, 11],))
     assert delay and params["do_remote_prefill"] and not params["do_remote_decode"]
     ticket = Ticket.from_text(params[TICKET_KEY])
     assert (ticket.host, ticket.port, ticket.prefill, ticket.num_tokens) == ("127.0.0.1", 5555, "prefill-a", 40)
     (lend,) = s.take_plan().lends
-    assert (lend.request, lend.leases, lend.blocks) == ("r1", ((ticket.lease,),), (7, 3, 9))  # 40 tokens: 3 blocks
+    # 40 tokens: 3 blocks
+    assert (lend.request, lend.leases, lend.tables) == ("r1", ((ticket.lease,),), {"full": (7, 3, 9)})
     assert lend.digest == request_digest(Req(), 40)  # lent for this prompt alone
     assert s.holding == 1 and not s.take_plan().lends
     s.finished_sending({"r1"})
@@ -236,8 +275,8 @@ def test_producer_lends_a_finished_request_and_mints_its_ticket():
 
 def test_two_tickets_never_share_a_lease_id():
     s = producer()
-    a = Ticket.from_text(s.request_finished(Req("a"), [1, 2, 3])[1][TICKET_KEY])
-    b = Ticket.from_text(s.request_finished(Req("b"), [4, 5, 6])[1][TICKET_KEY])
+    a = Ticket.from_text(s.request_finished(Req("a"), ([1, 2, 3],))[1][TICKET_KEY])
+    b = Ticket.from_text(s.request_finished(Req("b"), ([4, 5, 6],))[1][TICKET_KEY])
     assert a.lease != b.lease
 
 
@@ -251,7 +290,7 @@ def test_two_tickets_never_share_a_lease_id():
 ])
 def test_producer_frees_at_once_what_it_must_not_lend(req, blocks):
     s = producer()
-    assert s.request_finished(req, blocks) == (False, None)
+    assert s.request_finished(req, (blocks,)) == (False, None)
     assert not s.take_plan().lends and s.holding == 0
 
 
@@ -262,7 +301,7 @@ def test_tensor_parallel_tickets_give_each_decode_worker_every_prefill_worker_ho
     exactly the prefill ranks whose heads overlap r's (the negotiator's sources), each lease read once."""
     endpoints = [Endpoint("127.0.0.1", 5555 + r, f"prefill-{r}", "ab" * 32) for r in range(prefill_tp)]
     s = producer(endpoints, readers_per_worker(prefill_tp, decode_tp))
-    params = s.request_finished(Req(), [7, 3, 9])[1]
+    params = s.request_finished(Req(), ([7, 3, 9],))[1]
     texts = params[TICKET_KEY]
     assert isinstance(texts, list) and len(texts) == max(prefill_tp, decode_tp)
     (lend,) = s.take_plan().lends
@@ -279,8 +318,8 @@ def test_tensor_parallel_tickets_give_each_decode_worker_every_prefill_worker_ho
 
 def test_a_ticket_list_that_does_not_fit_the_decodes_workers_is_computed_locally():
     endpoints = [Endpoint("127.0.0.1", 5555 + r, f"prefill-{r}", "ab" * 32) for r in range(2)]
-    two = producer(endpoints).request_finished(Req(), [7, 3, 9])[1][TICKET_KEY]
-    doubled = producer(endpoints[:1], readers=2).request_finished(Req(), [7, 3, 9])[1][TICKET_KEY]
+    two = producer(endpoints).request_finished(Req(), ([7, 3, 9],))[1][TICKET_KEY]
+    doubled = producer(endpoints[:1], readers=2).request_finished(Req(), ([7, 3, 9],))[1][TICKET_KEY]
     for texts, tp, match in ((two, 4, "cannot be shared by 4"), (doubled, 1, "would read prefill 'prefill-0' twice"),
                              ([], 1, "a list of 1 to"), (two * 40, 1, "a list of 1 to"), ([two[0], 5], 1, "a list")):
         with pytest.raises(UsageError, match=match):
@@ -290,7 +329,7 @@ def test_a_ticket_list_that_does_not_fit_the_decodes_workers_is_computed_locally
 
 
 def test_producer_without_its_workers_endpoint_does_not_lend():
-    assert ProducerScheduler(BS).request_finished(Req(), [1, 2, 3]) == (False, None)
+    assert ProducerScheduler(BS).request_finished(Req(), ([1, 2, 3],)) == (False, None)
 
 
 def decode_req(ticket_text: str, prompt: int = 40, **kw) -> Req:
@@ -313,7 +352,7 @@ def test_consumer_loads_a_ticket_once_into_the_blocks_vllm_allocated():
     assert s.get_num_new_matched_tokens(req, 0) == (40, True)  # side-effect free
     s.update_state_after_alloc(req, Blocks([5, 4, 8, 2]), 40)
     (load,) = s.take_plan().loads
-    assert (load.tickets, load.num_tokens, load.blocks, load.resume_from) == ((text,), 40, (5, 4, 8), 0)
+    assert (load.tickets, load.num_tokens, load.tables, load.resume_from) == ((text,), 40, {"full": (5, 4, 8)}, 0)
     assert load.digest == request_digest(req, 40)
     assert s.get_num_new_matched_tokens(req, 0) == (0, False)  # used: a reschedule recomputes
     s.update_state_after_alloc(req, Blocks([5, 4, 8, 2]), 0)
@@ -334,7 +373,7 @@ def test_consumer_reads_only_the_blocks_its_prefix_cache_lacks():
     assert s.get_num_new_matched_tokens(req, hit) == (40 - hit, True)
     s.update_state_after_alloc(req, Blocks([5, 4, 8, 2]), 40 - hit)  # req.num_computed_tokens is still 0
     (load,) = s.take_plan().loads
-    assert (load.blocks, load.resume_from) == ((5, 4, 8), hit)
+    assert (load.tables, load.resume_from) == ({"full": (5, 4, 8)}, hit)
 
 
 @pytest.mark.parametrize("params", [
@@ -401,7 +440,7 @@ def test_a_ticket_on_another_prompt_of_its_length_is_claimed_with_that_prompts_d
     """The prefill, not the decode, decides: the decode claims with its own request's digest, so a
     ticket copied onto another prompt is refused (and the request computed locally)."""
     p = producer()
-    params = p.request_finished(Req(), [7, 3, 9])[1]
+    params = p.request_finished(Req(), ([7, 3, 9],))[1]
     (lend,) = p.take_plan().lends
     s = ConsumerScheduler(BS)
     own, thief = decode_req(params[TICKET_KEY]), decode_req(params[TICKET_KEY], request_id="r2")

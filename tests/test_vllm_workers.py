@@ -93,7 +93,7 @@ def make_pair(config: NodeConfig, decode: WorkerSettings | None = None):
 def lend(pair, rid: str, num_tokens: int, blocks: list[int]) -> dict:
     req = Req(request_id=rid, prompt_token_ids=list(range(num_tokens)), num_computed_tokens=num_tokens,
               status=SimpleNamespace(name="FINISHED_STOPPED"), kv_transfer_params={"do_remote_decode": True})
-    delay, params = pair.p.request_finished(req, blocks)
+    delay, params = pair.p.request_finished(req, (blocks,))
     assert delay
     return params
 

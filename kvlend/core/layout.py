@@ -132,13 +132,9 @@ class PageLayout:
                         f"heads {b.geometry.heads} x bytes_per_head {b.geometry.bytes_per_head} {per} "
                         f"= {expect}, but page_bytes is {b.page_bytes}",
                     )
-            spans.setdefault(b.region, []).append((b.offset, b.offset + b.page_bytes, b.name))
+            spans.setdefault(b.region, []).append((b.offset, b.offset + b.page_bytes, b.group, b.name))
         for region_name, items in spans.items():
-            items.sort()
-            for (s0, e0, n0), (s1, _e1, n1) in zip(items, items[1:]):
-                if s1 < e0:
-                    raise fail(f"buffer {n1!r}.offset",
-                               f"bytes [{s1}, ...) overlap buffer {n0!r} [{s0}, {e0}) in region {region_name!r}")
+            _check_overlaps(region_name, items)
 
     # ----------------------------------------------------------------- views
     @cached_property
@@ -302,6 +298,25 @@ class PageLayout:
         except (TypeError, ValueError) as exc:
             raise LayoutError(f"layout: {exc}") from None
 
+
+
+def _check_overlaps(region: str, spans: list[tuple[int, int, str, str]]) -> None:
+    """Buffers of one region must not share bytes, except buffers of different groups on exactly
+    the same bytes: one pool serving several groups (vLLM's hybrid allocator), where a slot
+    belongs to one group at a time, so its page locks cover every group that uses it."""
+    spans.sort()  # by start, then end, then group: a group's duplicate is next to it
+    reach = None  # the span reaching furthest so far (the last such)
+    for s1, e1, g1, n1 in spans:
+        if reach is not None and s1 < reach[1]:
+            s0, e0, g0, n0 = reach
+            if (s0, e0) != (s1, e1):
+                raise fail(f"buffer {n1!r}.offset", f"bytes [{s1}, ...) overlap buffer {n0!r} [{s0}, {e0}) "
+                           f"in region {region!r}")
+            if g0 == g1:
+                raise fail(f"buffer {n1!r}.offset", f"bytes [{s1}, {e1}) are also buffer {n0!r}'s in region "
+                           f"{region!r}, in the same group {g1!r} (only different groups may share a slot's bytes)")
+        if reach is None or e1 >= reach[1]:
+            reach = (s1, e1, g1, n1)
 
 def layout_from_pools(
     kv: Sequence[Any] | None = None,

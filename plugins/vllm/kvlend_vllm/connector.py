@@ -23,15 +23,17 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorMetadata,
     KVConnectorRole,
     KVConnectorTransferResults,
+    SupportsHMA,
 )
 from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+from vllm.v1.kv_cache_interface import FullAttentionSpec, MLAAttentionSpec, SlidingWindowSpec
 from vllm.v1.request import RequestStatus
 
 from kvlend.errors import ConfigError
 from kvlend.protocol.config import NodeConfig
 from kvlend.security.credentials import Credentials
 
-from .layout import layout_from_kv_caches, model_digest, scope_of
+from .layout import GROUP, CacheGroup, layout_from_kv_caches, model_digest, scope_of
 from .scheduler import LENT_STATUSES, ConsumerScheduler, Endpoint, ProducerScheduler, StepPlan, readers_per_worker
 from .stats import KvlendPromMetrics, KvlendStats
 from .worker import ConsumerWorker, ProducerWorker, WorkerSettings
@@ -112,12 +114,30 @@ def _decode_tp(extra: dict, prefill_tp: int) -> int:
     return int(value)
 
 
-def check_kv_cache_groups(kv_cache_config) -> None:
-    """One KV cache group (full attention) is what the connector maps; a hybrid model has several."""
+def cache_groups(kv_cache_config) -> tuple[tuple[CacheGroup, tuple[str, ...]], ...]:
+    """vLLM's KV cache groups as kvlend groups, with their layers: full attention (or MLA) moves whole,
+    a sliding window (vLLM's hybrid allocator) only its window's blocks; any other kind is refused."""
     groups = getattr(kv_cache_config, "kv_cache_groups", None)
-    if groups is not None and len(groups) != 1:
-        raise ConfigError(f"KvlendConnector reads one KV cache group (full attention); this model has "
-                          f"{len(groups)} (sliding-window or hybrid layers are not supported yet)")
+    if groups is None:
+        return ((CacheGroup(GROUP), ()),)
+    if not groups:
+        raise ConfigError("KvlendConnector: the engine has no KV cache group")
+    transfer = getattr(kv_cache_config, "transfer_group_ids", None)
+    if transfer is not None and tuple(transfer) != tuple(range(len(groups))):
+        raise ConfigError(f"KvlendConnector moves every KV cache group; vLLM transfers only groups {list(transfer)} "
+                          f"of {len(groups)}")
+    out = []
+    for i, g in enumerate(groups):
+        spec = g.kv_cache_spec
+        name = GROUP if len(groups) == 1 else f"g{i}"
+        if type(spec) in (FullAttentionSpec, MLAAttentionSpec):
+            out.append((CacheGroup(name), tuple(g.layer_names)))
+        elif type(spec) is SlidingWindowSpec:
+            out.append((CacheGroup(name, int(spec.sliding_window)), tuple(g.layer_names)))
+        else:
+            raise ConfigError(f"KvlendConnector: KV cache group {i} ({type(spec).__name__}, layers "
+                              f"{list(g.layer_names)[:3]}...) is not full attention or a sliding window")
+    return tuple(out)
 
 
 @dataclass
@@ -130,12 +150,12 @@ class KvlendHandshake(KVConnectorHandshakeMetadata):
     endpoint: Endpoint | None = None
 
 
-class KvlendConnector(KVConnectorBase_V1):
+class KvlendConnector(KVConnectorBase_V1, SupportsHMA):
     def __init__(self, vllm_config, role: KVConnectorRole, kv_cache_config=None) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
         _show_kvlend_logs()
         check_vllm(vllm.__version__, vllm_config)
-        check_kv_cache_groups(kv_cache_config)
+        self.groups = cache_groups(kv_cache_config)
         transfer = self._kv_transfer_config
         if transfer.kv_role not in ("kv_producer", "kv_consumer"):
             raise ConfigError(f"KvlendConnector: kv_role must be kv_producer or kv_consumer, got {transfer.kv_role!r}")
@@ -150,8 +170,9 @@ class KvlendConnector(KVConnectorBase_V1):
         readers = readers_per_worker(tp, _decode_tp(extra, tp)) if self.producer else 1
         self.scheduler = self.worker = None
         if role == KVConnectorRole.SCHEDULER:
-            self.scheduler = (ProducerScheduler(self.block_size, readers) if self.producer
-                              else ConsumerScheduler(self.block_size, tp))
+            groups = tuple(g for g, _ in self.groups)
+            self.scheduler = (ProducerScheduler(self.block_size, readers, groups) if self.producer
+                              else ConsumerScheduler(self.block_size, tp, groups))
         else:
             config = NodeConfig(ttl=_number(extra, "ttl"), heartbeat=_number(extra, "heartbeat"),
                                 claim_wait=_number(extra, "claim_wait") if self.producer else 0.0,
@@ -185,6 +206,10 @@ class KvlendConnector(KVConnectorBase_V1):
         return KvlendMetadata(self.scheduler.take_plan())
 
     def request_finished(self, request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        return self.request_finished_all_groups(request, (block_ids,))
+
+    def request_finished_all_groups(self, request, block_ids: tuple[list[int], ...]
+                                    ) -> tuple[bool, dict[str, Any] | None]:
         if self.producer:
             return self.scheduler.request_finished(request, block_ids)
         self.scheduler.request_finished(request)
@@ -224,7 +249,9 @@ class KvlendConnector(KVConnectorBase_V1):
         layout = layout_from_kv_caches(kv_caches, block_size=self.block_size, dtype=dtype, scope=scope,
                                        device_id=first.device.index or 0, on_device=on_device, tp_size=tp,
                                        tp_rank=get_tensor_model_parallel_rank(),
-                                       replicated=model.use_mla or model.get_total_num_kv_heads() < tp)
+                                       replicated=model.use_mla or model.get_total_num_kv_heads() < tp,
+                                       groups={layer: group for group, layers in self.groups for layer in layers}
+                                       or None)
         if self.producer:
             self._endpoint = self.worker.register(layout)
         else:

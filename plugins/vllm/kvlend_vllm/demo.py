@@ -5,7 +5,7 @@ Why: the end-to-end check of a KV connector is what a user would run — two
 OpenAI client measuring TTFT and throughput.  `--check` also boots one plain
 server and compares greedy tokens, so a connector that moves wrong KV fails.
 
-    python -m kvlend_vllm.demo --connector kvlend|nixl [--size tiny|large] [--check] ...
+    python -m kvlend_vllm.demo --connector kvlend|nixl [--size tiny|hybrid|large] [--check] ...
     python -m kvlend_vllm.demo --router vllm-router --prefills 2 --decodes 1 [--policy power_of_two]
 
 ``--router vllm-router`` puts vLLM's own P/D router in front (it carries kvlend's
@@ -32,7 +32,7 @@ from kvlend.security.certs import Authority, save_rank
 from kvlend_vllm import launch, models
 
 HOST = "127.0.0.1"
-DEFAULT_TOKENS = {"tiny": "32,300,1000", "large": "512,2048,8000"}
+DEFAULT_TOKENS = {"tiny": "32,300,1000", "hybrid": "32,300,1000", "large": "512,2048,8000"}
 # Prometheus counters the decode server exports for each connector, summed
 # over label sets.  NixlConnector's are vLLM's; kvlend's are defined by
 # kvlend_vllm.connector (names here must follow it).
@@ -297,7 +297,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dtype", choices=launch.DTYPES, default="bfloat16",
                     help="weights and KV cache (default bfloat16)")
     ap.add_argument("--concurrency", type=int, default=4)
-    ap.add_argument("--kv-cache-gib", type=int, help="per server (default tiny 1, large 4)")
+    ap.add_argument("--kv-cache-gib", type=int, help="per server (default 1, large 4)")
     ap.add_argument("--check", action="store_true",
                     help="also boot one plain server and compare greedy tokens")
     ap.add_argument("--router", choices=("kvlend", "vllm-router"), default="kvlend",
@@ -321,7 +321,7 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"prompt + max tokens exceed the {args.size} model's {max_len} positions")
     if min(args.prefills, args.decodes) < 1 or (args.router == "kvlend" and max(args.prefills, args.decodes) > 1):
         ap.error("--prefills/--decodes: at least 1 each; more than 1 needs --router vllm-router")
-    kv_gib = args.kv_cache_gib or (1 if args.size == "tiny" else 4)
+    kv_gib = args.kv_cache_gib or (4 if args.size == "large" else 1)
     log_dir = args.log_dir or tempfile.mkdtemp(prefix="kvlend-vllm-demo-")
     os.makedirs(log_dir, exist_ok=True)
 

@@ -33,6 +33,11 @@ the strides.  So:
 - Heads are ``INDEXED`` (each TP rank holds its slice) unless the model has
   fewer KV heads than TP ranks or one latent (MLA), which every rank holds
   whole: ``REPLICATED``.
+- Each of vLLM's KV cache groups is a kvlend group with its own page table
+  (vLLM's block ids for that group), and a sliding-window group declares its
+  window.  Under vLLM's hybrid allocator layers of different groups share one
+  tensor (a block belongs to one group at a time): their buffers lie on the
+  same bytes, which a layout allows across groups only.
 """
 
 from __future__ import annotations
@@ -57,7 +62,15 @@ from kvlend.core.layout import (
 )
 from kvlend.errors import LayoutError
 
-GROUP = "full"  # one attention group: vLLM's block table is the page table
+GROUP = "full"  # the group of a model with one KV cache group: vLLM's block table is the page table
+
+
+@dataclass(frozen=True)
+class CacheGroup:
+    """One of vLLM's KV cache groups: its kvlend group name and window (tokens; None: full attention)."""
+
+    name: str
+    window: int | None = None
 
 
 def layer_index(name: str) -> int:
@@ -82,20 +95,30 @@ class _Pages:
 
 def layout_from_kv_caches(kv_caches: Mapping[str, Any], *, block_size: int, dtype: str, scope: str,
                           device_id: int = 0, on_device: bool = False, tp_size: int = 1, tp_rank: int = 0,
-                          replicated: bool = False) -> PageLayout:
+                          replicated: bool = False, groups: Mapping[str, CacheGroup] | None = None) -> PageLayout:
     """The ``PageLayout`` of ``kv_caches`` (``register_kv_caches``' argument), layers in layer order.
 
     ``tp_size``/``tp_rank``: this worker's place in the engine's tensor-parallel group; ``replicated``:
-    every rank holds the same heads (fewer KV heads than ranks, or MLA).
+    every rank holds the same heads (fewer KV heads than ranks, or MLA).  ``groups``: each layer's KV
+    cache group (default: one full-attention group, ``GROUP``).
     """
     if not kv_caches:
         raise LayoutError("kv_caches: no KV cache tensors to describe")
     pages: list[_Pages] = []
+    group_of: dict[int, CacheGroup] = {}
     for name, t in sorted(kv_caches.items(), key=lambda it: layer_index(it[0])):
         p = _pages(name, t, block_size)
-        # A layer that reuses another's cache (vLLM's cross-layer KV sharing) moves with it.
-        if not any((q.address, q.stride, q.page_bytes) == (p.address, p.stride, p.page_bytes) for q in pages):
-            pages.append(p)
+        group = CacheGroup(GROUP) if groups is None else groups.get(name)
+        same = [q for q in pages if (q.address, q.stride, q.page_bytes) == (p.address, p.stride, p.page_bytes)]
+        # A layer that reuses another's cache (vLLM's cross-layer KV sharing: in no group, or in the
+        # other's) moves with it; one in another group (the hybrid allocator's shared tensors) has pages
+        # of its own on the same bytes.
+        if any(group is None or group_of[q.layer] == group for q in same):
+            continue
+        if group is None:
+            raise LayoutError(f"kv cache {name!r}: in no KV cache group (the groups name {sorted(groups)})")
+        pages.append(p)
+        group_of[p.layer] = group
     for p in pages[1:]:
         if p.num != pages[0].num:
             raise LayoutError(f"kv cache of layer {p.layer}: {p.num} blocks, other layers have {pages[0].num}")
@@ -113,15 +136,15 @@ def layout_from_kv_caches(kv_caches: Mapping[str, Any], *, block_size: int, dtyp
         geometry = None if p.heads is None else HeadGeometry(
             p.heads[0], p.heads[1], p.heads[2], Sharding.REPLICATED if replicated else Sharding.INDEXED)
         buffers.append(BufferDesc(f"L{p.layer}.kv", home.name, p.address - home.address, p.page_bytes,
-                                  LayerIdentity(p.layer, LayerKind.ATTENTION, Role.HEAD_KV), group=GROUP,
-                                  geometry=geometry))
+                                  LayerIdentity(p.layer, LayerKind.ATTENTION, Role.HEAD_KV),
+                                  group=group_of[p.layer].name, geometry=geometry, window=group_of[p.layer].window))
     # A region the layers share (block-outermost layouts) is named after all of them.
     names = {r.name: (r.name if len(members[r.name]) == 1 else f"L{members[r.name][0]}-L{members[r.name][-1]}")
              for r in regions}
     regions = [MemoryRegion(names[r.name], r.kind, r.device_id, r.size, r.page_stride, r.num_pages, r.address)
                for r in regions]
     buffers = [BufferDesc(b.name, names[b.region], b.offset, b.page_bytes, b.identity, group=b.group,
-                          geometry=b.geometry) for b in buffers]
+                          geometry=b.geometry, window=b.window) for b in buffers]
     return PageLayout(tuple(regions), tuple(buffers), block_size, block_size * pages[0].num, dtype, scope,
                       ReplicaRank(tp_size, tp_rank))
 

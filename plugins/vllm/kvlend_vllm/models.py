@@ -11,6 +11,8 @@ Sizes:
             2048 positions
     large : hidden 256, 8 layers, 8 heads, 8 KV heads, head_dim 128, vocab 1024,
             16384 positions (for ~8k-token prompts; fp32 KV is 64 KiB per token)
+    hybrid: tiny with 4 layers, alternately a 256-token sliding window and full
+            attention (two KV cache groups under vLLM's hybrid allocator)
 """
 
 from __future__ import annotations
@@ -30,10 +32,14 @@ SIZES = {
     "large": dict(hidden_size=256, intermediate_size=512, num_hidden_layers=8,
                   num_attention_heads=8, num_key_value_heads=8, head_dim=128,
                   max_position_embeddings=16384),
+    "hybrid": dict(hidden_size=256, intermediate_size=512, num_hidden_layers=4,
+                   num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+                   max_position_embeddings=2048, sliding_window=256,
+                   layer_types=["sliding_attention", "full_attention"] * 2),
 }
 # With the default 0.02 the 8-layer model's greedy output is one token repeated
 # (a weak check); 0.1 gives 16 distinct tokens out of 16.  Tiny keeps 0.02.
-INIT_RANGE = {"tiny": 0.02, "large": 0.1}
+INIT_RANGE = {"tiny": 0.02, "large": 0.1, "hybrid": 0.1}
 VOCAB = 1024
 SPECIALS = ["<unk>", "<s>", "</s>", "<pad>"]   # ids 0..3
 NEEDED = ("config.json", "model.safetensors", "tokenizer.json")

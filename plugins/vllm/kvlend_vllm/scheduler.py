@@ -35,9 +35,13 @@ from kvlend.core.prompt import prompt_digest
 from kvlend.errors import ConfigError, KvlendError, UsageError
 from kvlend.protocol.ticket import Ticket
 
+from .layout import GROUP, CacheGroup
+
 log = logging.getLogger("kvlend.vllm")
 
 TICKET_KEY = "kvlend_ticket"  # in kv_transfer_params, next to the do_remote_* flags routers already set
+ONE_GROUP = (CacheGroup(GROUP),)  # a model with full attention only
+NULL_BLOCK = 0  # vLLM's null block (its BlockPool takes block 0): a freed out-of-window slot's placeholder
 MAX_TICKETS = 64  # tickets one request may carry (prefill TP x readers): more is refused unread
 # Names of vLLM's RequestStatus a finished prefill is lent in (the connector checks they exist at
 # start-up); an abort or error frees the blocks at once.
@@ -59,7 +63,7 @@ class Lend:
     request: str
     leases: tuple[tuple[bytes, ...], ...]  # per prefill TP rank, one lease per decode worker reading it
     num_tokens: int
-    blocks: tuple[int, ...]
+    tables: dict[str, tuple[int, ...]]  # block ids per KV cache group (kvlend group name)
     digest: bytes  # ``request_digest`` of the request: only a claim for the same content reads it
 
 
@@ -68,7 +72,7 @@ class Load:
     request: str
     tickets: tuple[str, ...]  # every decode worker's: each reads its own share (worker_tickets)
     num_tokens: int  # the ticket's: the load is complete once the bound reaches it
-    blocks: tuple[int, ...]
+    tables: dict[str, tuple[int, ...]]  # block ids per KV cache group (kvlend group name)
     resume_from: int  # tokens vLLM already holds locally (block-aligned): not fetched
     digest: bytes  # ``request_digest`` of the request the blocks are for: its claim carries it
 
@@ -87,6 +91,24 @@ class StepPlan:
 
 def pages_for(num_tokens: int, block_size: int) -> int:
     return -(-num_tokens // block_size)
+
+
+def group_tables(groups: tuple[CacheGroup, ...], block_ids, num_tokens: int,
+                 block_size: int) -> dict[str, tuple[int, ...]] | None:
+    """Each group's blocks for ``num_tokens``, or None when a sliding-window group lacks a block of its
+    window (vLLM frees a finished request's blocks below ``num_tokens - window + 1``: the decode's
+    recompute of the last prompt token also needs the token before, which a block boundary there lost)."""
+    if len(block_ids) != len(groups):
+        raise ConfigError(f"vLLM gave {len(block_ids)} block tables for {len(groups)} KV cache groups")
+    pages = pages_for(num_tokens, block_size)
+    tables = {}
+    for group, ids in zip(groups, block_ids):
+        table = tuple(ids[:pages])
+        first = 0 if group.window is None else max(0, num_tokens - group.window) // block_size
+        if len(table) < pages or NULL_BLOCK in table[first:]:
+            return None
+        tables[group.name] = table
+    return tables
 
 
 def readers_per_worker(prefill_tp: int, decode_tp: int) -> int:
@@ -144,9 +166,10 @@ def request_digest(request: Any, num_tokens: int) -> bytes | None:
 class ProducerScheduler:
     """Prefill: lend a finished request's blocks in place and hand back its ticket(s)."""
 
-    def __init__(self, block_size: int, readers: int = 1) -> None:
+    def __init__(self, block_size: int, readers: int = 1, groups: tuple[CacheGroup, ...] = ONE_GROUP) -> None:
         self.block_size = block_size
         self.readers = readers  # decode workers reading each of this engine's workers
+        self.groups = groups  # vLLM's KV cache groups, in its order
         self.endpoints: list[Endpoint] = []  # one per TP rank, in rank order
         self._plan = StepPlan()
         self._held: set[str] = set()  # requests whose blocks wait for finished_sending
@@ -154,13 +177,14 @@ class ProducerScheduler:
     def set_endpoints(self, endpoints: list[Endpoint]) -> None:
         self.endpoints = list(endpoints)
 
-    def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict | None]:
+    def request_finished(self, request: Any, block_ids: tuple[list[int], ...]) -> tuple[bool, dict | None]:
+        """``block_ids``: one list per KV cache group."""
         params = request.kv_transfer_params
         if not params or not params.get("do_remote_decode"):
             return False, None
         status = getattr(request.status, "name", str(request.status))
         num_tokens = request.num_computed_tokens
-        if status not in LENT_STATUSES or not block_ids or num_tokens <= 0:
+        if status not in LENT_STATUSES or not any(block_ids) or num_tokens <= 0:
             return False, None
         if not self.endpoints:
             log.warning("request %s: no kvlend endpoint from the workers yet; not lent", request.request_id)
@@ -169,11 +193,14 @@ class ProducerScheduler:
         if digest is None:
             log.info("request %s: its KV covers more than its prompt token ids; not lent", request.request_id)
             return False, None
-        blocks = tuple(block_ids[:pages_for(num_tokens, self.block_size)])
+        tables = group_tables(self.groups, block_ids, num_tokens, self.block_size)
+        if tables is None:
+            log.info("request %s: a sliding window's first block is already freed; not lent", request.request_id)
+            return False, None
         leases = tuple(tuple(secrets.token_bytes(LEASE_ID_BYTES) for _ in range(self.readers)) for _ in self.endpoints)
         texts = [Ticket(lease, e.host, e.port, e.name, num_tokens, e.layout_id).to_text()
                  for e, ranks in zip(self.endpoints, leases) for lease in ranks]
-        self._plan.lends.append(Lend(request.request_id, leases, num_tokens, blocks, digest))
+        self._plan.lends.append(Lend(request.request_id, leases, num_tokens, tables, digest))
         self._held.add(request.request_id)
         return True, {"do_remote_prefill": True, "do_remote_decode": False,
                       TICKET_KEY: texts[0] if len(texts) == 1 else texts, "remote_num_tokens": num_tokens}
@@ -194,9 +221,10 @@ class ProducerScheduler:
 class ConsumerScheduler:
     """Decode: load a request's tickets into the blocks vLLM allocated, once per request."""
 
-    def __init__(self, block_size: int, tp_size: int = 1) -> None:
+    def __init__(self, block_size: int, tp_size: int = 1, groups: tuple[CacheGroup, ...] = ONE_GROUP) -> None:
         self.block_size = block_size
         self.tp_size = tp_size  # this engine's workers: each reads its share of the tickets
+        self.groups = groups  # vLLM's KV cache groups, in its order
         self._plan = StepPlan()
         # request -> (tickets, digest), claimed and not yet loading
         self._claimed: dict[str, tuple[tuple[str, ...], bytes]] = {}
@@ -249,13 +277,17 @@ class ConsumerScheduler:
         if num_external_tokens <= 0:
             self._unclaim(request.request_id)  # all local: give the prefill its blocks back now
             return
+        tables = group_tables(self.groups, blocks.get_block_ids(), num_tokens, self.block_size)
+        if tables is None:  # vLLM allocates a loaded window whole; if it did not, compute
+            log.warning("request %s: a sliding window's block is not allocated; computing locally", request.request_id)
+            self._unclaim(request.request_id)
+            return
         claim = self._claimed.pop(request.request_id, None)
         digest = claim[1] if claim is not None else request_digest(request, num_tokens)
-        table = tuple(blocks.get_block_ids()[0][:pages_for(num_tokens, self.block_size)])
         # What vLLM holds already (its prefix cache: whole blocks) is not read again.  vLLM sets
         # request.num_computed_tokens only after this call, so it comes from the external count.
         resume = num_tokens - num_external_tokens
-        self._plan.loads.append(Load(request.request_id, texts, num_tokens, table, resume, digest))
+        self._plan.loads.append(Load(request.request_id, texts, num_tokens, tables, resume, digest))
         self._loading.add(request.request_id)
 
     def request_finished(self, request: Any) -> None:

@@ -148,7 +148,7 @@ class ProducerWorker:
                 # The node holds one live lease per name: each decode worker reading this one gets its own.
                 name = lend.request if len(leases) == 1 else f"{lend.request}#{reader}"
                 try:
-                    self.node.lend(name, lend.num_tokens, {"full": list(lend.blocks)},
+                    self.node.lend(name, lend.num_tokens, {g: list(t) for g, t in lend.tables.items()},
                                    self.node.layout.full_selection(), lease_id=lease, prompt_digest=lend.digest)
                 except KvlendError as exc:  # not lent: a claim is refused after claim_wait
                     log.warning("request %s: not lent (%s)", name, printable(exc))
@@ -173,7 +173,7 @@ class ProducerWorker:
 class _Loading:
     request: str
     handles: list  # one fetch per prefill worker holding heads of this worker's slice
-    blocks: tuple[int, ...]
+    tables: dict[str, tuple[int, ...]]  # block ids per group
     num_tokens: int
     resume_from: int  # tokens vLLM held already (its prefix cache): not read
     started: float
@@ -254,12 +254,13 @@ class ConsumerWorker:
             self._start_load(load)
 
     def _start_load(self, load) -> None:
-        loading = _Loading(load.request, [], load.blocks, load.num_tokens, load.resume_from, time.perf_counter())
+        loading = _Loading(load.request, [], load.tables, load.num_tokens, load.resume_from, time.perf_counter())
         refused: KvlendError | None = None
         with self._lock:  # the node's thread may end a fetch before it is filed here
             for text in self._mine(load.tickets):
                 try:
-                    handle = self.node.start_fetch(text, {"full": list(load.blocks)}, resume_from=load.resume_from,
+                    handle = self.node.start_fetch(text, {g: list(t) for g, t in load.tables.items()},
+                                                   resume_from=load.resume_from,
                                                    prompt_digest=load.digest)
                 except KvlendError as exc:  # it read nothing: the load is recomputed once the others are quiet
                     log.warning("request %s: fetch not started (%s); recomputing", load.request, printable(exc))
@@ -272,7 +273,7 @@ class ConsumerWorker:
             if loading.handles:
                 self._loading[load.request] = loading
                 return
-        recompute = load.blocks[load.resume_from // self.block_size:]  # nothing started: nothing is in flight
+        recompute = self._blocks_from(loading, load.resume_from)  # nothing started: nothing is in flight
         self._invalid.update(recompute)
         self.stats.record_failure(len(recompute))
         self._done.add(load.request)
@@ -309,13 +310,21 @@ class ConsumerWorker:
                      "; ".join(printable(h.error) for h in handles if not h.ok))
         elif not loading.cancelled:  # an aborted request's blocks are freed, not recomputed
             bound = loading.bound()
-            good = bound // self.block_size  # pages below every verified bound landed whole
-            self._invalid.update(loading.blocks[good:])
-            self.stats.record_failure(len(loading.blocks) - good)
+            invalid = self._blocks_from(loading, bound)  # pages below every verified bound landed whole
+            self._invalid.update(invalid)
+            self.stats.record_failure(len(invalid))
             log.warning("request %s: KV fetch failed at token %d (%s); %d blocks recomputed", request, bound,
-                        "; ".join(printable(h.error) for h in handles if not h.ok), len(loading.blocks) - good)
+                        "; ".join(printable(h.error) for h in handles if not h.ok), len(invalid))
         if loading.reported_at is None:
             self._done.add(request)
+
+    def _blocks_from(self, loading: _Loading, token: int) -> list[int]:
+        """The blocks a load writes from the page holding ``token`` on, in every group (a windowed
+        group's rows below its window are vLLM's placeholders: never written, never reported)."""
+        first = token // self.block_size
+        groups = self.node.layout.groups
+        return [loading.tables[name][row] for name in loading.tables
+                for row in groups[name].pages_read(loading.num_tokens, self.block_size).tolist() if row >= first]
 
     def load_errors(self) -> set[int]:
         invalid, self._invalid = self._invalid, set()
@@ -342,7 +351,7 @@ class ConsumerWorker:
                timeline: dict) -> None:
         line = {"request": loading.request, "ok": error is None, "tp_rank": self.settings.tp_rank,
                 "fetches": len(loading.handles), "seconds": round(time.perf_counter() - loading.started, 6),
-                "transfer_s": transfer_s, "bytes": nbytes, "blocks": len(loading.blocks),
+                "transfer_s": transfer_s, "bytes": nbytes, "blocks": max(map(len, loading.tables.values())),
                 "resume_from": loading.resume_from, "bound": loading.bound(), "error": error,
                 "reported_s": None if loading.reported_at is None else round(loading.reported_at - loading.started, 6),
                 **{f"{k}_s": None if v is None else round(v, 6) for k, v in timeline.items()}}
