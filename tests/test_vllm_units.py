@@ -25,6 +25,7 @@ from kvlend.errors import LayoutError, LayoutMismatch, UsageError
 from kvlend.protocol.ticket import Ticket
 from kvlend_vllm.bench import merge, parse_connector, shared_prompts, table
 from kvlend_vllm.layout import CacheGroup, layout_from_kv_caches, model_digest, scope_of
+from kvlend_vllm.pd_requests import push_requests
 from kvlend_vllm.scheduler import (
     NULL_BLOCK,
     TICKET_KEY,
@@ -472,6 +473,19 @@ def test_bench_compares_every_baseline_it_ran_with_kvlend():
                                                             "nixl:4/kvlend"]
     assert lines[-1].split(" | ")[2] == "3.00x"
     assert parse_connector("nixl:2") == ("nixl", 2) and parse_connector("kvlend") == ("kvlend", None)
-    for bad in ("nixl:0", "kvlend:2", "mooncake", "nixl:x"):
+    assert parse_connector("nixl-push:1") == ("nixl-push", 1) and parse_connector("mooncake") == ("mooncake", None)
+    for bad in ("nixl:0", "kvlend:2", "mooncake:2", "nixl:x", "sglang"):
         with pytest.raises(ValueError):
             parse_connector(bad)
+
+
+def test_push_mode_sends_prefill_and_decode_one_transfer_id_and_the_decode_only_the_prefills_coordinates():
+    client = {"prompt": [5, 6, 7], "max_tokens": 9, "stream": True, "kv_transfer_params": {"kvlend_ticket": "x"}}
+    coordinates = {"remote_engine_id": "p", "remote_host": "127.0.0.1", "remote_port": 5600}
+    p_body, d_body = push_requests(client, coordinates, "rid-1")
+    assert p_body["max_tokens"] == 1 and p_body["stream"] is False
+    assert p_body["kv_transfer_params"] == {"do_remote_decode": True, "do_remote_prefill": False,
+                                            "transfer_id": "rid-1"}
+    assert d_body["max_tokens"] == 9 and d_body["stream"] is True
+    assert d_body["kv_transfer_params"] == {**coordinates, "do_remote_prefill": True, "do_remote_decode": False,
+                                            "transfer_id": "rid-1", "remote_request_id": "rid-1"}

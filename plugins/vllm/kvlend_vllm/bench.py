@@ -1,7 +1,8 @@
 """kvlend's connector against vLLM's own NixlConnector: same machine, model, prompts and run.
 
     scripts/vllm-bench [--size large] [--lengths 512,2048,8192] [--requests 6] [--rounds 2]
-                       [--shared 0,50,90 --shared-tokens 2048] [--connectors kvlend,nixl:1,nixl:2,nixl:4]
+                       [--shared 0,50,90 --shared-tokens 2048]
+                       [--connectors kvlend,nixl:1,nixl:2,nixl:4,nixl-push:1]
 
 Each round boots one connector's prefill/decode pair and router, runs every
 row (each prompt length one request at a time, then a burst of concurrent
@@ -18,6 +19,12 @@ time each connector reports for itself in vLLM's ``/metrics``
 ``vllm:kvlend_xfer_time_seconds``), mean per request.  Ratios are baseline/kvlend:
 above 1 means kvlend is faster.  ``nixl:N`` is NixlConnector with ``num_threads``
 N, its progress threads (vLLM's default, plain ``nixl``, is 4): a fair run sweeps it.
+``nixl-push[:N]`` is its push mode (NixlPushConnector): the router sends each
+request to both engines at once, the decode registers its blocks with the
+prefill, which WRITEs the KV when it finishes; its transfer figures are the
+prefill's (writes, not reads).  ``mooncake`` is vLLM's MooncakeConnector over
+tcp, driven the same way (the prefill pushes); it exports no transfer metrics,
+so its rows have TTFT and decode leg only.
 """
 
 from __future__ import annotations
@@ -28,10 +35,12 @@ import json
 import os
 import signal
 import tempfile
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 from . import launch, models
 from .demo import (
+    EXTERNAL_TOKENS,
     KV_METRICS,
     boot,
     make_prompts,
@@ -47,13 +56,28 @@ from .demo import (
 _KV_KEYS = ("kv_transfers", "kv_xfer_s", "kv_read_s", "kv_bytes", "kv_failed")  # summed over a row's requests
 
 
-def row(name: str, results: list[dict], before: dict, after: dict, wall: float) -> dict:
+def row(name: str, results: list[dict], before: dict, after: dict, wall: float, external: int = 0) -> dict:
+    """``external``: prompt tokens the decode took from KV transfers (vLLM's count)."""
     ok = [r for r in results if "error" not in r]
     ttft = [r["ttft_s"] for r in ok if r["ttft_s"] is not None]
     leg = [r["ttft_s"] - r["prefill_ms"] / 1e3 for r in ok if r["ttft_s"] is not None and r["prefill_ms"]]
     delta = {k: after.get(k, 0) - before.get(k, 0) for k in _KV_KEYS}
     return {"row": name, "requests": len(results), "errors": len(results) - len(ok),
-            "ttft_s": ttft, "decode_leg_s": leg, **delta, "wall_s": round(wall, 2)}
+            "ttft_s": ttft, "decode_leg_s": leg, **delta, "external_tokens": int(external), "wall_s": round(wall, 2)}
+
+
+def external_tokens(url: str, before: int, timeout: float = 10.0) -> int:
+    """Prompt tokens the decode at ``url`` took from KV transfers since ``before``, once the count holds
+    still for a second (vLLM publishes a step's stats after the step) or at the deadline."""
+    deadline, last, since = time.monotonic() + timeout, None, time.monotonic()
+    while time.monotonic() < deadline:
+        now = scrape(url, EXTERNAL_TOKENS).get("external_tokens", 0)
+        if now != last:
+            last, since = now, time.monotonic()
+        elif time.monotonic() - since >= 1.0 and now > before:
+            break
+        time.sleep(0.25)
+    return int((last or 0) - before)
 
 
 def summary(rows: list[dict]) -> dict:
@@ -62,7 +86,10 @@ def summary(rows: list[dict]) -> dict:
     leg = [t for r in rows for t in r["decode_leg_s"]]
     total = {k: sum(r[k] for r in rows) for k in _KV_KEYS}
     n = total["kv_transfers"]
-    return {"requests": sum(r["requests"] for r in rows), "errors": sum(r["errors"] for r in rows),
+    requests = sum(r["requests"] for r in rows)
+    return {"requests": requests, "errors": sum(r["errors"] for r in rows),
+            "external_tokens_per_request": round(sum(r.get("external_tokens", 0) for r in rows) / requests)
+            if requests else None,
             "ttft_p50_ms": _ms(pct(ttft, 50)), "ttft_p99_ms": _ms(pct(ttft, 99)),
             "decode_leg_p50_ms": _ms(pct(leg, 50)), "decode_leg_p99_ms": _ms(pct(leg, 99)),
             "read_ms_mean": round(total["kv_read_s"] / n * 1e3, 2) if n else None,
@@ -76,10 +103,12 @@ def _ms(seconds: float | None) -> float | None:
 
 
 def parse_connector(spec: str) -> tuple[str, int | None]:
-    """``kvlend``, ``nixl`` or ``nixl:N`` (NixlConnector with num_threads N) -> (kind, threads)."""
+    """``kvlend``, ``nixl[:N]``, ``nixl-push[:N]`` (NixlConnector, pull or push, with num_threads N) or
+    ``mooncake`` (MooncakeConnector over tcp) -> (kind, threads)."""
     kind, _, threads = spec.partition(":")
-    if kind not in KV_METRICS or (threads and (kind != "nixl" or not threads.isdigit() or int(threads) < 1)):
-        raise ValueError(f"connector {spec!r}: expected kvlend, nixl or nixl:N")
+    if kind not in KV_METRICS or (threads and (not kind.startswith("nixl") or not threads.isdigit()
+                                               or int(threads) < 1)):
+        raise ValueError(f"connector {spec!r}: expected kvlend, nixl[:N], nixl-push[:N] or mooncake")
     return kind, int(threads) if threads else None
 
 
@@ -88,18 +117,26 @@ def run_pair(spec: str, args, model: str, max_len: int, log_dir: str, certs: dic
     name = spec.replace(":", "-")
     servers = []
     try:
+        side_channel, engine_id, push = launch.free_port(), f"{name}-prefill", None
+        if connector == "nixl-push":  # the decode registers its blocks with the prefill, named in advance
+            push = {"remote_engine_id": engine_id, "remote_host": "127.0.0.1", "remote_port": side_channel,
+                    "tp_size": 1, "pp_size": 1}
+        elif connector == "mooncake":  # the same, through the prefill's bootstrap server
+            push = {"remote_engine_id": engine_id, "remote_bootstrap_addr": f"http://127.0.0.1:{side_channel}"}
         prefill = start_engine(f"{name}-prefill", connector, "kv_producer", model, max_len, args.kv_cache_gib,
-                               log_dir, certs["prefill"], dtype=args.dtype, nixl_threads=threads)
+                               log_dir, certs["prefill"], dtype=args.dtype, nixl_threads=threads,
+                               side_channel=side_channel, engine_id=engine_id)
         decode = start_engine(f"{name}-decode", connector, "kv_consumer", model, max_len, args.kv_cache_gib,
                               log_dir, certs["decode"], {"stats_path": os.path.join(log_dir, "kvlend-fetches.jsonl")},
                               dtype=args.dtype, nixl_threads=threads)
         servers = [prefill, decode]
-        servers.append(start_router(prefill, decode, log_dir, args.request_timeout))
+        servers.append(start_router(prefill, decode, log_dir, args.request_timeout, push))
         boot(servers, args.boot_timeout)
         url, rows = servers[2].url, []
-        before = scrape(decode.url, KV_METRICS[connector])
+        counted = prefill if push else decode  # the engine that moves the bytes counts them
+        before = scrape(counted.url, KV_METRICS[connector])
         asyncio.run(workload(url, model, make_prompts(2, [64], seed=99), 2, 1, args.request_timeout))  # warm-up
-        settled(decode.url, connector, before, 2)  # its metrics must not land in the first row
+        settled(counted.url, connector, before, 2)  # its metrics must not land in the first row
         plan = [(f"{n} tokens", make_prompts(args.requests, [n], seed=n), 1, None) for n in args.lengths]
         if args.burst:
             plan.append((f"{args.burst} concurrent x {args.burst_tokens} tokens",
@@ -109,14 +146,16 @@ def run_pair(spec: str, args, model: str, max_len: int, log_dir: str, certs: dic
             plan.append((f"{args.shared_tokens} tokens, {share}% shared prefix", prompts[1:], 1, prompts[:1]))
         for name, prompts, concurrency, warm in plan:
             if warm:  # puts the shared prefix in both engines' caches; not counted
-                before = scrape(decode.url, KV_METRICS[connector])
+                before = scrape(counted.url, KV_METRICS[connector])
                 asyncio.run(workload(url, model, warm, args.max_tokens, 1, args.request_timeout))
-                settled(decode.url, connector, before, 1)
-            before = scrape(decode.url, KV_METRICS[connector])
+                settled(counted.url, connector, before, 1)
+            before = scrape(counted.url, KV_METRICS[connector])
+            external = scrape(decode.url, EXTERNAL_TOKENS).get("external_tokens", 0)
             results, wall = asyncio.run(workload(url, model, prompts, args.max_tokens, concurrency,
                                                  args.request_timeout))
-            after = settled(decode.url, connector, before, len(results))
-            rows.append({"connector": spec, **row(name, results, before, after, wall)})
+            after = settled(counted.url, connector, before, len(results))
+            external = external_tokens(decode.url, external)
+            rows.append({"connector": spec, **row(name, results, before, after, wall, external)})
             print(f"bench: {spec} {name}: " + json.dumps(summary([rows[-1]])), flush=True)
         return rows
     finally:
@@ -143,8 +182,8 @@ def merge(rows: list[dict]) -> list[dict]:
 def table(merged: list[dict]) -> str:
     """Each row's connectors in run order, then each baseline's ratios to kvlend (above 1: kvlend faster)."""
     lines = ["| row | connector | TTFT p50 ms | TTFT p99 ms | decode leg p50 ms | decode leg p99 ms | reads ms (mean) "
-             "| whole transfer ms (mean) | MiB/request | requests (errors) |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "| whole transfer ms (mean) | MiB/request | KV tokens/request | requests (errors) |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     by_row: dict[str, dict[str, dict]] = {}
     for m in merged:
         by_row.setdefault(m["row"], {})[m["connector"]] = m
@@ -153,14 +192,14 @@ def table(merged: list[dict]) -> str:
             lines.append(f"| {name} | {connector} | {m['ttft_p50_ms']} | {m['ttft_p99_ms']} | "
                          f"{m['decode_leg_p50_ms']} | {m['decode_leg_p99_ms']} | {m['read_ms_mean']} | "
                          f"{m['xfer_ms_mean'] if connector == 'kvlend' else ''} | {m['mib_per_request']} | "
-                         f"{m['requests']} ({m['errors']}) |")
+                         f"{m.get('external_tokens_per_request')} | {m['requests']} ({m['errors']}) |")
         ours = runs.get("kvlend")
         for connector, m in runs.items():
             if ours is None or connector == "kvlend":
                 continue
             cells = [_ratio(m[k], ours[k]) for k in ("ttft_p50_ms", "ttft_p99_ms", "decode_leg_p50_ms",
                                                       "decode_leg_p99_ms", "read_ms_mean")]
-            lines.append(f"| {name} | {connector}/kvlend | {' | '.join(cells)} | | | |")
+            lines.append(f"| {name} | {connector}/kvlend | {' | '.join(cells)} | | | | |")
     return "\n".join(lines)
 
 
@@ -180,7 +219,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="weights and KV cache (default bfloat16)")
     ap.add_argument("--rounds", type=int, default=2, help="kvlend then nixl, this many times")
     ap.add_argument("--connectors", default="kvlend,nixl",
-                    help="run in this order each round: kvlend, nixl (vLLM's default num_threads 4) or nixl:N")
+                    help="run in this order each round: kvlend, nixl (vLLM's default num_threads 4), nixl:N, "
+                         "nixl-push or nixl-push:N (its push mode: the prefill WRITEs; the router sends to both), "
+                         "mooncake (MooncakeConnector over tcp, push)")
     ap.add_argument("--shared", default="", help="shared-prefix shares in %%, one row each (say 0,50,90)")
     ap.add_argument("--shared-tokens", type=int, default=2048, help="prompt length of the shared-prefix rows")
     ap.add_argument("--kv-cache-gib", type=int, default=4)

@@ -33,7 +33,8 @@ from kvlend_vllm import launch, models
 
 HOST = "127.0.0.1"
 DEFAULT_TOKENS = {"tiny": "32,300,1000", "hybrid": "32,300,1000", "large": "512,2048,8000"}
-# Prometheus counters the decode server exports for each connector, summed
+# Prometheus counters the server that transfers exports for each connector
+# (the decode, which reads; the prefill in push mode, which writes), summed
 # over label sets.  NixlConnector's are vLLM's; kvlend's are defined by
 # kvlend_vllm.connector (names here must follow it).
 KV_METRICS = {
@@ -50,6 +51,10 @@ KV_METRICS = {
                "kv_recomputed_blocks": "vllm:kvlend_recomputed_blocks_total",
                "kv_local_blocks": "vllm:kvlend_local_blocks_total"},
 }
+KV_METRICS["nixl-push"] = KV_METRICS["nixl"]  # NixlPushConnector's, counted on the prefill
+KV_METRICS["mooncake"] = {}  # MooncakeConnector logs its transfer stats but exports no metric
+# Prompt tokens the decode took from a KV transfer (vLLM's own count, the same for every connector).
+EXTERNAL_TOKENS = {"external_tokens": 'vllm:prompt_tokens_by_source_total|source="external_kv_transfer"'}
 
 
 def make_prompts(n: int, lengths: list[int], seed: int = 0) -> list[list[int]]:
@@ -67,16 +72,18 @@ def pct(xs: list[float], q: float) -> float | None:
 
 
 def scrape(url: str, names: dict[str, str]) -> dict[str, float]:
-    """Sum each named Prometheus sample of url/metrics over its label sets."""
+    """Sum each named Prometheus sample of url/metrics over its label sets (``name|label="value"``: over
+    those with that label)."""
     try:
         with urllib.request.urlopen(url + "/metrics", timeout=10) as r:
             text = r.read().decode()
     except OSError:
         return {}
     out = {}
-    for key, name in names.items():
-        vals = [float(m.group(1)) for m in
-                re.finditer(rf"^{re.escape(name)}(?:{{[^}}]*}})? (\S+)$", text, re.M)]
+    for key, spec in names.items():
+        name, _, label = spec.partition("|")
+        labels = rf"{{[^}}]*{re.escape(label)}[^}}]*}}" if label else r"(?:{[^}]*})?"
+        vals = [float(m.group(1)) for m in re.finditer(rf"^{re.escape(name)}{labels} (\S+)$", text, re.M)]
         if vals:
             out[key] = sum(vals)
     return out
@@ -84,6 +91,8 @@ def scrape(url: str, names: dict[str, str]) -> dict[str, float]:
 
 def settled(url: str, connector: str, before: dict, expected: int, timeout: float = 30.0) -> dict:
     """The decode's metrics once they count ``expected`` more transfers (vLLM publishes them late)."""
+    if not KV_METRICS[connector]:
+        return {}  # a connector that exports none
     deadline = time.monotonic() + timeout
     while True:
         after = scrape(url, KV_METRICS[connector])
@@ -132,13 +141,20 @@ def write_certs(log_dir: str, *identities: str) -> dict[str, dict[str, str]]:
 
 def start_engine(name: str, connector: str | None, role: str | None, model: str, max_len: int, kv_gib: int,
                  log_dir: str, tls_env: dict[str, str], kvlend_extra: dict | None = None,
-                 dtype: str = "bfloat16", nixl_threads: int | None = None, extra: tuple = ()) -> launch.Server:
-    """One `vllm serve` with ``connector`` (kvlend | nixl) in ``role``, or a plain one (None);
-    ``tls_env`` names kvlend's credentials (``write_certs``)."""
+                 dtype: str = "bfloat16", nixl_threads: int | None = None, extra: tuple = (),
+                 side_channel: int | None = None, engine_id: str | None = None) -> launch.Server:
+    """One `vllm serve` with ``connector`` (kvlend | nixl | nixl-push | mooncake) in ``role``, or a plain
+    one (None); ``tls_env`` names kvlend's credentials (``write_certs``); ``side_channel``/``engine_id``:
+    a NIXL engine's side-channel port or a Mooncake prefill's bootstrap port (default: a free one) and
+    its engine id (default: vLLM's random one)."""
     port, extra_env, cfg = launch.free_port(), {}, None
-    if connector == "nixl":
-        cfg = launch.nixl_transfer_config(role, nixl_threads)
-        extra_env = {"VLLM_NIXL_SIDE_CHANNEL_HOST": HOST, "VLLM_NIXL_SIDE_CHANNEL_PORT": str(launch.free_port())}
+    if connector in ("nixl", "nixl-push"):
+        cfg = launch.nixl_transfer_config(role, nixl_threads, push=connector == "nixl-push", engine_id=engine_id)
+        extra_env = {"VLLM_NIXL_SIDE_CHANNEL_HOST": HOST,
+                     "VLLM_NIXL_SIDE_CHANNEL_PORT": str(side_channel or launch.free_port())}
+    elif connector == "mooncake":
+        cfg = launch.mooncake_transfer_config(role, engine_id)
+        extra_env = {**launch.MOONCAKE_ENV, "VLLM_MOONCAKE_BOOTSTRAP_PORT": str(side_channel or launch.free_port())}
     elif connector == "kvlend":
         cfg = launch.kvlend_transfer_config(role, kvlend_extra)
         extra_env = dict(tls_env)
@@ -147,11 +163,14 @@ def start_engine(name: str, connector: str | None, role: str | None, model: str,
         launch.vllm_env(kv_gib, extra_env), os.path.join(log_dir, f"{name}.log"))
 
 
-def start_router(prefill: launch.Server, decode: launch.Server, log_dir: str, timeout: float) -> launch.Server:
+def start_router(prefill: launch.Server, decode: launch.Server, log_dir: str, timeout: float,
+                 push_params: dict | None = None) -> launch.Server:
+    """kvlend's router; with ``push_params`` in push mode (``kvlend_vllm.router``)."""
     port = launch.free_port()
+    push = ["--push-params", json.dumps(push_params)] if push_params is not None else []
     return launch.Server("router", f"http://{HOST}:{port}", ("/health",)).start(
         [sys.executable, "-m", "kvlend_vllm.router", "--port", str(port), "--prefill", prefill.url,
-         "--decode", decode.url, "--timeout", str(timeout)], None, os.path.join(log_dir, "router.log"))
+         "--decode", decode.url, "--timeout", str(timeout), *push], None, os.path.join(log_dir, "router.log"))
 
 
 def start_vllm_router(prefills: list[launch.Server], decodes: list[launch.Server], policy: str, log_dir: str,

@@ -79,13 +79,33 @@ def kvlend_transfer_config(role: str, extra: Mapping | None = None) -> dict:
             "kv_connector_extra_config": dict(extra or {})}
 
 
-def nixl_transfer_config(role: str, num_threads: int | None = None) -> dict:
+def nixl_transfer_config(role: str, num_threads: int | None = None, *, push: bool = False,
+                         engine_id: str | None = None) -> dict:
     """kv_transfer_config of vLLM's own NixlConnector, host memory; ``num_threads``: its NIXL progress
-    threads (its knob; vLLM's default is 4)."""
-    config = {"kv_connector": "NixlConnector", "kv_role": role, "kv_buffer_device": "cpu",
-              "kv_load_failure_policy": "recompute"}
+    threads (its knob; vLLM's default is 4); ``push``: its push mode (NixlPushConnector: the prefill
+    WRITEs into blocks the decode registered), whose decode must know the prefill's ``engine_id``."""
+    config = {"kv_connector": "NixlPushConnector" if push else "NixlConnector", "kv_role": role,
+              "kv_buffer_device": "cpu", "kv_load_failure_policy": "recompute"}
+    if engine_id is not None:
+        config["engine_id"] = engine_id
     if num_threads is not None:
         config["kv_connector_extra_config"] = {"num_threads": num_threads}
+    return config
+
+
+# MooncakeConnector on a host without a GPU (vLLM 0.32): its own address, not eth0's, and a shim
+# (kvlend_vllm/site/sitecustomize.py) for its worker's torch.accelerator.current_device_index(), which
+# raises on a CPU-only torch.  For the baseline's processes only.
+MOONCAKE_ENV = {"VLLM_HOST_IP": "127.0.0.1", "KVLEND_CPU_DEVICE_INDEX_SHIM": "1", "GLOG_minloglevel": "1"}
+
+
+def mooncake_transfer_config(role: str, engine_id: str | None) -> dict:
+    """kv_transfer_config of vLLM's MooncakeConnector over tcp (the prefill writes); the prefill's
+    bootstrap server listens on $VLLM_MOONCAKE_BOOTSTRAP_PORT, its engine named ``engine_id``."""
+    config = {"kv_connector": "MooncakeConnector", "kv_role": role, "kv_load_failure_policy": "recompute",
+              "kv_connector_extra_config": {"mooncake_protocol": "tcp", "num_workers": 2}}
+    if engine_id is not None:
+        config["engine_id"] = engine_id
     return config
 
 

@@ -8,6 +8,14 @@ NixlConnector and kvlend's connector alike.  The decode always gets the
 prefill's ``kv_transfer_params`` (or none), never the client's.
 
     python -m kvlend_vllm.router --port P --prefill URL [--prefill URL ...] --decode URL [...]
+                                 [--push-params JSON]
+
+With ``--push-params`` it drives a *push* connector instead (vLLM's
+NixlPushConnector, MooncakeConnector): the request goes to the prefill and the
+decode at once under one ``X-Request-Id`` and one fresh ``transfer_id``, the
+decode's ``kv_transfer_params`` being the given JSON (the prefill's
+coordinates) plus ``do_remote_prefill`` and that ``transfer_id``; the prefill
+then writes into the blocks the decode registered.  One prefill only.
 
 Each response carries ``x-kvlend-prefill-ms`` (time in the prefill call) and
 ``x-kvlend-prefill``/``x-kvlend-decode`` (the upstreams used), for measurement.
@@ -16,8 +24,10 @@ Each response carries ``x-kvlend-prefill-ms`` (time in the prefill call) and
 from __future__ import annotations
 
 import argparse
+import asyncio
 import contextlib
 import itertools
+import json
 import logging
 import time
 import uuid
@@ -26,27 +36,17 @@ import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
+from .pd_requests import prefill_request, push_requests
+
 log = logging.getLogger("kvlend_vllm.router")
 
-PREFILL_PARAMS = {"do_remote_decode": True, "do_remote_prefill": False,
-                  "remote_engine_id": None, "remote_block_ids": None,
-                  "remote_host": None, "remote_port": None}
-
-
-def prefill_request(body: dict) -> dict:
-    """The prefill's version of a request: one token, not streamed, KV kept."""
-    req = dict(body, stream=False, max_tokens=1, kv_transfer_params=dict(PREFILL_PARAMS))
-    if "max_completion_tokens" in req:
-        req["max_completion_tokens"] = 1
-    req.pop("stream_options", None)
-    return req
-
-
 def build_app(prefill: list[str], decode: list[str], *, timeout_s: float = 600.0,
-              connect_timeout_s: float = 10.0) -> FastAPI:
+              connect_timeout_s: float = 10.0, push_params: dict | None = None) -> FastAPI:
     """The router app; round-robins over the prefill and the decode URLs."""
     if not prefill or not decode:
         raise ValueError("need at least one prefill and one decode URL")
+    if push_params is not None and len(prefill) != 1:
+        raise ValueError("push mode names one prefill (its coordinates are in the push params)")
     prefills = itertools.cycle([u.rstrip("/") for u in prefill])
     decodes = itertools.cycle([u.rstrip("/") for u in decode])
     timeout = httpx.Timeout(timeout_s, connect=connect_timeout_s)
@@ -75,6 +75,8 @@ def build_app(prefill: list[str], decode: list[str], *, timeout_s: float = 600.0
         if "authorization" in request.headers:
             headers["Authorization"] = request.headers["authorization"]
         p_url, d_url = next(prefills), next(decodes)
+        if push_params is not None:
+            return await push(api, body, headers, rid, p_url, d_url)
 
         t0 = time.perf_counter()
         try:
@@ -97,6 +99,34 @@ def build_app(prefill: list[str], decode: list[str], *, timeout_s: float = 600.0
         meta = {"x-kvlend-prefill-ms": f"{prefill_ms:.1f}", "x-kvlend-prefill": p_url,
                 "x-kvlend-decode": d_url, "x-request-id": rid}
 
+        log.info("rid %s prefill %s %.1f ms -> decode %s", rid, p_url, prefill_ms, d_url)
+        return await relay(api, d_body, headers, d_url, meta)
+
+    async def push(api: str, body: dict, headers: dict, rid: str, p_url: str, d_url: str):
+        """Prefill and decode at once: the prefill writes into the blocks the decode registered."""
+        client = state["client"]
+        p_body, d_body = push_requests(body, push_params, rid)
+        meta = {"x-kvlend-prefill": p_url, "x-kvlend-decode": d_url, "x-request-id": rid}
+
+        async def prefill_call() -> float:
+            t0 = time.perf_counter()
+            try:
+                p = await client.post(p_url + api, json=p_body, headers=headers)
+                if p.status_code != 200:
+                    log.warning("prefill %s answered %d (rid %s)", p_url, p.status_code, rid)
+            except httpx.HTTPError as e:
+                log.warning("prefill %s unreachable: %r", p_url, e)
+            return (time.perf_counter() - t0) * 1000
+
+        prefill = asyncio.ensure_future(prefill_call())
+        response = await relay(api, d_body, headers, d_url, meta)
+        meta["x-kvlend-prefill-ms"] = f"{await prefill:.1f}"
+        response.headers["x-kvlend-prefill-ms"] = meta["x-kvlend-prefill-ms"]
+        return response
+
+    async def relay(api: str, d_body: dict, headers: dict, d_url: str, meta: dict):
+        """The decode's answer, streamed back as it comes."""
+        client = state["client"]
         try:
             d = await client.send(client.build_request("POST", d_url + api, json=d_body,
                                                        headers=headers), stream=True)
@@ -106,7 +136,7 @@ def build_app(prefill: list[str], decode: list[str], *, timeout_s: float = 600.0
                                            "type": "upstream_error"}}, status_code=502,
                                 headers=meta)
 
-        async def relay():
+        async def chunks():
             try:
                 async for chunk in d.aiter_raw():
                     yield chunk
@@ -115,8 +145,7 @@ def build_app(prefill: list[str], decode: list[str], *, timeout_s: float = 600.0
             finally:
                 await d.aclose()
 
-        log.info("rid %s prefill %s %.1f ms -> decode %s", rid, p_url, prefill_ms, d_url)
-        return StreamingResponse(relay(), status_code=d.status_code, headers=meta,
+        return StreamingResponse(chunks(), status_code=d.status_code, headers=meta,
                                  media_type=d.headers.get("content-type"))
 
     @app.post("/v1/completions")
@@ -145,11 +174,14 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--prefill", action="append", required=True, help="prefill base URL")
     ap.add_argument("--decode", action="append", required=True, help="decode base URL")
     ap.add_argument("--timeout", type=float, default=600.0, help="per upstream call, seconds")
+    ap.add_argument("--push-params", type=json.loads,
+                    help="push mode: the decode's kv_transfer_params (JSON), the prefill's coordinates")
     ap.add_argument("--log-level", default="info")
     a = ap.parse_args(argv)
     logging.basicConfig(level=a.log_level.upper(), format="%(asctime)s router %(message)s")
     import uvicorn
-    uvicorn.run(build_app(a.prefill, a.decode, timeout_s=a.timeout), host=a.host, port=a.port,
+    uvicorn.run(build_app(a.prefill, a.decode, timeout_s=a.timeout, push_params=a.push_params), host=a.host,
+                port=a.port,
                 log_level=a.log_level, access_log=False)
 
 
