@@ -250,13 +250,18 @@ def main(argv: list[str] | None = None) -> int:
         for connector in args.connectors.split(","):
             print(f"bench: round {round_no + 1}/{args.rounds}: {connector}", flush=True)
             rows += run_pair(connector, args, model, max_len, log_dir, certs)
-    merged = merge(rows)
-    print(table(merged))
+            if args.json:  # after every pair: a long run stopped early keeps what it measured
+                write_json(args, rows, complete=False)
+    print(table(merge(rows)))
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"args": {k: v for k, v in vars(args).items() if k != "json"}, "rows": rows,
-                       "merged": merged, "cpus": os.cpu_count()}, f, indent=1)
+        write_json(args, rows, complete=True)
     return 0 if all(r["errors"] == 0 for r in rows) else 1
+
+
+def write_json(args, rows: list[dict], complete: bool) -> None:
+    with open(args.json, "w") as f:
+        json.dump({"args": {k: v for k, v in vars(args).items() if k != "json"}, "complete": complete,
+                   "rows": rows, "merged": merge(rows), "cpus": os.cpu_count()}, f, indent=1)
 
 
 if __name__ == "__main__":
