@@ -154,7 +154,7 @@ def start_engine(name: str, connector: str | None, role: str | None, model: str,
                      "VLLM_NIXL_SIDE_CHANNEL_PORT": str(side_channel or launch.free_port())}
     elif connector == "mooncake":
         cfg = launch.mooncake_transfer_config(role, engine_id)
-        extra_env = {**launch.MOONCAKE_ENV, "VLLM_MOONCAKE_BOOTSTRAP_PORT": str(side_channel or launch.free_port())}
+        extra_env = {**launch.mooncake_env(), "VLLM_MOONCAKE_BOOTSTRAP_PORT": str(side_channel or launch.free_port())}
     elif connector == "kvlend":
         cfg = launch.kvlend_transfer_config(role, kvlend_extra)
         extra_env = dict(tls_env)
