@@ -94,6 +94,9 @@ ENVIRONMENT = {
     "KVLEND_CHAOS_S": ("`20`", "tests: seconds of the chaos run in `tests/test_chaos.py`"),
     "KVLEND_SOAK_S": ("`30`", "tests: seconds of the soak run in `tests/test_chaos.py`"),
     "KVLEND_RANK_STDERR": ("unset: discarded", "tests: keep the stderr of the ranks the fault tests start"),
+    "LD_LIBRARY_PATH": ("inherited", "`scripts/vllm-bench`'s MooncakeConnector baseline processes get the libibverbs "
+                                     "that `scripts/vllm-setup` unpacked into `.venv-vllm/mooncake-libs` in front "
+                                     "of it (never installed system-wide: docs/operations.md, Troubleshooting)"),
     "KVLEND_CPU_DEVICE_INDEX_SHIM": ("unset", "set by `scripts/vllm-bench` for its MooncakeConnector baseline only: "
                                      "`torch.accelerator.current_device_index()` returns 0 on a host without "
                                      "an accelerator (vLLM's Mooncake worker calls it)"),
