@@ -12,10 +12,10 @@ prefill's ``kv_transfer_params`` (or none), never the client's.
 
 With ``--push-params`` it drives a *push* connector instead (vLLM's
 NixlPushConnector, MooncakeConnector): the request goes to the prefill and the
-decode at once under one ``X-Request-Id`` and one fresh ``transfer_id``, the
-decode's ``kv_transfer_params`` being the given JSON (the prefill's
-coordinates) plus ``do_remote_prefill`` and that ``transfer_id``; the prefill
-then writes into the blocks the decode registered.  One prefill only.
+decode at once under one ``X-Request-Id``, which is also their ``transfer_id``;
+the decode's ``kv_transfer_params`` are the given JSON (the prefill's
+coordinates) plus ``do_remote_prefill`` and that id; the prefill then writes
+into the blocks the decode registered.  One prefill only.
 
 Each response carries ``x-kvlend-prefill-ms`` (time in the prefill call) and
 ``x-kvlend-prefill``/``x-kvlend-decode`` (the upstreams used), for measurement.
@@ -39,6 +39,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from .pd_requests import prefill_request, push_requests
 
 log = logging.getLogger("kvlend_vllm.router")
+
 
 def build_app(prefill: list[str], decode: list[str], *, timeout_s: float = 600.0,
               connect_timeout_s: float = 10.0, push_params: dict | None = None) -> FastAPI:
@@ -180,9 +181,8 @@ def main(argv: list[str] | None = None) -> None:
     a = ap.parse_args(argv)
     logging.basicConfig(level=a.log_level.upper(), format="%(asctime)s router %(message)s")
     import uvicorn
-    uvicorn.run(build_app(a.prefill, a.decode, timeout_s=a.timeout, push_params=a.push_params), host=a.host,
-                port=a.port,
-                log_level=a.log_level, access_log=False)
+    app = build_app(a.prefill, a.decode, timeout_s=a.timeout, push_params=a.push_params)
+    uvicorn.run(app, host=a.host, port=a.port, log_level=a.log_level, access_log=False)
 
 
 if __name__ == "__main__":
