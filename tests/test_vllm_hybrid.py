@@ -31,8 +31,9 @@ pytestmark = pytest.mark.system
 
 BLOCK = 128  # tokens per block (vLLM CPU's default)
 WINDOW = 256  # the hybrid model's sliding window
-# One layer's block: 2 KV heads x 64 x (K and V) x 128 tokens x 2 bytes (bf16); 2 layers per group.
-LAYER_BLOCK = 2 * 64 * 2 * BLOCK * 2
+# One layer's block: 2 KV heads x 64 x (K and V) x 128 tokens x 4 bytes (float32: in bf16 one answer in a
+# loaded run drifted at its 5th token, every fetch verified, as TP's test saw); 2 layers per group.
+LAYER_BLOCK = 2 * 64 * 2 * BLOCK * 4
 MAX_TOKENS = 6
 LENGTHS = [300, 512, 700, 768, 901, 1024, 1100, 1280]  # all longer than the window; 4 aligned to blocks
 UNLENDABLE = WINDOW - 1 + 3 * BLOCK  # 639: its window's first block is freed before the lend
@@ -63,11 +64,13 @@ def test_a_hybrid_model_moves_only_its_windows_and_answers_as_a_plain_server(tmp
     nixl_env = {"VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1", "VLLM_NIXL_SIDE_CHANNEL_PORT": str(launch.free_port())}
     rig = Rig(model, str(tmp_path))
     try:
-        plain = rig.engine("plain")
-        prefill = rig.engine("prefill", launch.kvlend_transfer_config("kv_producer"))
-        decode = rig.engine("decode", launch.kvlend_transfer_config("kv_consumer", {"stats_path": stats}))
-        nixl_prefill = rig.engine("nixl-prefill", launch.nixl_transfer_config("kv_producer"), env=nixl_env)
-        nixl_decode = rig.engine("nixl-decode", launch.nixl_transfer_config("kv_consumer"))
+        plain = rig.engine("plain", dtype="float32")
+        prefill = rig.engine("prefill", launch.kvlend_transfer_config("kv_producer"), dtype="float32")
+        decode = rig.engine("decode", launch.kvlend_transfer_config("kv_consumer", {"stats_path": stats}),
+                            dtype="float32")
+        nixl_prefill = rig.engine("nixl-prefill", launch.nixl_transfer_config("kv_producer"), env=nixl_env,
+                                  dtype="float32")
+        nixl_decode = rig.engine("nixl-decode", launch.nixl_transfer_config("kv_consumer"), dtype="float32")
         router = rig.router("router", prefill, decode)
         nixl_router = rig.router("nixl-router", nixl_prefill, nixl_decode)
         rig.wait(plain, prefill, decode, nixl_prefill, nixl_decode, router, nixl_router)
