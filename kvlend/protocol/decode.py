@@ -435,6 +435,8 @@ class DecodeSession(TicketClaims, PrefillMessages, Outbox):
         fetch.read_rows = read
         if fetch.posted is None:
             fetch.posted = now
+        if fetch.final_at is None and fetch.offer.final:
+            fetch.final_at, fetch.early_bytes = now, counted[0]
         if now < fetch.sure_until:
             fetch.bound = max(fetch.resume_from, self.tracker.bound(fetch.key))
         self._progress(fetch, now)

@@ -48,6 +48,8 @@ class Fetch:
     claimed_at: float | None = None
     posted: float | None = None  # reads posted (all chunks at once)
     landed: float | None = None  # every read landed (before the done ack)
+    final_at: float | None = None  # its offer became final (a progressive lease: the prefill's last extend)
+    early_bytes: int = 0  # bytes posted before that: read while the prefill still computed
     quiet_by: float = math.inf  # CANCELLING: tear the link down if reads are still in flight then
     read_rows: dict = field(default_factory=dict)  # remote group -> token pages read or skipped so far
     ticket: Ticket | None = None  # redeemed from this ticket (its page table lets reads start with the claim)

@@ -119,14 +119,21 @@ class FetchHandle:
         return self._fetch.error
 
     @property
+    def early_bytes(self) -> int:
+        """Bytes whose reads were posted before the lease was final: what a progressive lease's reader
+        read while its prefill still computed (0 for a lease lent whole)."""
+        return self._fetch.early_bytes
+
+    @property
     def timeline(self) -> dict[str, float | None]:
         """Seconds from the start to each step so far (None: not reached): ``claimed`` (claim sent),
-        ``posted`` (the offer was in and the reads posted), ``landed`` (every read landed),
-        ``finished``.  For profiling where a fetch's time goes."""
+        ``posted`` (the offer was in and the reads posted), ``final`` (the whole lease was lent: a
+        progressive one's last extend), ``landed`` (every read landed), ``finished``.  For profiling
+        where a fetch's time goes."""
         f = self._fetch
         return {name: None if at is None else at - f.started
-                for name, at in (("claimed", f.claimed_at), ("posted", f.posted), ("landed", f.landed),
-                                 ("finished", f.finished))}
+                for name, at in (("claimed", f.claimed_at), ("posted", f.posted), ("final", f.final_at),
+                                 ("landed", f.landed), ("finished", f.finished))}
 
     @property
     def meta(self) -> Mapping[str, Any]:

@@ -55,10 +55,12 @@ class Rig:
             tls = {k: v.replace(f"{name}-{tp - 1}.", f"{name}-{{rank}}.") for k, v in tls.items()}
         return self._start(name, port, argv, launch.vllm_env(1, {**tls, **(env or {})}))
 
-    def router(self, name: str, prefill: launch.Server, decode: launch.Server) -> launch.Server:
+    def router(self, name: str, prefill: launch.Server, decode: launch.Server, *,
+               progressive: bool = False) -> launch.Server:
         port = launch.free_port()
         argv = [launch.VLLM_VENV_PYTHON, "-m", "kvlend_vllm.router", "--port", str(port),
-                "--prefill", prefill.url, "--decode", decode.url, "--timeout", "120"]
+                "--prefill", prefill.url, "--decode", decode.url, "--timeout", "120",
+                *(["--progressive"] if progressive else [])]
         return self._start(name, port, argv, dict(os.environ), ready=("/health",))
 
     def vllm_router(self, name: str, prefills, decodes, policy: str = "round_robin") -> launch.Server:
@@ -171,6 +173,13 @@ def served(server: launch.Server) -> int:
     with urllib.request.urlopen(server.url + "/metrics", timeout=10) as r:
         text = r.read().decode()
     return int(sum(float(v) for v in re.findall(r"^vllm:request_success_total\{[^}]*\} ([0-9.e+-]+)$", text, re.M)))
+
+
+def preemptions(server: launch.Server) -> int:
+    """Requests the engine preempted (vLLM's ``num_preemptions_total``)."""
+    with urllib.request.urlopen(server.url + "/metrics", timeout=10) as r:
+        text = r.read().decode()
+    return int(sum(float(v) for v in re.findall(r"^vllm:num_preemptions_total\{[^}]*\} ([0-9.e+-]+)$", text, re.M)))
 
 
 def kv_usage(server: launch.Server) -> float:

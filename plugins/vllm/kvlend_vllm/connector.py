@@ -187,11 +187,11 @@ class KvlendConnector(KVConnectorBase_V1, SupportsHMA):
             self.worker = (ProducerWorker(settings) if self.producer
                            else ConsumerWorker(settings, self.block_size, self.stats))
         self._endpoint: Endpoint | None = None
+        self._on_device = False  # the KV tensors are on an accelerator (set as they are registered)
 
     # ------------------------------------------------------------ scheduler
     def on_new_request(self, request) -> None:
-        if not self.producer:
-            self.scheduler.on_new_request(request)
+        self.scheduler.on_new_request(request)
 
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int | None, bool]:
         if self.producer:
@@ -203,7 +203,12 @@ class KvlendConnector(KVConnectorBase_V1, SupportsHMA):
             self.scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
 
     def build_connector_meta(self, scheduler_output) -> KVConnectorMetadata:
-        return KvlendMetadata(self.scheduler.take_plan())
+        if not self.producer:
+            return KvlendMetadata(self.scheduler.take_plan())
+        # Called before vLLM counts this step's tokens as computed: a request's num_computed_tokens is
+        # what earlier steps' forwards wrote, and the worker lends it before this step's forward.
+        return KvlendMetadata(self.scheduler.take_plan(scheduler_output.preempted_req_ids or (),
+                                                       self._kv_cache_manager.get_block_ids))
 
     def request_finished(self, request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         return self.request_finished_all_groups(request, (block_ids,))
@@ -238,7 +243,7 @@ class KvlendConnector(KVConnectorBase_V1, SupportsHMA):
         first = next(iter(kv_caches.values()))
         dtype = str(first.dtype).removeprefix("torch.")
         config = self._vllm_config
-        on_device = first.device.type != "cpu"
+        on_device = self._on_device = first.device.type != "cpu"
         kernel = (f"CPU_ATTN-{torch.backends.cpu.get_cpu_capability()}" if not on_device
                   else f"{first.device.type}-sm{''.join(map(str, torch.cuda.get_device_capability(first.device)))}")
         scope = scope_of(platform=first.device.type, kernel=kernel, dtype=dtype, block_size=self.block_size,
@@ -265,7 +270,15 @@ class KvlendConnector(KVConnectorBase_V1, SupportsHMA):
         # a batched prefill forward took 450-900 ms, all of it added to every claim waiting for a lend.
         super().bind_connector_metadata(connector_metadata)
         if isinstance(connector_metadata, KvlendMetadata):
-            self.worker.start(connector_metadata.plan)
+            plan = connector_metadata.plan
+            if self._on_device and (plan.extends or any(lend.ready for lend in plan.lends)):
+                torch.cuda.current_stream().synchronize()  # the steps before wrote what is lent now
+            self.worker.start(plan)
+
+    def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
+        # Before this step's forward, which may overwrite the blocks vLLM took back from them.
+        if isinstance(kv_connector_metadata, KvlendMetadata) and kv_connector_metadata.plan.preempts:
+            self.worker.preempt(kv_connector_metadata.plan.preempts)
 
     def start_load_kv(self, forward_context, **kwargs) -> None:
         pass  # started in bind_connector_metadata; the loads are asynchronous

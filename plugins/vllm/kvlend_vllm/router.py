@@ -17,6 +17,13 @@ the decode's ``kv_transfer_params`` are the given JSON (the prefill's
 coordinates) plus ``do_remote_prefill`` and that id; the prefill then writes
 into the blocks the decode registered.  One prefill only.
 
+With ``--progressive`` it drives kvlend's progressive lending: it asks each
+prefill once for its tickets (``template_request``), then sends each request
+to a prefill and a decode at once, the prefill with lease ids the router chose
+and the decode with tickets for them; the prefill lends each chunk as vLLM
+computes it (chunked prefill) and the decode reads while the rest computes.
+A prefill that answers no template is used in the default (serial) mode.
+
 Each response carries ``x-kvlend-prefill-ms`` (time in the prefill call) and
 ``x-kvlend-prefill``/``x-kvlend-decode`` (the upstreams used), for measurement.
 """
@@ -29,30 +36,41 @@ import contextlib
 import itertools
 import json
 import logging
+import secrets
 import time
 import uuid
+from dataclasses import replace
 
 import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from .pd_requests import prefill_request, push_requests
+from kvlend.core.lender import LEASE_ID_BYTES
+from kvlend.errors import KvlendError
+from kvlend.protocol.ticket import Ticket
+
+from .pd_requests import prefill_request, progressive_requests, push_requests, template_request
+from .scheduler import TEMPLATE_KEY, TICKET_KEY
 
 log = logging.getLogger("kvlend_vllm.router")
 
 
 def build_app(prefill: list[str], decode: list[str], *, timeout_s: float = 600.0,
-              connect_timeout_s: float = 10.0, push_params: dict | None = None) -> FastAPI:
+              connect_timeout_s: float = 10.0, push_params: dict | None = None,
+              progressive: bool = False) -> FastAPI:
     """The router app; round-robins over the prefill and the decode URLs."""
     if not prefill or not decode:
         raise ValueError("need at least one prefill and one decode URL")
     if push_params is not None and len(prefill) != 1:
         raise ValueError("push mode names one prefill (its coordinates are in the push params)")
+    if push_params is not None and progressive:
+        raise ValueError("push mode and progressive mode exclude each other")
     prefills = itertools.cycle([u.rstrip("/") for u in prefill])
     decodes = itertools.cycle([u.rstrip("/") for u in decode])
     timeout = httpx.Timeout(timeout_s, connect=connect_timeout_s)
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=64)
     state: dict[str, httpx.AsyncClient] = {}
+    templates: dict[str, list[Ticket]] = {}  # prefill URL -> its tickets' shape (progressive mode)
 
     @contextlib.asynccontextmanager
     async def lifespan(_app):
@@ -77,7 +95,13 @@ def build_app(prefill: list[str], decode: list[str], *, timeout_s: float = 600.0
             headers["Authorization"] = request.headers["authorization"]
         p_url, d_url = next(prefills), next(decodes)
         if push_params is not None:
-            return await push(api, body, headers, rid, p_url, d_url)
+            return await at_once(api, *push_requests(body, push_params, rid), headers, rid, p_url, d_url)
+        template = await template_of(p_url, body.get("model"), headers) if progressive else None
+        if template is not None:
+            leases = [secrets.token_bytes(LEASE_ID_BYTES) for _ in template]
+            tickets = [replace(t, lease=lease).to_text() for t, lease in zip(template, leases)]
+            p_body, d_body = progressive_requests(body, [lease.hex() for lease in leases], tickets)
+            return await at_once(api, p_body, d_body, headers, rid, p_url, d_url)
 
         t0 = time.perf_counter()
         try:
@@ -103,10 +127,27 @@ def build_app(prefill: list[str], decode: list[str], *, timeout_s: float = 600.0
         log.info("rid %s prefill %s %.1f ms -> decode %s", rid, p_url, prefill_ms, d_url)
         return await relay(api, d_body, headers, d_url, meta)
 
-    async def push(api: str, body: dict, headers: dict, rid: str, p_url: str, d_url: str):
-        """Prefill and decode at once: the prefill writes into the blocks the decode registered."""
+    async def template_of(p_url: str, model: str | None, headers: dict) -> list[Ticket] | None:
+        """The prefill's tickets (lease ids aside), asked once; None if it answers none (not kvlend)."""
+        if p_url not in templates:
+            try:
+                p = await state["client"].post(p_url + "/v1/completions", json=template_request(model),
+                                               headers={k: v for k, v in headers.items() if k != "X-Request-Id"})
+                texts = (_json_or_text(p).get("kv_transfer_params") or {}).get(TEMPLATE_KEY)
+                template = [Ticket.from_text(t) for t in texts] if isinstance(texts, list) and texts else None
+            except (httpx.HTTPError, KvlendError) as e:
+                log.warning("prefill %s: no ticket template (%r); serial mode for it", p_url, e)
+                return None
+            if template is None:
+                log.warning("prefill %s answered no ticket template; serial mode for it", p_url)
+                return None
+            templates[p_url] = template
+        return templates[p_url]
+
+    async def at_once(api: str, p_body: dict, d_body: dict, headers: dict, rid: str, p_url: str, d_url: str):
+        """Prefill and decode at once: a push connector's prefill writes into the blocks the decode
+        registered; kvlend's lends progressively under the leases the decode reads."""
         client = state["client"]
-        p_body, d_body = push_requests(body, push_params, rid)
         meta = {"x-kvlend-prefill": p_url, "x-kvlend-decode": d_url, "x-request-id": rid}
 
         async def prefill_call() -> float:
@@ -115,8 +156,13 @@ def build_app(prefill: list[str], decode: list[str], *, timeout_s: float = 600.0
                 p = await client.post(p_url + api, json=p_body, headers=headers)
                 if p.status_code != 200:
                     log.warning("prefill %s answered %d (rid %s)", p_url, p.status_code, rid)
+                    templates.pop(p_url, None)  # restarted, perhaps: ask again
+                elif p_url in templates and not _same_endpoints(templates[p_url], _json_or_text(p)):
+                    log.warning("prefill %s lent from other endpoints than its template's: asking again", p_url)
+                    templates.pop(p_url, None)
             except httpx.HTTPError as e:
                 log.warning("prefill %s unreachable: %r", p_url, e)
+                templates.pop(p_url, None)
             return (time.perf_counter() - t0) * 1000
 
         prefill = asyncio.ensure_future(prefill_call())
@@ -160,6 +206,19 @@ def build_app(prefill: list[str], decode: list[str], *, timeout_s: float = 600.0
     return app
 
 
+def _same_endpoints(template: list[Ticket], answer: dict) -> bool:
+    """Whether a progressive prefill's answer names the endpoints of its template (or names none)."""
+    texts = (answer.get("kv_transfer_params") or {}).get(TICKET_KEY)
+    if texts is None:
+        return True
+    try:
+        tickets = [Ticket.from_text(t) for t in ([texts] if isinstance(texts, str) else texts)]
+    except (KvlendError, TypeError):
+        return False
+    return [(t.host, t.port, t.prefill, t.layout_id) for t in tickets] == [
+        (t.host, t.port, t.prefill, t.layout_id) for t in template]
+
+
 def _json_or_text(r: httpx.Response) -> dict:
     try:
         out = r.json()
@@ -177,11 +236,14 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--timeout", type=float, default=600.0, help="per upstream call, seconds")
     ap.add_argument("--push-params", type=json.loads,
                     help="push mode: the decode's kv_transfer_params (JSON), the prefill's coordinates")
+    ap.add_argument("--progressive", action="store_true",
+                    help="kvlend progressive lending: prefill and decode at once, the decode reading as chunks compute")
     ap.add_argument("--log-level", default="info")
     a = ap.parse_args(argv)
     logging.basicConfig(level=a.log_level.upper(), format="%(asctime)s router %(message)s")
     import uvicorn
-    app = build_app(a.prefill, a.decode, timeout_s=a.timeout, push_params=a.push_params)
+    app = build_app(a.prefill, a.decode, timeout_s=a.timeout, push_params=a.push_params,
+                    progressive=a.progressive)
     uvicorn.run(app, host=a.host, port=a.port, log_level=a.log_level, access_log=False)
 
 

@@ -21,13 +21,20 @@ both sides bind it to the request's content (``request_digest``): the prefill
 lends under the digest of its prompt, the decode claims with its own request's,
 and a ticket put on another prompt reads nothing (the request is computed
 locally).
+
+Progressive lending (a router that sends to both engines at once, ``docs/vllm.md``): the
+router chooses the lease ids and gives them to the prefill (``LEASES_KEY``) and, as tickets
+of the prefill's endpoints, to the decode (``PROGRESSIVE_KEY``: their token count is the
+prompt's).  The prefill lends the request as soon as it arrives, with nothing ready, and
+each step extends the lease by what the steps before computed (chunked prefill), so the
+decode reads the prompt while the prefill computes the rest.
 """
 
 from __future__ import annotations
 
 import logging
 import secrets
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from kvlend.core.lender import LEASE_ID_BYTES
@@ -40,6 +47,9 @@ from .layout import GROUP, CacheGroup
 log = logging.getLogger("kvlend.vllm")
 
 TICKET_KEY = "kvlend_ticket"  # in kv_transfer_params, next to the do_remote_* flags routers already set
+LEASES_KEY = "kvlend_leases"  # prefill: lend progressively under these lease ids (hex), the router's
+PROGRESSIVE_KEY = "kvlend_progressive"  # decode: the tickets are the router's, their token count the prompt's
+TEMPLATE_KEY = "kvlend_template"  # prefill: answer with this engine's tickets (lending nothing), for a router
 ONE_GROUP = (CacheGroup(GROUP),)  # a model with full attention only
 NULL_BLOCK = 0  # vLLM's null block (its BlockPool takes block 0): a freed out-of-window slot's placeholder
 MAX_TICKETS = 64  # tickets one request may carry (prefill TP x readers): more is refused unread
@@ -63,8 +73,18 @@ class Lend:
     request: str
     leases: tuple[tuple[bytes, ...], ...]  # per prefill TP rank, one lease per decode worker reading it
     num_tokens: int
-    tables: dict[str, tuple[int, ...]]  # block ids per KV cache group (kvlend group name)
+    tables: dict[str, tuple[int, ...]]  # block ids per KV cache group (kvlend group name); -1: not allocated
     digest: bytes  # ``request_digest`` of the request: only a claim for the same content reads it
+    ready: int | None = None  # progressive: tokens computed so far (None: all of them)
+
+
+@dataclass(frozen=True)
+class Extend:
+    """A progressive lend grows: the steps before this one computed ``ready`` tokens."""
+
+    request: str
+    ready: int
+    tables: dict[str, tuple[int, ...]]
 
 
 @dataclass(frozen=True)
@@ -87,6 +107,9 @@ class StepPlan:
     loads: list[Load] = field(default_factory=list)
     unclaims: list[tuple[str, ...]] = field(default_factory=list)  # tickets claimed and never to be loaded
     cancels: list[str] = field(default_factory=list)
+    extends: list[Extend] = field(default_factory=list)
+    releases: list[str] = field(default_factory=list)  # progressive lends whose request was aborted
+    preempts: list[str] = field(default_factory=list)  # progressive lends whose blocks vLLM takes back this step
 
 
 def pages_for(num_tokens: int, block_size: int) -> int:
@@ -111,6 +134,30 @@ def group_tables(groups: tuple[CacheGroup, ...], block_ids, num_tokens: int,
     return tables
 
 
+def padded_tables(groups: tuple[CacheGroup, ...], block_ids, num_tokens: int,
+                  block_size: int) -> dict[str, tuple[int, ...]]:
+    """Each group's blocks allocated so far, padded with -1 to ``num_tokens``' blocks (a request still
+    prefilling: rows past what is computed are not lent, so they need no block yet)."""
+    pages = pages_for(num_tokens, block_size)
+    if len(block_ids) != len(groups):
+        raise ConfigError(f"vLLM gave {len(block_ids)} block tables for {len(groups)} KV cache groups")
+    return {g.name: tuple(ids[:pages]) + (-1,) * max(0, pages - len(ids)) for g, ids in zip(groups, block_ids)}
+
+
+def parse_leases(value: Any, count: int) -> tuple[bytes, ...]:
+    """``LEASES_KEY``'s lease ids: ``count`` distinct ones (one per ticket this engine mints), each
+    ``LEASE_ID_BYTES`` in hex; UsageError says what is wrong."""
+    if not isinstance(value, list) or len(value) != count or not all(isinstance(v, str) for v in value):
+        raise UsageError(f"{LEASES_KEY}: expected a list of {count} hex lease ids")
+    try:
+        leases = tuple(bytes.fromhex(v) for v in value)
+    except ValueError:
+        raise UsageError(f"{LEASES_KEY}: expected hex lease ids") from None
+    if any(len(lease) != LEASE_ID_BYTES for lease in leases) or len(set(leases)) != count:
+        raise UsageError(f"{LEASES_KEY}: expected {count} distinct ids of {LEASE_ID_BYTES} bytes")
+    return leases
+
+
 def readers_per_worker(prefill_tp: int, decode_tp: int) -> int:
     """How many decode workers read each prefill worker's heads; ConfigError unless one TP divides the other."""
     if max(prefill_tp, decode_tp) % min(prefill_tp, decode_tp):
@@ -125,8 +172,10 @@ def worker_tickets(tickets: tuple[str, ...], tp_size: int, tp_rank: int) -> tupl
     return tickets[tp_rank * per:(tp_rank + 1) * per]
 
 
-def parse_tickets(value: Any, tp_size: int) -> tuple[tuple[str, ...], list[Ticket]]:
-    """The ticket key's texts and tickets, checked against this decode's TP; KvlendError says what is wrong."""
+def parse_tickets(value: Any, tp_size: int, num_tokens: int | None = None) -> tuple[tuple[str, ...], list[Ticket]]:
+    """The ticket key's texts and tickets, checked against this decode's TP; KvlendError says what is wrong.
+    ``num_tokens``: the tickets' token count, whatever their texts say (a router's tickets for a
+    progressive lend, minted before anyone counted the prompt's tokens)."""
     texts = (value,) if isinstance(value, str) else tuple(value) if isinstance(value, list) else None
     if texts is None or not texts or len(texts) > MAX_TICKETS or not all(isinstance(t, str) for t in texts):
         raise UsageError(f"{TICKET_KEY}: expected a ticket or a list of 1 to {MAX_TICKETS} tickets")
@@ -134,6 +183,9 @@ def parse_tickets(value: Any, tp_size: int) -> tuple[tuple[str, ...], list[Ticke
         raise UsageError(f"{TICKET_KEY}: {len(texts)} tickets cannot be shared by {tp_size} decode workers "
                          "(set the prefill's decode_tp to this engine's tensor parallel size)")
     tickets = [Ticket.from_text(t) for t in texts]
+    if num_tokens is not None:
+        tickets = [replace(t, num_tokens=num_tokens) for t in tickets]
+        texts = tuple(t.to_text() for t in tickets)
     for rank in range(tp_size):
         share = worker_tickets(tuple(range(len(texts))), tp_size, rank)
         prefills = [tickets[i].prefill for i in share]
@@ -163,8 +215,21 @@ def request_digest(request: Any, num_tokens: int) -> bytes | None:
     return prompt_digest(ids[:num_tokens], context)
 
 
+@dataclass
+class _Growing:
+    """A request lent progressively, under the router's lease ids."""
+
+    request: Any  # vLLM's Request: its num_computed_tokens is what the steps so far computed
+    leases: tuple[tuple[bytes, ...], ...]
+    num_tokens: int  # its prompt's
+    digest: bytes
+    ready: int | None = None  # tokens lent so far (None: not lent yet)
+    preempted: bool = False  # vLLM took its blocks back: its lease ended, nothing more is lent
+
+
 class ProducerScheduler:
-    """Prefill: lend a finished request's blocks in place and hand back its ticket(s)."""
+    """Prefill: lend a finished request's blocks in place and hand back its ticket(s), or lend a
+    request as its chunks compute, under lease ids a router chose (``LEASES_KEY``)."""
 
     def __init__(self, block_size: int, readers: int = 1, groups: tuple[CacheGroup, ...] = ONE_GROUP) -> None:
         self.block_size = block_size
@@ -173,15 +238,52 @@ class ProducerScheduler:
         self.endpoints: list[Endpoint] = []  # one per TP rank, in rank order
         self._plan = StepPlan()
         self._held: set[str] = set()  # requests whose blocks wait for finished_sending
+        self._growing: dict[str, _Growing] = {}
 
     def set_endpoints(self, endpoints: list[Endpoint]) -> None:
         self.endpoints = list(endpoints)
 
+    def _tickets(self, leases: tuple[tuple[bytes, ...], ...], num_tokens: int) -> list[str]:
+        return [Ticket(lease, e.host, e.port, e.name, num_tokens, e.layout_id).to_text()
+                for e, ranks in zip(self.endpoints, leases) for lease in ranks]
+
+    def _new_leases(self) -> tuple[tuple[bytes, ...], ...]:
+        return tuple(tuple(secrets.token_bytes(LEASE_ID_BYTES) for _ in range(self.readers)) for _ in self.endpoints)
+
+    def on_new_request(self, request: Any) -> None:
+        """A request carrying the router's lease ids is lent progressively, from the next step on."""
+        params = request.kv_transfer_params
+        if not params or not params.get("do_remote_decode") or LEASES_KEY not in params:
+            return
+        why = None
+        if not self.endpoints:
+            why = "no kvlend endpoint from the workers yet"
+        elif any(g.window is not None for g in self.groups):  # vLLM frees a window's blocks as chunks pass it
+            why = "a sliding-window model is lent once its prefill finished"
+        num_tokens = len(request.prompt_token_ids or ())
+        digest = request_digest(request, num_tokens) if num_tokens else None
+        if why is None and digest is None:
+            why = "no prompt token ids"
+        try:
+            flat = parse_leases(params[LEASES_KEY], len(self.endpoints) * self.readers) if why is None else ()
+        except KvlendError as exc:
+            why = str(exc)
+        if why is not None:
+            log.warning("request %s: not lent progressively (%s)", request.request_id, why)
+            return
+        leases = tuple(flat[i * self.readers:(i + 1) * self.readers] for i in range(len(self.endpoints)))
+        self._growing[request.request_id] = _Growing(request, leases, num_tokens, digest)
+
     def request_finished(self, request: Any, block_ids: tuple[list[int], ...]) -> tuple[bool, dict | None]:
         """``block_ids``: one list per KV cache group."""
         params = request.kv_transfer_params
-        if not params or not params.get("do_remote_decode"):
-            return False, None
+        if params and params.get(TEMPLATE_KEY) and self.endpoints:  # a router asks what tickets look like
+            return False, {TEMPLATE_KEY: self._tickets(self._new_leases(), 1)}
+        growing = self._growing.pop(request.request_id, None)
+        if growing is not None:
+            return self._finish_growing(growing, block_ids)
+        if not params or not params.get("do_remote_decode") or LEASES_KEY in params:
+            return False, None  # (lease ids it could not lend under: its decode reads nothing else)
         status = getattr(request.status, "name", str(request.status))
         num_tokens = request.num_computed_tokens
         if status not in LENT_STATUSES or not any(block_ids) or num_tokens <= 0:
@@ -197,13 +299,31 @@ class ProducerScheduler:
         if tables is None:
             log.info("request %s: a sliding window's first block is already freed; not lent", request.request_id)
             return False, None
-        leases = tuple(tuple(secrets.token_bytes(LEASE_ID_BYTES) for _ in range(self.readers)) for _ in self.endpoints)
-        texts = [Ticket(lease, e.host, e.port, e.name, num_tokens, e.layout_id).to_text()
-                 for e, ranks in zip(self.endpoints, leases) for lease in ranks]
+        leases = self._new_leases()
+        texts = self._tickets(leases, num_tokens)
         self._plan.lends.append(Lend(request.request_id, leases, num_tokens, tables, digest))
         self._held.add(request.request_id)
         return True, {"do_remote_prefill": True, "do_remote_decode": False,
                       TICKET_KEY: texts[0] if len(texts) == 1 else texts, "remote_num_tokens": num_tokens}
+
+    def _finish_growing(self, growing: _Growing, block_ids: tuple[list[int], ...]) -> tuple[bool, dict | None]:
+        """A progressive lend's request ended: make the lease final, or end it and keep the blocks until
+        its reader is quiet."""
+        rid = growing.request.request_id
+        if growing.preempted or growing.ready is None:  # its lease ended when vLLM took the blocks back, or
+            return False, None  # was never lent: nobody can be reading
+        self._held.add(rid)
+        status = getattr(growing.request.status, "name", str(growing.request.status))
+        complete = growing.request.num_computed_tokens >= growing.num_tokens and status in LENT_STATUSES
+        if complete and growing.ready < growing.num_tokens:
+            self._plan.extends.append(Extend(rid, growing.num_tokens, padded_tables(
+                self.groups, block_ids, growing.num_tokens, self.block_size)))
+        elif not complete:  # aborted mid-prefill: freed once the reader is quiet (finished_sending)
+            self._plan.releases.append(rid)
+            return True, None
+        texts = self._tickets(growing.leases, growing.num_tokens)
+        return True, {"do_remote_prefill": True, "do_remote_decode": False,
+                      TICKET_KEY: texts[0] if len(texts) == 1 else texts, "remote_num_tokens": growing.num_tokens}
 
     def finished_sending(self, request_ids) -> None:
         self._held.difference_update(request_ids or ())
@@ -213,7 +333,27 @@ class ProducerScheduler:
         """Requests whose blocks are lent and not yet given back."""
         return len(self._held)
 
-    def take_plan(self) -> StepPlan:
+    def take_plan(self, preempted=(), block_ids_of=None) -> StepPlan:
+        """This step's plan.  ``preempted``: the requests vLLM preempted in it; ``block_ids_of(request id)``:
+        a request's blocks per group (vLLM's KV cache manager), for the progressive lends."""
+        for rid, growing in self._growing.items():
+            if growing.preempted:
+                continue
+            if rid in preempted:
+                growing.preempted = True
+                if growing.ready is not None:
+                    self._plan.preempts.append(rid)
+                continue
+            ready = min(growing.request.num_computed_tokens, growing.num_tokens)
+            if growing.ready is not None and ready <= growing.ready:
+                continue
+            tables = padded_tables(self.groups, block_ids_of(rid), growing.num_tokens, self.block_size)
+            if growing.ready is None:
+                self._plan.lends.append(Lend(rid, growing.leases, growing.num_tokens, tables, growing.digest,
+                                             ready=ready))
+            else:
+                self._plan.extends.append(Extend(rid, ready, tables))
+            growing.ready = ready
         plan, self._plan = self._plan, StepPlan()
         return plan
 
@@ -236,12 +376,13 @@ class ConsumerScheduler:
         params = request.kv_transfer_params
         if not params or not params.get("do_remote_prefill") or TICKET_KEY not in params:
             return None
+        prompt = len(request.prompt_token_ids or ())
         try:
-            texts, tickets = parse_tickets(params[TICKET_KEY], self.tp_size)
+            texts, tickets = parse_tickets(params[TICKET_KEY], self.tp_size,
+                                           prompt if params.get(PROGRESSIVE_KEY) is True else None)
         except KvlendError as exc:
             log.warning("request %s: bad kvlend ticket, computing locally: %s", request.request_id, exc)
             return None
-        prompt = len(request.prompt_token_ids or ())
         if tickets[0].num_tokens != prompt:
             log.warning("request %s: ticket covers %d tokens but the prompt has %d; computing locally",
                         request.request_id, tickets[0].num_tokens, prompt)

@@ -101,15 +101,16 @@ def _backend(credentials: Credentials):
 
 class ProducerWorker:
     """Prefill: lend blocks under the scheduler's lease ids (this worker's: one per decode worker reading
-    its heads); report a request back once all its leases ended."""
+    its heads), grow progressive lends; report a request back once all its leases ended."""
 
     def __init__(self, settings: WorkerSettings) -> None:
         self.settings = settings
         self.node: PrefillNode | None = None
         self.registry = None
-        self._lock = threading.Lock()
+        self._lock = threading.Condition()  # notified as leases end
         self._open: dict[str, int] = {}  # request -> its leases not yet over
         self._requests: dict[bytes, str] = {}  # lease id -> request, while the lease lives
+        self._lent: dict[str, tuple[bytes, ...]] = {}  # request -> this worker's leases, until reported
         self._ended: set[str] = set()  # requests whose leases are all over (done, aborted, expired, released)
         # Requests vLLM said finished (only those may be reported), the most recent ones: a lend
         # comes a step after its request finished, so this need not remember long.
@@ -137,22 +138,56 @@ class ProducerWorker:
             if not self._open[request]:
                 del self._open[request]
                 self._ended.add(request)
+            self._lock.notify_all()
 
     def start(self, plan: StepPlan) -> None:
         for lend in plan.lends:
-            leases = lend.leases[self.settings.tp_rank]
-            with self._lock:
-                self._open[lend.request] = len(leases)
-                self._requests.update(dict.fromkeys(leases, lend.request))
-            for reader, lease in enumerate(leases):
-                # The node holds one live lease per name: each decode worker reading this one gets its own.
-                name = lend.request if len(leases) == 1 else f"{lend.request}#{reader}"
+            self._lend(lend)
+        for extend in plan.extends:
+            tables = {g: list(t) for g, t in extend.tables.items()}
+            for lease in self._lent.get(extend.request, ()):
                 try:
-                    self.node.lend(name, lend.num_tokens, {g: list(t) for g, t in lend.tables.items()},
-                                   self.node.layout.full_selection(), lease_id=lease, prompt_digest=lend.digest)
-                except KvlendError as exc:  # not lent: a claim is refused after claim_wait
-                    log.warning("request %s: not lent (%s)", name, printable(exc))
-                    self._lease_over(lease)
+                    self.node.extend(lease, extend.ready, tables)
+                except KvlendError as exc:  # the lease ended (expired unclaimed, say): its end is reported
+                    log.info("request %s: lease %s not extended (%s)", extend.request, lease.hex()[:8],
+                             printable(exc))
+        for request in plan.releases:
+            for lease in self._lent.get(request, ()):
+                self.node.release(lease)  # on_release once its reader is quiet
+
+    def _lend(self, lend) -> None:
+        leases = lend.leases[self.settings.tp_rank]
+        with self._lock:
+            self._open[lend.request] = len(leases)
+            self._requests.update(dict.fromkeys(leases, lend.request))
+            self._lent[lend.request] = leases
+        tables = {g: list(t) for g, t in lend.tables.items()}
+        for reader, lease in enumerate(leases):
+            # The node holds one live lease per name: each decode worker reading this one gets its own.
+            name = lend.request if len(leases) == 1 else f"{lend.request}#{reader}"
+            try:
+                self.node.lend(name, lend.num_tokens, tables, self.node.layout.full_selection(), lease_id=lease,
+                               ready=lend.ready, prompt_digest=lend.digest)
+            except KvlendError as exc:  # not lent: a claim is refused after claim_wait
+                log.warning("request %s: not lent (%s)", name, printable(exc))
+                self._lease_over(lease)
+
+    def preempt(self, requests: list[str]) -> None:
+        """vLLM takes these progressively lent requests' blocks back in this step, and its forward may
+        overwrite them: end their leases and wait until no read of them can still land (their readers
+        are quiet, or the leases expired), so no reader's bound covers a reused block."""
+        leases = [lease for request in requests for lease in self._lent.get(request, ())]
+        for lease in leases:
+            self.node.release(lease)
+        limit = 2 * self.settings.config.ttl  # a lease expires within its ttl; on_release follows at once
+        with self._lock:
+            quiet = self._lock.wait_for(lambda: not any(lease in self._requests for lease in leases), limit)
+            for request in requests:  # vLLM frees these blocks itself: never reported as sent
+                self._ended.discard(request)
+                self._lent.pop(request, None)
+        if not quiet:
+            log.error("requests %s: a reader of their blocks was not quiet within %.0f s; vLLM reuses them now",
+                      requests, limit)
 
     def finished_sending(self, finished_req_ids: set[str]) -> set[str]:
         with self._lock:
@@ -163,6 +198,7 @@ class ProducerWorker:
             self._ended -= done
             for request in done:
                 del self._finished[request]
+                self._lent.pop(request, None)
         return done
 
     def close(self) -> None:
@@ -345,13 +381,15 @@ class ConsumerWorker:
         # seconds: start until its last fetch ended; transfer_s: kvlend's claim to done ack (the slowest).
         self._write(loading, None if failed else round(max(r.seconds for r in results), 6),
                     sum(r.bytes for r in results if r is not None),
-                    type(failed[0].error).__name__ if failed else None, handle.timeline)
+                    type(failed[0].error).__name__ if failed else None, handle.timeline,
+                    sum(h.early_bytes for h in handles))
 
     def _write(self, loading: _Loading, transfer_s: float | None, nbytes: int, error: str | None,
-               timeline: dict) -> None:
+               timeline: dict, early_bytes: int = 0) -> None:
         line = {"request": loading.request, "ok": error is None, "tp_rank": self.settings.tp_rank,
                 "fetches": len(loading.handles), "seconds": round(time.perf_counter() - loading.started, 6),
-                "transfer_s": transfer_s, "bytes": nbytes, "blocks": max(map(len, loading.tables.values())),
+                "transfer_s": transfer_s, "bytes": nbytes, "early_bytes": early_bytes,
+                "blocks": max(map(len, loading.tables.values())),
                 "resume_from": loading.resume_from, "bound": loading.bound(), "error": error,
                 "reported_s": None if loading.reported_at is None else round(loading.reported_at - loading.started, 6),
                 **{f"{k}_s": None if v is None else round(v, 6) for k, v in timeline.items()}}

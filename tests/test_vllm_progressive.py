@@ -1,0 +1,92 @@
+"""Progressive lending inside real vLLM servers: chunked prefill, the decode reading while the prefill
+computes, and a prefill short of KV blocks preempting requests whose blocks were being read.
+
+kvlend's router sends each request to the prefill and the decode at once (``--progressive``); the
+prefill computes 128 tokens a step (``--max-num-batched-tokens``) and lends each step's blocks.
+Answers are compared token for token with a plain server's, float32.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+
+import pytest
+
+from kvlend_vllm import launch
+from tests.support.vllm_rig import Rig, ensure_model, generate, preemptions, wait_for_stats
+
+pytestmark = pytest.mark.system
+
+MAX_TOKENS = 6
+PREFILL = {"claim_wait": 25}  # a claim may come before the prefill's scheduler saw the request
+DECODE = {"transfer_timeout": 120}  # a fetch spans the prefill's compute
+
+
+SIDE_BY_SIDE = ("--max-num-batched-tokens", "1024", "--long-prefill-token-threshold", "256",
+                "--num-gpu-blocks-override", "17")
+
+
+def prompts(seed: int, lengths) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(4, 1000) for _ in range(n)] for n in lengths]
+
+
+def pair(rig: Rig, stats: str, limits=("--max-num-batched-tokens", "128")) -> tuple:
+    """A plain server, and a prefill (its scheduler's ``limits``: 128 tokens a step) and a decode behind
+    kvlend's router in progressive mode."""
+    plain = rig.engine("plain", dtype="float32")
+    prefill = rig.engine("prefill", launch.kvlend_transfer_config("kv_producer", PREFILL), dtype="float32",
+                         extra=["--max-num-seqs", "4", *limits])
+    decode = rig.engine("decode", launch.kvlend_transfer_config("kv_consumer", {**DECODE, "stats_path": stats}),
+                        dtype="float32")
+    router = rig.router("router", prefill, decode, progressive=True)
+    rig.wait(plain, prefill, decode, router)
+    return plain, prefill, router
+
+
+def test_the_decode_reads_a_chunked_prefill_while_it_computes(tmp_path):
+    assert os.path.exists(launch.VLLM_VENV_PYTHON), "no .venv-vllm: scripts/test runs scripts/vllm-setup first"
+    model = ensure_model("tiny")
+    lengths = [5, 300, 1100, 1500]
+    asked = prompts(25, lengths)
+    stats = str(tmp_path / "decode-stats.jsonl")
+    rig = Rig(model, str(tmp_path))
+    try:
+        plain, _, router = pair(rig, stats)
+        expected = generate(plain, model, asked, MAX_TOKENS)
+        got = generate(router, model, asked, MAX_TOKENS, concurrency=1)
+        lines = wait_for_stats(stats, len(lengths))
+    finally:
+        rig.close()
+    assert all("tokens" in e and len(e["tokens"]) == MAX_TOKENS for e in expected), expected
+    assert [n for n, g, e in zip(lengths, got, expected) if g != e] == []
+    assert len(lines) == len(lengths) and all(s["ok"] for s in lines), lines  # every prompt's KV came over kvlend
+    long = [s for s in lines if s["blocks"] >= 9]  # 1,100 tokens and more: 9 or more chunks of 128
+    assert len(long) == 2, lines
+    # Read while the prefill still computed: bytes were posted before the lease's last extend.
+    assert all(0 < s["early_bytes"] < s["bytes"] and s["final_s"] is not None for s in long), long
+
+
+def test_a_prefill_that_preempts_requests_being_read_never_gives_a_wrong_answer(tmp_path):
+    """Four prompts of 10 to 12 blocks prefill side by side, 256 tokens a step each, in 16 blocks of 128
+    tokens (and vLLM's null block): vLLM preempts requests mid-prefill, taking back blocks a decode is
+    reading.  kvlend ends those leases and waits for their reader to be quiet before the step that reuses
+    them, and the decode recomputes what it could not verify."""
+    model = ensure_model("tiny")
+    lengths = [1200, 1300, 1400, 1500]
+    asked = prompts(26, lengths)
+    stats = str(tmp_path / "decode-stats.jsonl")
+    rig = Rig(model, str(tmp_path))
+    try:
+        plain, prefill, router = pair(rig, stats, SIDE_BY_SIDE)
+        expected = generate(plain, model, asked, MAX_TOKENS)
+        assert generate(router, model, asked[:1], MAX_TOKENS) == expected[:1]  # the decode's link is up
+        got = generate(router, model, asked, MAX_TOKENS, concurrency=4)
+        lines = wait_for_stats(stats, len(lengths) + 1)
+        preempted = preemptions(prefill)
+    finally:
+        rig.close()
+    assert [n for n, g, e in zip(lengths, got, expected) if g != e] == []
+    assert preempted > 0, "the prefill preempted nothing: this test did not test preemption"
+    assert len(lines) == len(lengths) + 1, lines
