@@ -472,6 +472,10 @@ def test_bench_compares_every_baseline_it_ran_with_kvlend():
     assert [line.split(" | ")[1] for line in lines[2:]] == ["kvlend", "nixl:1", "nixl:4", "nixl:1/kvlend",
                                                             "nixl:4/kvlend"]
     assert lines[-1].split(" | ")[2] == "3.00x"
+    both = table(merge([run("kvlend", 0.2), run("kvlend-progressive", 0.1), run("mooncake", 0.3)])).splitlines()
+    assert [line.split(" | ")[1:3] for line in both[5:]] == [
+        ["mooncake/kvlend", "1.50x"], ["mooncake/kvlend-progressive", "3.00x"], ["kvlend/kvlend-progressive", "2.00x"]]
+    assert parse_connector("kvlend-progressive") == ("kvlend-progressive", None)
     assert parse_connector("nixl:2") == ("nixl", 2) and parse_connector("kvlend") == ("kvlend", None)
     assert parse_connector("nixl-push:1") == ("nixl-push", 1) and parse_connector("mooncake") == ("mooncake", None)
     for bad in ("nixl:0", "kvlend:2", "mooncake:2", "nixl:x", "sglang"):

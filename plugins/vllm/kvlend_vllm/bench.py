@@ -24,7 +24,11 @@ request to both engines at once, the decode registers its blocks with the
 prefill, which WRITEs the KV when it finishes; its transfer figures are the
 prefill's (writes, not reads).  ``mooncake`` is vLLM's MooncakeConnector over
 tcp, driven the same way (the prefill pushes); it exports no transfer metrics,
-so its rows have TTFT and decode leg only.
+so its rows have TTFT and decode leg only.  ``kvlend-progressive`` is kvlend with
+its router in progressive mode: both legs at once, the prefill lending each chunk
+of vLLM's chunked prefill as it computes; its rows add the share of the bytes
+read while the prefill still computed and the tail (the last lend to the last
+byte landed), from the decode's per-fetch lines.
 """
 
 from __future__ import annotations
@@ -56,14 +60,20 @@ from .demo import (
 _KV_KEYS = ("kv_transfers", "kv_xfer_s", "kv_read_s", "kv_bytes", "kv_failed")  # summed over a row's requests
 
 
-def row(name: str, results: list[dict], before: dict, after: dict, wall: float, external: int = 0) -> dict:
-    """``external``: prompt tokens the decode took from KV transfers (vLLM's count)."""
+def row(name: str, results: list[dict], before: dict, after: dict, wall: float, external: int = 0,
+        fetches: list[dict] = ()) -> dict:
+    """``external``: prompt tokens the decode took from KV transfers (vLLM's count); ``fetches``: kvlend's
+    per-fetch lines of the row (``stats_path``)."""
     ok = [r for r in results if "error" not in r]
     ttft = [r["ttft_s"] for r in ok if r["ttft_s"] is not None]
     leg = [r["ttft_s"] - r["prefill_ms"] / 1e3 for r in ok if r["ttft_s"] is not None and r["prefill_ms"]]
     delta = {k: after.get(k, 0) - before.get(k, 0) for k in _KV_KEYS}
+    read = [f for f in fetches if f["ok"] and f.get("landed_s") is not None]
     return {"row": name, "requests": len(results), "errors": len(results) - len(ok),
-            "ttft_s": ttft, "decode_leg_s": leg, **delta, "external_tokens": int(external), "wall_s": round(wall, 2)}
+            "ttft_s": ttft, "decode_leg_s": leg, **delta, "external_tokens": int(external), "wall_s": round(wall, 2),
+            "early_bytes": sum(f["early_bytes"] for f in read), "fetched_bytes": sum(f["bytes"] for f in read),
+            # the last lend (or, lent whole, the reads posted) to the last byte landed
+            "tail_s": [f["landed_s"] - max(f["posted_s"] or 0, f["final_s"] or 0) for f in read]}
 
 
 def external_tokens(url: str, before: int, timeout: float = 10.0) -> int:
@@ -87,7 +97,11 @@ def summary(rows: list[dict]) -> dict:
     total = {k: sum(r[k] for r in rows) for k in _KV_KEYS}
     n = total["kv_transfers"]
     requests = sum(r["requests"] for r in rows)
+    fetched = sum(r.get("fetched_bytes", 0) for r in rows)
+    tails = [t for r in rows for t in r.get("tail_s", ())]
     return {"requests": requests, "errors": sum(r["errors"] for r in rows),
+            "read_while_prefilling_pct": round(100 * sum(r.get("early_bytes", 0) for r in rows) / fetched, 1)
+            if fetched else None, "tail_p50_ms": _ms(pct(tails, 50)),
             "external_tokens_per_request": round(sum(r.get("external_tokens", 0) for r in rows) / requests)
             if requests else None,
             "ttft_p50_ms": _ms(pct(ttft, 50)), "ttft_p99_ms": _ms(pct(ttft, 99)),
@@ -103,18 +117,24 @@ def _ms(seconds: float | None) -> float | None:
 
 
 def parse_connector(spec: str) -> tuple[str, int | None]:
-    """``kvlend``, ``nixl[:N]``, ``nixl-push[:N]`` (NixlConnector, pull or push, with num_threads N) or
-    ``mooncake`` (MooncakeConnector over tcp) -> (kind, threads)."""
+    """``kvlend``, ``kvlend-progressive``, ``nixl[:N]``, ``nixl-push[:N]`` (NixlConnector, pull or push, with
+    num_threads N) or ``mooncake`` (MooncakeConnector over tcp) -> (kind, threads)."""
     kind, _, threads = spec.partition(":")
     if kind not in KV_METRICS or (threads and (not kind.startswith("nixl") or not threads.isdigit()
                                                or int(threads) < 1)):
-        raise ValueError(f"connector {spec!r}: expected kvlend, nixl[:N], nixl-push[:N] or mooncake")
+        raise ValueError(f"connector {spec!r}: expected kvlend, kvlend-progressive, nixl[:N], nixl-push[:N] "
+                         "or mooncake")
     return kind, int(threads) if threads else None
 
 
 def run_pair(spec: str, args, model: str, max_len: int, log_dir: str, certs: dict) -> list[dict]:
     connector, threads = parse_connector(spec)
     name = spec.replace(":", "-")
+    progressive = connector == "kvlend-progressive"
+    stats = os.path.join(log_dir, f"{name}-fetches.jsonl")
+    prefill_extra, decode_extra = ({"claim_wait": 25}, {"transfer_timeout": args.request_timeout}) if progressive \
+        else ({}, {})  # a progressive fetch spans the prefill's queue and compute
+    engine = "kvlend" if progressive else connector
     servers = []
     try:
         side_channel, engine_id, push = launch.free_port(), f"{name}-prefill", None
@@ -123,14 +143,14 @@ def run_pair(spec: str, args, model: str, max_len: int, log_dir: str, certs: dic
                     "tp_size": 1, "pp_size": 1}
         elif connector == "mooncake":  # the same, through the prefill's bootstrap server
             push = {"remote_engine_id": engine_id, "remote_bootstrap_addr": f"http://127.0.0.1:{side_channel}"}
-        prefill = start_engine(f"{name}-prefill", connector, "kv_producer", model, max_len, args.kv_cache_gib,
-                               log_dir, certs["prefill"], dtype=args.dtype, nixl_threads=threads,
+        prefill = start_engine(f"{name}-prefill", engine, "kv_producer", model, max_len, args.kv_cache_gib,
+                               log_dir, certs["prefill"], prefill_extra, dtype=args.dtype, nixl_threads=threads,
                                side_channel=side_channel, engine_id=engine_id)
-        decode = start_engine(f"{name}-decode", connector, "kv_consumer", model, max_len, args.kv_cache_gib,
-                              log_dir, certs["decode"], {"stats_path": os.path.join(log_dir, "kvlend-fetches.jsonl")},
+        decode = start_engine(f"{name}-decode", engine, "kv_consumer", model, max_len, args.kv_cache_gib,
+                              log_dir, certs["decode"], {"stats_path": stats, **decode_extra},
                               dtype=args.dtype, nixl_threads=threads)
         servers = [prefill, decode]
-        servers.append(start_router(prefill, decode, log_dir, args.request_timeout, push))
+        servers.append(start_router(prefill, decode, log_dir, args.request_timeout, push, progressive))
         boot(servers, args.boot_timeout)
         url, rows = servers[2].url, []
         counted = prefill if push else decode  # the engine that moves the bytes counts them
@@ -151,16 +171,26 @@ def run_pair(spec: str, args, model: str, max_len: int, log_dir: str, certs: dic
                 settled(counted.url, connector, before, 1)
             before = scrape(counted.url, KV_METRICS[connector])
             external = scrape(decode.url, EXTERNAL_TOKENS).get("external_tokens", 0)
+            seen = len(fetch_lines(stats))
             results, wall = asyncio.run(workload(url, model, prompts, args.max_tokens, concurrency,
                                                  args.request_timeout))
             after = settled(counted.url, connector, before, len(results))
             external = external_tokens(decode.url, external)
-            rows.append({"connector": spec, **row(name, results, before, after, wall, external)})
+            rows.append({"connector": spec, **row(name, results, before, after, wall, external,
+                                                  fetch_lines(stats)[seen:])})
             print(f"bench: {spec} {name}: " + json.dumps(summary([rows[-1]])), flush=True)
         return rows
     finally:
         with ThreadPoolExecutor(max(1, len(servers))) as pool:
             list(pool.map(launch.Server.stop, servers))
+
+
+def fetch_lines(path: str) -> list[dict]:
+    """kvlend's per-fetch lines written so far (whole lines only); none for another connector."""
+    if not os.path.exists(path):
+        return []
+    with open(path) as f:
+        return [json.loads(line) for line in f.read().split("\n")[:-1] if line.strip()]
 
 
 def shared_prompts(n: int, tokens: int, share: int) -> list[list[int]]:
@@ -180,26 +210,33 @@ def merge(rows: list[dict]) -> list[dict]:
 
 
 def table(merged: list[dict]) -> str:
-    """Each row's connectors in run order, then each baseline's ratios to kvlend (above 1: kvlend faster)."""
+    """Each row's connectors in run order, then each baseline's ratios to each kvlend mode (above 1: kvlend
+    faster), and progressive kvlend's to plain kvlend (above 1: progressive faster)."""
     lines = ["| row | connector | TTFT p50 ms | TTFT p99 ms | decode leg p50 ms | decode leg p99 ms | reads ms (mean) "
-             "| whole transfer ms (mean) | MiB/request | KV tokens/request | requests (errors) |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| whole transfer ms (mean) | MiB/request | KV tokens/request | read while prefilling | tail p50 ms "
+             "| requests (errors) |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     by_row: dict[str, dict[str, dict]] = {}
     for m in merged:
         by_row.setdefault(m["row"], {})[m["connector"]] = m
     for name, runs in by_row.items():
         for connector, m in runs.items():
+            ours = connector.startswith("kvlend")
+            share = m.get("read_while_prefilling_pct")
             lines.append(f"| {name} | {connector} | {m['ttft_p50_ms']} | {m['ttft_p99_ms']} | "
                          f"{m['decode_leg_p50_ms']} | {m['decode_leg_p99_ms']} | {m['read_ms_mean']} | "
-                         f"{m['xfer_ms_mean'] if connector == 'kvlend' else ''} | {m['mib_per_request']} | "
-                         f"{m.get('external_tokens_per_request')} | {m['requests']} ({m['errors']}) |")
-        ours = runs.get("kvlend")
-        for connector, m in runs.items():
-            if ours is None or connector == "kvlend":
-                continue
+                         f"{m['xfer_ms_mean'] if ours else ''} | {m['mib_per_request']} | "
+                         f"{m.get('external_tokens_per_request')} | {'' if share is None else f'{share} %'} | "
+                         f"{m.get('tail_p50_ms') if ours else ''} | {m['requests']} ({m['errors']}) |")
+        modes = [c for c in runs if c.startswith("kvlend")]
+        pairs = [(c, k) for k in modes for c in runs if not c.startswith("kvlend")]
+        if "kvlend-progressive" in runs and "kvlend" in runs:
+            pairs.append(("kvlend", "kvlend-progressive"))
+        for connector, mode in pairs:
+            m, ours = runs[connector], runs[mode]
             cells = [_ratio(m[k], ours[k]) for k in ("ttft_p50_ms", "ttft_p99_ms", "decode_leg_p50_ms",
                                                       "decode_leg_p99_ms", "read_ms_mean")]
-            lines.append(f"| {name} | {connector}/kvlend | {' | '.join(cells)} | | | | |")
+            lines.append(f"| {name} | {connector}/{mode} | {' | '.join(cells)} | | | | | | |")
     return "\n".join(lines)
 
 
@@ -219,7 +256,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="weights and KV cache (default bfloat16)")
     ap.add_argument("--rounds", type=int, default=2, help="kvlend then nixl, this many times")
     ap.add_argument("--connectors", default="kvlend,nixl",
-                    help="run in this order each round: kvlend, nixl (vLLM's default num_threads 4), nixl:N, "
+                    help="run in this order each round: kvlend, kvlend-progressive (its router sends both legs at "
+                         "once, the prefill lends chunk by chunk), nixl (vLLM's default num_threads 4), nixl:N, "
                          "nixl-push or nixl-push:N (its push mode: the prefill WRITEs; the router sends to both), "
                          "mooncake (MooncakeConnector over tcp, push)")
     ap.add_argument("--shared", default="", help="shared-prefix shares in %%, one row each (say 0,50,90)")
@@ -243,7 +281,7 @@ def main(argv: list[str] | None = None) -> int:
     log_dir = tempfile.mkdtemp(prefix="kvlend-vllm-bench-")
     certs = write_certs(log_dir, "prefill", "decode")  # one pair at a time: the rounds share them
     model = models.ensure_model(args.size)
-    print(f"bench: model {model}, logs (and kvlend's per-fetch timeline, kvlend-fetches.jsonl) in {log_dir}",
+    print(f"bench: model {model}, logs (and kvlend's per-fetch timelines, CONNECTOR-fetches.jsonl) in {log_dir}",
           flush=True)
     rows = []
     for round_no in range(args.rounds):

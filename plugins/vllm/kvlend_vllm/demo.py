@@ -52,6 +52,7 @@ KV_METRICS = {
                "kv_local_blocks": "vllm:kvlend_local_blocks_total"},
 }
 KV_METRICS["nixl-push"] = KV_METRICS["nixl"]  # NixlPushConnector's, counted on the prefill
+KV_METRICS["kvlend-progressive"] = KV_METRICS["kvlend"]  # kvlend, its router in progressive mode
 KV_METRICS["mooncake"] = {}  # MooncakeConnector logs its transfer stats but exports no metric
 # Prompt tokens the decode took from a KV transfer (vLLM's own count, the same for every connector).
 EXTERNAL_TOKENS = {"external_tokens": 'vllm:prompt_tokens_by_source_total|source="external_kv_transfer"'}
@@ -164,10 +165,12 @@ def start_engine(name: str, connector: str | None, role: str | None, model: str,
 
 
 def start_router(prefill: launch.Server, decode: launch.Server, log_dir: str, timeout: float,
-                 push_params: dict | None = None) -> launch.Server:
-    """kvlend's router; with ``push_params`` in push mode (``kvlend_vllm.router``)."""
+                 push_params: dict | None = None, progressive: bool = False) -> launch.Server:
+    """kvlend's router; with ``push_params`` in push mode, with ``progressive`` in kvlend's progressive
+    mode (``kvlend_vllm.router``)."""
     port = launch.free_port()
     push = ["--push-params", json.dumps(push_params)] if push_params is not None else []
+    push += ["--progressive"] if progressive else []
     return launch.Server("router", f"http://{HOST}:{port}", ("/health",)).start(
         [sys.executable, "-m", "kvlend_vllm.router", "--port", str(port), "--prefill", prefill.url,
          "--decode", decode.url, "--timeout", str(timeout), *push], None, os.path.join(log_dir, "router.log"))
