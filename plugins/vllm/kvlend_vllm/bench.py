@@ -134,6 +134,7 @@ def run_pair(spec: str, args, model: str, max_len: int, log_dir: str, certs: dic
     stats = os.path.join(log_dir, f"{name}-fetches.jsonl")
     prefill_extra, decode_extra = ({"claim_wait": 25}, {"transfer_timeout": args.request_timeout}) if progressive \
         else ({}, {})  # a progressive fetch spans the prefill's queue and compute
+    prefill_extra, decode_extra = {**prefill_extra, **args.kvlend_extra}, {**decode_extra, **args.kvlend_extra}
     engine = "kvlend" if progressive else connector
     servers = []
     try:
@@ -262,6 +263,8 @@ def main(argv: list[str] | None = None) -> int:
                          "mooncake (MooncakeConnector over tcp, push)")
     ap.add_argument("--shared", default="", help="shared-prefix shares in %%, one row each (say 0,50,90)")
     ap.add_argument("--shared-tokens", type=int, default=2048, help="prompt length of the shared-prefix rows")
+    ap.add_argument("--kvlend-extra", type=json.loads, default={},
+                    help="more kv_connector_extra_config for kvlend's engines, as JSON (say '{\"heartbeat\": 0.5}')")
     ap.add_argument("--kv-cache-gib", type=int, default=4)
     ap.add_argument("--boot-timeout", type=float, default=300.0)
     ap.add_argument("--request-timeout", type=float, default=300.0)

@@ -67,8 +67,6 @@ def _number(extra: dict, key: str) -> float:
         raise ConfigError(f"kv_connector_extra_config.{key}: expected a number, got {value!r}") from None
 
 
-IDLE_WAIT_S = 0.01  # the longest a step in which vLLM computes nothing waits for a transfer to end
-
 # vLLM releases this connector was built and tested against: [low, high) of (major, minor).
 SUPPORTED_VLLM = ((0, 32), (0, 33))
 
@@ -206,14 +204,11 @@ class KvlendConnector(KVConnectorBase_V1, SupportsHMA):
 
     def build_connector_meta(self, scheduler_output) -> KVConnectorMetadata:
         if not self.producer:
-            plan = self.scheduler.take_plan()
-        else:
-            # Called before vLLM counts this step's tokens as computed: a request's num_computed_tokens is
-            # what earlier steps' forwards wrote, and the worker lends it before this step's forward.
-            plan = self.scheduler.take_plan(scheduler_output.preempted_req_ids or (),
-                                            self._kv_cache_manager.get_block_ids)
-        plan.idle = scheduler_output.total_num_scheduled_tokens == 0
-        return KvlendMetadata(plan)
+            return KvlendMetadata(self.scheduler.take_plan())
+        # Called before vLLM counts this step's tokens as computed: a request's num_computed_tokens is
+        # what earlier steps' forwards wrote, and the worker lends it before this step's forward.
+        return KvlendMetadata(self.scheduler.take_plan(scheduler_output.preempted_req_ids or (),
+                                                       self._kv_cache_manager.get_block_ids))
 
     def request_finished(self, request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         return self.request_finished_all_groups(request, (block_ids,))
@@ -298,10 +293,6 @@ class KvlendConnector(KVConnectorBase_V1, SupportsHMA):
         pass
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
-        if self.has_connector_metadata() and self._get_connector_metadata().plan.idle:
-            # vLLM steps a thousand times a second while it only waits for transfers, and on a small host
-            # that spin slows the very prefill being waited for: wait for a transfer to end instead.
-            self.worker.wait_idle(IDLE_WAIT_S)
         if self.producer:
             return self.worker.finished_sending(finished_req_ids) or None, None
         return None, self.worker.finished_recving() or None

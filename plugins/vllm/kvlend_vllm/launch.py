@@ -100,11 +100,11 @@ MOONCAKE_ENV = {"VLLM_HOST_IP": "127.0.0.1", "KVLEND_CPU_DEVICE_INDEX_SHIM": "1"
 
 
 def mooncake_env() -> dict[str, str]:
-    """``MOONCAKE_ENV`` plus the libibverbs that scripts/vllm-setup unpacked into the venv (never installed
-    system-wide: with it, UCX loads its InfiniBand transports and NIXL's agents died on a host without RDMA)."""
+    """``MOONCAKE_ENV`` plus the libibverbs (and the libnl it links) that scripts/vllm-setup unpacked into the
+    venv (never installed system-wide: with it, UCX loads its InfiniBand transports and NIXL's agents died on
+    a host without RDMA)."""
     libs = os.path.join(os.path.dirname(os.path.dirname(VLLM_VENV_PYTHON)), "mooncake-libs")
-    found = sorted({os.path.dirname(os.path.join(d, f)) for d, _, files in os.walk(libs) for f in files
-                    if f.startswith("libibverbs.so")})
+    found = sorted({d for d, _, files in os.walk(libs) for f in files if ".so." in f})
     path = os.pathsep.join(found + [p for p in (os.environ.get("LD_LIBRARY_PATH"),) if p])
     return {**MOONCAKE_ENV, **({"LD_LIBRARY_PATH": path} if path else {})}
 

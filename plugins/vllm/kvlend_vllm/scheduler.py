@@ -110,7 +110,6 @@ class StepPlan:
     extends: list[Extend] = field(default_factory=list)
     releases: list[str] = field(default_factory=list)  # progressive lends whose request was aborted
     preempts: list[str] = field(default_factory=list)  # progressive lends whose blocks vLLM takes back this step
-    idle: bool = False  # vLLM computes nothing in this step: it only waits for transfers
 
 
 def pages_for(num_tokens: int, block_size: int) -> int:

@@ -189,12 +189,6 @@ class ProducerWorker:
             log.error("requests %s: a reader of their blocks was not quiet within %.0f s; vLLM reuses them now",
                       requests, limit)
 
-    def wait_idle(self, timeout: float) -> None:
-        """Block until a lease ends, for at most ``timeout`` s, if leases are out and none ended unreported."""
-        with self._lock:
-            if self._open and not self._ended:
-                self._lock.wait(timeout)
-
     def finished_sending(self, finished_req_ids: set[str]) -> set[str]:
         with self._lock:
             self._finished.update(dict.fromkeys(finished_req_ids))
@@ -259,13 +253,12 @@ class ConsumerWorker:
         self._by_handle: dict[int, _Loading] = {}
         self._done: set[str] = set()
         self._invalid: set[int] = set()
-        self._ended_fetch = threading.Event()  # a fetch ended since the engine last looked
 
     def register(self, layout) -> None:
         s = self.settings
         self.registry = _registry(s)
         self.node = DecodeNode(layout, _backend(s.credentials), s.credentials, config=s.config,
-                               registry=self.registry, on_finished=self._fetch_ended)
+                               registry=self.registry, on_finished=self._record if s.stats_path else None)
         self.node.start()
         _place(self.node)
         log.info("kvlend decode %s ready (layout %s, tp rank %d of %d)", self.node.name, layout.layout_id,
@@ -322,18 +315,6 @@ class ConsumerWorker:
         self._done.add(load.request)
         if self.settings.stats_path:
             self._write(loading, None, 0, type(refused).__name__, {})
-
-    def _fetch_ended(self, handle) -> None:
-        """On the node's thread, as a fetch ends."""
-        self._ended_fetch.set()
-        if self.settings.stats_path:
-            self._record(handle)
-
-    def wait_idle(self, timeout: float) -> None:
-        """Block until a fetch ends, for at most ``timeout`` s, if loads are in flight."""
-        if self._loading:
-            self._ended_fetch.wait(timeout)
-        self._ended_fetch.clear()  # what ended before this, finished_recving collects now
 
     def finished_recving(self) -> set[str]:
         for handle in self.node.finished():  # each already quiet: nothing can still land
