@@ -23,7 +23,14 @@ from kvlend.protocol.config import NodeConfig
 from kvlend.protocol.ticket import Ticket
 from kvlend.security.certs import Authority
 from kvlend_vllm.layout import layout_from_kv_caches
-from kvlend_vllm.scheduler import TICKET_KEY, ConsumerScheduler, ProducerScheduler, readers_per_worker
+from kvlend_vllm.scheduler import (
+    LEASES_KEY,
+    PROGRESSIVE_KEY,
+    TICKET_KEY,
+    ConsumerScheduler,
+    ProducerScheduler,
+    readers_per_worker,
+)
 from kvlend_vllm.worker import ConsumerWorker, ProducerWorker, WorkerSettings
 from tests.support.certs import creds
 
@@ -314,3 +321,91 @@ def test_tensor_parallel_workers_each_land_exactly_their_heads(prefill_tp, decod
     finally:
         for w in consumers + producers:
             w.close()
+
+
+# ------------------------------------------------------------------ progressive lending
+LEASE = "0a" * 16
+
+
+class Growing:
+    """A prefill request lent as its chunks compute, under the router's lease id, and its decode."""
+
+    def __init__(self, pair, rid: str, num_tokens: int, lease: str = LEASE) -> None:
+        self.pair, self.blocks = pair, []
+        self.req = Req(request_id=rid, prompt_token_ids=list(range(num_tokens)), num_computed_tokens=0,
+                       status=SimpleNamespace(name="RUNNING"),
+                       kv_transfer_params={"do_remote_decode": True, LEASES_KEY: [lease]})
+        pair.p.on_new_request(self.req)
+        e = pair.p.endpoints[0]
+        text = Ticket(bytes.fromhex(lease), e.host, e.port, e.name, 1, e.layout_id).to_text()
+        self.decode_params = {"do_remote_prefill": True, TICKET_KEY: [text], PROGRESSIVE_KEY: True}
+
+    def step(self, preempted=()):
+        plan = self.pair.p.take_plan(set(preempted), lambda rid: (list(self.blocks),))
+        self.pair.producer.start(plan)
+        return plan
+
+    def compute(self, tokens: int, blocks: list[int]) -> None:
+        """A chunk's forward wrote up to ``tokens`` into ``blocks``; the next step lends it."""
+        self.req.num_computed_tokens, self.blocks = tokens, blocks
+        self.step()
+
+
+def wait_for(condition, pair, timeout: float = 10.0) -> None:
+    """Step the decode until ``condition()`` holds (its reads land on the node's thread)."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline
+        pair.consumer.start(pair.d.take_plan())
+        pair.consumer.finished_recving()
+        time.sleep(0.005)
+
+
+def test_a_progressive_lend_is_read_chunk_by_chunk_and_lands_whole(pair):
+    grow = Growing(pair, "r1", 40)
+    grow.step()  # lent with nothing ready: the decode's claim is answered
+    load(pair, "d1", grow.decode_params, 40, [7, 1, 30])
+    grow.compute(32, [5, 2, 9])  # two whole blocks computed
+    wait_for(lambda: same_blocks(pair, [5, 2], [7, 1]), pair)
+    assert float(pair.dst["model.layers.0.self_attn.attn"][30].abs().sum()) == 0  # not lent yet
+    grow.req.num_computed_tokens, grow.req.status = 40, SimpleNamespace(name="FINISHED_LENGTH_CAPPED")
+    delay, params = pair.p.request_finished(grow.req, ([5, 2, 9],))
+    assert delay and Ticket.from_text(params[TICKET_KEY]).lease == bytes.fromhex(LEASE)
+    steps(pair, lambda r, s: "d1" in r and "r1" in s, finished=frozenset({"r1"}))
+    assert same_blocks(pair, [5, 2, 9], [7, 1, 30]) and not pair.consumer.load_errors()
+
+
+def test_a_preempted_progressive_lend_ends_before_vllm_reuses_its_blocks(pair):
+    """No block the decode keeps (reports loaded) holds bytes written after the preemption."""
+    grow = Growing(pair, "r1", 64)
+    grow.step()
+    load(pair, "d1", grow.decode_params, 64, [7, 1, 30, 12])
+    grow.compute(32, [5, 2, 9])
+    wait_for(lambda: same_blocks(pair, [5, 2], [7, 1]), pair)
+    before = {name: t.clone() for name, t in pair.src.items()}
+    grow.req.num_computed_tokens = 0
+    plan = grow.step(preempted={"r1"})
+    assert plan.preempts == ["r1"]
+    pair.producer.preempt(plan.preempts)  # returns once no read of its blocks can still land
+    for t in pair.src.values():  # vLLM gives the blocks to another request, whose forward writes them
+        t[[5, 2, 9]] = -1.0
+    recved, _ = steps(pair, lambda r, s: "d1" in r)
+    bad = pair.consumer.load_errors()
+    assert bad and bad <= {7, 1, 30, 12}
+    kept = [(s, d) for s, d in ((5, 7), (2, 1), (9, 30)) if d not in bad]
+    assert all(torch.equal(before[n][s], pair.dst[n][d]) for n in before for s, d in kept)
+    grow.req.num_computed_tokens, grow.req.status = 64, SimpleNamespace(name="FINISHED_LENGTH_CAPPED")
+    assert pair.p.request_finished(grow.req, ([4, 6, 8, 10],)) == (False, None)  # not lent again
+    assert pair.producer.finished_sending({"r1"}) == set()  # vLLM freed its blocks itself
+
+
+def test_a_progressive_lend_naming_a_live_lease_is_refused_and_that_lease_still_ends_cleanly(pair):
+    """A router's lease ids come from a client's request: one naming another request's live lease lends
+    nothing, and the other request is still read and reported."""
+    params = lend(pair, "r1", 20, [3, 4])
+    pair.producer.start(pair.p.take_plan())
+    grow = Growing(pair, "r2", 20, lease=Ticket.from_text(params[TICKET_KEY]).lease.hex())
+    grow.step()
+    load(pair, "d1", params, 20, [5, 6])
+    recved, sent = steps(pair, lambda r, s: "d1" in r and {"r1", "r2"} <= s, finished=frozenset({"r1", "r2"}))
+    assert same_blocks(pair, [3, 4], [5, 6]) and not pair.consumer.load_errors()

@@ -158,6 +158,10 @@ class ProducerWorker:
     def _lend(self, lend) -> None:
         leases = lend.leases[self.settings.tp_rank]
         with self._lock:
+            if any(lease in self._requests for lease in leases):  # a router's (a client's) ids: one in use
+                log.warning("request %s: not lent (a lease id it names is another request's)", lend.request)
+                self._ended.add(lend.request)  # reported once vLLM says it finished, like a refused lend
+                return
             self._open[lend.request] = len(leases)
             self._requests.update(dict.fromkeys(leases, lend.request))
             self._lent[lend.request] = leases
