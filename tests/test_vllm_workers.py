@@ -301,7 +301,9 @@ def test_tensor_parallel_workers_each_land_exactly_their_heads(prefill_tp, decod
         recved = {r: set() for r in range(decode_tp)}
         sent = {r: set() for r in range(prefill_tp)}
         deadline = time.monotonic() + 10.0
-        while not (all("d1" in s for s in recved.values()) and all("r1" in s for s in sent.values())):
+        # A load is reported once verified, before the done ack; its stats come with the ack.
+        while not (all("d1" in s for s in recved.values()) and all("r1" in s for s in sent.values())
+                   and all(w.stats.ok for w in consumers)):
             assert time.monotonic() < deadline, (recved, sent)
             p_plan, d_plan = p_sched.take_plan(), d_sched.take_plan()  # one plan, every worker
             for r, w in enumerate(producers):
