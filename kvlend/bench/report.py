@@ -22,6 +22,8 @@ def format_report(report: dict) -> str:
                 d = b["descriptors"]
                 lines.append(f"  {b['tokens']} tokens x {b['layers']} layers, {b['bytes'] >> 20} MiB; descriptors: "
                              f"kvlend {d['kvlend']}, minimum {d['minimum']}, per page {d['per_page']}")
+            elif "label" in b:
+                lines.append(f"  {b['label']}")
             for name, r in b["results"].items():
                 extra = "" if "verified" not in r else f"  verified={r['verified']}"
                 if name == "staging":
@@ -74,7 +76,7 @@ def throughputs(report: dict) -> tuple[list[str], dict[str, list[tuple[int, floa
     """Request labels, smallest first, and per method its (request index, GB/s at p50).
 
     Scenario 3 (small fragmented requests) and 2 (model-shaped, fragmented) come
-    first, by size; scenario 1 (one contiguous lease) last.
+    first, by size; scenario 1's contiguous leases last.
     """
     blocks = []
     if "3" in report["scenarios"]:
@@ -83,8 +85,8 @@ def throughputs(report: dict) -> tuple[list[str], dict[str, list[tuple[int, floa
     for b in report["scenarios"].get("2", {}).get("requests", []):
         blocks.append((b, f"{b['tokens'] // 1024}k tokens x {b['layers']} layers"))
     blocks.sort(key=lambda item: item[0]["bytes"])
-    if "1" in report["scenarios"]:
-        blocks.append((report["scenarios"]["1"], "one contiguous lease"))
+    for b in report["scenarios"].get("1", {}).get("requests", []):
+        blocks.append((b, "one contiguous lease"))
     labels: list[str] = []
     series: dict[str, list[tuple[int, float]]] = {}
     for i, (b, label) in enumerate(blocks):
@@ -99,11 +101,12 @@ def plot(report: dict, path: str) -> None:
     plt = pyplot()
     labels, series = throughputs(report)
     fig, ax = plt.subplots(figsize=(9, 5))
-    lone = len(labels) - 1 if "1" in report["scenarios"] else None  # the contiguous lease: not on a line
+    contiguous = len(report["scenarios"].get("1", {}).get("requests", []))
+    lone = range(len(labels) - contiguous, len(labels))  # the contiguous leases: points, not on the line
     for (name, points), marker in zip(series.items(), "osD^vPX"):
-        on_line = [p for p in points if p[0] != lone]
+        on_line = [p for p in points if p[0] not in lone]
         (line,) = ax.plot([p[0] for p in on_line], [p[1] for p in on_line], marker=marker, label=name)
-        ax.plot([p[0] for p in points if p[0] == lone], [p[1] for p in points if p[0] == lone], marker=marker,
+        ax.plot([p[0] for p in points if p[0] in lone], [p[1] for p in points if p[0] in lone], marker=marker,
                 linestyle="none", color=line.get_color())
     ax.set_xticks(range(len(labels)), labels, fontsize=8)
     ax.set_xlabel("request (fragmented pools, except the contiguous lease)")

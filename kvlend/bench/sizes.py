@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class Sizes:
-    s1_bytes: int
+    s1_bytes: tuple[int, ...]  # one contiguous lease of each size
     s2_requests: tuple[tuple[int, int], ...]  # (tokens, layers)
     s3_layers: int
     s3_pages: int
@@ -22,6 +22,6 @@ class Sizes:
     s6_rounds: int = 6  # per mode
 
 
-FULL = Sizes(256 << 20, ((1024, 32), (8192, 32), (32768, 8)), 1, 16, 10, 500)
-QUICK = Sizes(8 << 20, ((1024, 4),), 1, 16, 3, 30, 24, 8, 64, 1, 16, 0.005, 2)
+FULL = Sizes((8 << 20, 256 << 20), ((1024, 32), (8192, 32), (32768, 8)), 1, 16, 10, 500)
+QUICK = Sizes((8 << 20,), ((1024, 4),), 1, 16, 3, 30, 24, 8, 64, 1, 16, 0.005, 2)
 S5_MAX_PAGES = 64

@@ -1,4 +1,5 @@
-"""Scenario 1: one large contiguous lease read by kvlend, by raw NIXL (one descriptor) and by memcpy."""
+"""Scenario 1: one large contiguous lease read by kvlend, by raw NIXL (one descriptor) and by memcpy,
+at each size (a short prompt's cache and a long one's)."""
 
 from __future__ import annotations
 
@@ -12,9 +13,17 @@ from ..reader import Reader
 from ..sizes import Sizes
 from ..timing import ratio, side_by_side, stats
 
+# kvlend/raw at least: a small read leaves more room for per-request overhead to show
+TARGETS = {8 << 20: 0.90, 256 << 20: 0.97}
+
 
 def run(lender: LenderProcess, backend, sizes: Sizes, progress) -> dict:
-    pages = sizes.s1_bytes // (2 * PAGE_BYTES)
+    return {"name": "large contiguous read",
+            "requests": [_one(lender, backend, nbytes, sizes.reps, progress) for nbytes in sizes.s1_bytes]}
+
+
+def _one(lender: LenderProcess, backend, nbytes: int, reps: int, progress) -> dict:
+    pages = nbytes // (2 * PAGE_BYTES)
     reader = Reader(lender, backend, pages, 1, True, 0)
     nbytes = pages * 2 * PAGE_BYTES
     slots = np.arange(pages, dtype=np.int64)
@@ -26,8 +35,8 @@ def run(lender: LenderProcess, backend, sizes: Sizes, progress) -> dict:
                    "raw_nixl": lambda: reader.raw(one_l, one_r),
                    "memcpy": partial(np.copyto, np.empty(nbytes, np.uint8), np.ones(nbytes, np.uint8))}
         progress(f"scenario 1: {nbytes >> 20} MiB as one lease: kvlend, raw NIXL (one descriptor), memcpy, "
-                 f"{sizes.reps} rounds")
-        times = side_by_side(methods, sizes.reps, warmup=2)
+                 f"{reps} rounds")
+        times = side_by_side(methods, reps, warmup=2)
         kv, raw, mem = (stats(times[k], nbytes) for k in methods)
         del methods["memcpy"]  # free its two buffers before verifying
         kv["descriptors"] = len(local)
@@ -35,9 +44,10 @@ def run(lender: LenderProcess, backend, sizes: Sizes, progress) -> dict:
         raw["verified"] = reader.verified(methods["raw_nixl"], slots, slots)
     finally:
         reader.close()
+    floor = TARGETS.get(nbytes, 0.90)
     return {
-        "name": "large contiguous read", "bytes": nbytes,
+        "bytes": nbytes, "label": f"{nbytes >> 20} MiB",
         "results": {"kvlend": kv, "raw_nixl": raw, "memcpy": mem},
         "ratios": {"kvlend/raw": ratio(kv, raw), "kvlend/memcpy": ratio(kv, mem)},
-        "targets": {"kvlend/raw >= 0.90": ratio(kv, raw) >= 0.90},
+        "targets": {f"kvlend/raw >= {floor:.2f}": ratio(kv, raw) >= floor},
     }
