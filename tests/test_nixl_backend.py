@@ -245,6 +245,18 @@ def test_invalid_reads_raise_before_anything_is_posted(pair):
 
 
 @pytest.mark.nixl
+@pytest.mark.parametrize("count", [1, 40])  # short lists are checked row by row, long ones vectorised
+@pytest.mark.parametrize("last, why", [((SIZE - PAGE // 2, PAGE), "outside every registered region"),
+                                        ((0, 0), "zero-length descriptor")])
+def test_a_bad_last_local_row_is_named_whatever_the_list_length(pair, count, last, why):
+    offsets, lengths = [i * PAGE for i in range(count - 1)] + [last[0]], [PAGE] * (count - 1) + [last[1]]
+    bad = batch(pair.src, pair.dst, [0] * count, offsets, lengths)
+    with pytest.raises(BackendError, match=f"batches\\[0\\]: .*{why}"):
+        pair.reader.post_read(pair.peer, [bad], b"x")
+    assert pair.reader._reads == {}
+
+
+@pytest.mark.nixl
 def test_bad_peer_metadata_is_a_backend_error(pair):
     md = pair.lender.metadata()
     assert peer_name(md) == pair.peer

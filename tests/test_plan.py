@@ -3,10 +3,13 @@
 The property test builds random pairs of layouts over real numpy pools, applies
 the planner's descriptors as byte copies and compares the result with a
 reference that copies (head, token) blocks page by page from first principles.
+Short leases take the list path (``core.plan_lists``); the property test runs each
+case down both paths.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from dataclasses import dataclass
 
@@ -14,6 +17,7 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
+from kvlend.core import plan_lists
 from kvlend.core.layout import (
     BufferDesc,
     HeadGeometry,
@@ -32,7 +36,7 @@ from kvlend.core.layout import (
 )
 from kvlend.core.negotiate import Piece, TransferPlan, negotiate
 from kvlend.core.pages import GroupPages
-from kvlend.core.plan import plan_reads
+from kvlend.core.plan import _spec, plan_reads
 from kvlend.errors import LayoutError, LayoutMismatch, PageRangeError
 from tests.support.profiles import examples
 
@@ -282,9 +286,25 @@ def pick(rnd, population: list[int], k: int, keep_order: bool) -> list[int]:
     return sorted(chosen) if keep_order else chosen
 
 
+@contextlib.contextmanager
+def list_path(on: bool):
+    """Short leases down plan_lists' path (on) or the vectorised one (off)."""
+    saved = plan_lists.SMALL_PAGES
+    plan_lists.SMALL_PAGES = saved if on else -1
+    try:
+        yield
+    finally:
+        plan_lists.SMALL_PAGES = saved
+
+
 @settings(max_examples=examples(150), deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(scenarios())
-def test_reads_match_a_page_by_page_reference(scenario):
+@given(scenarios(), st.booleans())
+def test_reads_match_a_page_by_page_reference(scenario, lists):
+    with list_path(lists):
+        _reads_match_a_page_by_page_reference(scenario)
+
+
+def _reads_match_a_page_by_page_reference(scenario):
     model, local_side, source_sides, n_remote, n_local, rnd = scenario
     rng = np.random.default_rng(rnd.getrandbits(32))
     lpools = Pools()
@@ -367,6 +387,25 @@ def test_identity_all_is_one_descriptor_per_contiguous_run_per_region():
     assert batch.local[0].tolist() == [lpools[0].ctypes.data + 7 * stride, 3 * stride, 0]
     apply([batch], _pools_of(rpools), _pools_of(lpools))
     np.testing.assert_array_equal(lpools[1][[7, 8, 9, 10, 11, 2]], rpools[1][[3, 4, 5, 9, 10, 0]])
+
+
+@pytest.mark.parametrize("pages", [1, 2, plan_lists.SMALL_PAGES, plan_lists.SMALL_PAGES + 1])
+@pytest.mark.parametrize("lists", [True, False])
+def test_both_paths_give_the_fewest_runs_at_the_list_paths_limit(pages, lists):
+    rpools, lpools = pools(num_pages=2 * pages + 2), pools(num_pages=2 * pages + 2)
+    plan = negotiate(device(layout_from_pools(kv=lpools, kept_window=1 << 20)),
+                     device(layout_from_pools(kv=rpools, kept_window=1 << 20)))
+    rng = np.random.default_rng(pages)
+    src = {"full": GroupPages(range(pages), rng.permutation(2 * pages + 2)[:pages])}
+    dst = {"full": np.sort(rng.permutation(2 * pages + 2)[:pages])}
+    with list_path(lists):
+        batches = plan_reads(plan, src, dst)
+        taken = plan_lists.small_reads(plan, _spec(plan, RowSelection.all()), src, dst) is not None
+    assert taken == (lists and pages <= plan_lists.SMALL_PAGES)
+    check_against_naive(batches, plan, src, dst, RowSelection.all())
+    apply(batches, _pools_of(rpools), _pools_of(lpools))
+    for remote, local in zip(rpools, lpools):
+        np.testing.assert_array_equal(local[dst["full"]], remote[src["full"].ordinals])
 
 
 def test_named_rows_copy_only_those_buffers():

@@ -19,6 +19,7 @@ from ..errors import LayoutError, PageRangeError
 from .layout import MemoryKind, MemoryRegion, RowSelection, SelectionMode
 from .negotiate import Piece, RegionPair, TransferPlan, merge_pieces
 from .pages import GroupPages, int_array
+from .plan_lists import small_reads
 from .reads import ReadBatch
 
 _U64 = np.uint64
@@ -92,6 +93,7 @@ class _Spec:
     work: tuple[_Work, ...]  # the selection's region pairs, plan order
     groups: tuple[tuple[tuple[str, str], RegionPair, int, int], ...]  # key, first pair, fewest pages (src, dst)
     batches: tuple[tuple[tuple[MemoryKind, MemoryKind], tuple], ...]  # kinds -> _Block | _Work segments
+    lists: bool  # one batch of _Blocks only: short leases take plan_lists' path
 
 
 _CACHE_SIZE = 64
@@ -115,6 +117,10 @@ def plan_reads(
     Returns one ``ReadBatch`` per (remote kind, local kind), in plan order.
     """
     spec = _spec(plan, selection)
+    if spec.lists:
+        small = small_reads(plan, spec, src, dst)
+        if small is not None:
+            return small
     pages = _resolve(plan, spec, src, dst)
     out = []
     for kinds, segments in spec.batches:
@@ -161,12 +167,11 @@ def _spec(plan: TransferPlan, selection: RowSelection) -> _Spec:
             segments.append([w.order, w.key, [], []])
         segments[-1][2].append(row)
         segments[-1][3].append((w.remote.device_id, w.local.device_id))
-    spec = _Spec(
-        tuple(work), tuple(tuple(g) for g in groups.values()),
-        tuple((kinds, tuple(s if isinstance(s, _Work) else _Block(s[0], s[1], np.array(s[2], dtype=_U64),
-                                                                   tuple(s[3])) for s in segs))
-              for kinds, segs in batches.items()),
-    )
+    laid_out = tuple((kinds, tuple(s if isinstance(s, _Work) else _Block(s[0], s[1], np.array(s[2], dtype=_U64),
+                                                                          tuple(s[3])) for s in segs))
+                     for kinds, segs in batches.items())
+    lists = len(laid_out) == 1 and all(isinstance(s, _Block) for s in laid_out[0][1])
+    spec = _Spec(tuple(work), tuple(tuple(g) for g in groups.values()), laid_out, lists)
     if len(_spec_cache) >= _CACHE_SIZE:
         _spec_cache.clear()
     _spec_cache[cache_key] = (plan, spec)

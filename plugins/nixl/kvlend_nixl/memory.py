@@ -44,12 +44,13 @@ def check_gpus(regions) -> None:
             raise BackendError(f"region {r.name!r}: device_id {r.device_id} but only {count} CUDA devices")
 
 
-def spans(keys) -> dict[tuple[MemoryKind, int], tuple[np.ndarray, np.ndarray]]:
+def spans(keys) -> dict[tuple[MemoryKind, int], tuple[np.ndarray, np.ndarray, list[int], list[int]]]:
     """Registered regions per (kind, device) as sorted, merged [start, end) spans.
 
     Stored as (starts, ends_before) with ``ends_before[i]`` the end of span
     ``i - 1`` (0 for i = 0), so ``ends_before[searchsorted(starts, a, "right")]``
-    is the end of the span that starts at or below address ``a``.
+    is the end of the span that starts at or below address ``a``; as arrays, for
+    long descriptor lists, and as lists (``bisect``), for short ones.
     """
     grouped: dict[tuple[MemoryKind, int], list[tuple[int, int]]] = {}
     for kind, device, address, size in keys:
@@ -63,6 +64,7 @@ def spans(keys) -> dict[tuple[MemoryKind, int], tuple[np.ndarray, np.ndarray]]:
             else:
                 merged.append([start, end])
         arr = np.array(merged, dtype=np.uint64)
-        out[key] = (arr[:, 0].copy(), np.concatenate([np.zeros(1, dtype=np.uint64), arr[:, 1]]))
+        starts, ends_before = arr[:, 0].copy(), np.concatenate([np.zeros(1, dtype=np.uint64), arr[:, 1]])
+        out[key] = (starts, ends_before, starts.tolist(), ends_before.tolist())
     return out
 
