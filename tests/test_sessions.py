@@ -1413,6 +1413,36 @@ def test_resume_after_a_lost_link_reads_only_the_rest():
     assert len(d.session.links) == 1
 
 
+def test_many_fetches_time_out_each_at_its_own_deadline():
+    """The session keeps deadlines in a heap: each fetch still fails when its own deadline passes, one
+    that finished first never does, and ``next_deadline`` is never later than the earliest one left."""
+    world, p, d, conn = rig(LONG)
+    fetches = [d.fetch_ticket(p.ticket(8, seed=i), seed=i, timeout=1.0 + (i * 7) % 10 / 4) for i in range(10)]
+    world.pump()
+    for r in fetches[::3]:  # these finish at once: their deadlines must never fire
+        for read in d.backend.in_flight():
+            if read.tag in r.fetch.tags:
+                d.backend.finish(read.tag)
+    world.pump()
+    assert all(r.fetch.state is FetchState.DONE for r in fetches[::3])
+    for _ in range(60):  # 6 s: past the last deadline (3.25 s) and its cancel grace
+        running = [r.fetch.deadline for r in fetches if r.fetch.state is FetchState.READING]
+        assert not running or d.session.next_deadline() <= min(running)
+        world.advance(0.1)
+        for r in fetches:
+            if r.fetch.state is FetchState.CANCELLING:
+                for read in d.backend.in_flight():
+                    if read.tag in r.fetch.tags:
+                        d.backend.fail(read.tag)
+        world.pump()
+        for r in fetches:
+            assert (r.fetch.state is FetchState.READING) == (d.now <= r.fetch.deadline and not r.fetch.done)
+    assert all(r.fetch.done for r in fetches)
+    assert all(r.fetch.state is FetchState.DONE for r in fetches[::3])
+    timed_out = [r for i, r in enumerate(fetches) if i % 3]
+    assert all(isinstance(r.fetch.error, TransferTimeout) for r in timed_out)
+
+
 def test_deadlines_are_never_in_the_past_after_a_tick():
     world, p, d, conn = rig(CFG)
     p.offer("decode", 40, seed=1)

@@ -26,6 +26,7 @@ opened to say it) so its prefill frees the pages rather than at their TTL.
 
 from __future__ import annotations
 
+import heapq
 import logging
 import math
 from collections import OrderedDict
@@ -83,6 +84,7 @@ class DecodeSession(TicketClaims, PrefillMessages, Outbox):
         self._live: dict[bytes, Fetch] = {}  # fetches not finished, by lease (one at most per lease)
         self._on_link: dict[int, dict[int, Fetch]] = {}  # fetches not finished, by link and id
         self._tags: dict[bytes, tuple[int, int]] = {}  # tag -> (fetch id, chunk)
+        self._timers: list[tuple[float, int]] = []  # (deadline or quiet_by, fetch id): a heap, stale ones skipped
         self._plans: dict[tuple, TransferPlan] = {}
         self._unreadable: OrderedDict[str, LayoutMismatch] = OrderedDict()  # remote layout id -> why refused
         self._declined: OrderedDict[bytes, None] = OrderedDict()  # leases given back lately
@@ -286,7 +288,10 @@ class DecodeSession(TicketClaims, PrefillMessages, Outbox):
             if link.state is not LinkState.READY and now > link.deadline:
                 self._fail_link(conn, TransferTimeout(
                     f"{where(link)}: no handshake within {self.config.handshake_timeout:.3g} s"), now)
-        for fetch in list(self._live.values()):
+        while self._timers and self._timers[0][0] < now:  # each fetch whose deadline or quiet_by passed
+            fetch = self._fetches.get(heapq.heappop(self._timers)[1])
+            if fetch is None or fetch.done:
+                continue
             if fetch.state is FetchState.CANCELLING and now > fetch.quiet_by and fetch.link in self._links:
                 self._fail_link(fetch.link, PeerLost(
                     f"reads of request {fetch.request} still in flight {self.config.cancel_grace:.3g} s after "
@@ -311,14 +316,23 @@ class DecodeSession(TicketClaims, PrefillMessages, Outbox):
         """When ``tick`` next has work (None: nothing pending)."""
         times = [link.deadline for link in self._links.values() if link.state is not LinkState.READY]
         times += [link.next_beat for link in self._links.values()
-                  if link.state is LinkState.READY and self._renewable(link)]
-        for f in self._live.values():
-            if f.state is FetchState.CANCELLING:
-                if f.link in self._links:  # once its link is torn down there is nothing left to escalate
-                    times.append(f.quiet_by)
-            elif not f.done:
-                times.append(f.deadline)
+                  if link.state is LinkState.READY and self._any_renewable(link)]
+        timers = self._timers
+        while timers and not self._timer_due(*timers[0]):
+            heapq.heappop(timers)
+        if timers:
+            times.append(timers[0][0])
         return min(times) if times else None
+
+    def _timer_due(self, at: float, fetch_id: int) -> bool:
+        """Whether ``tick`` has work for this fetch at ``at``: its deadline while it runs, its quiet_by
+        while it cancels on a live link (once the link is torn down nothing is left to escalate)."""
+        f = self._fetches.get(fetch_id)
+        if f is None or f.done:
+            return False
+        if f.state is FetchState.CANCELLING:
+            return at == f.quiet_by and f.link in self._links
+        return at == f.deadline
 
     # --------------------------------------------------------------- outputs
     def _connections(self):
@@ -353,6 +367,7 @@ class DecodeSession(TicketClaims, PrefillMessages, Outbox):
         self._fetches[fetch.id] = fetch
         self._live[lease] = fetch
         self._on_link.setdefault(conn, {})[fetch.id] = fetch
+        heapq.heappush(self._timers, (fetch.deadline, fetch.id))
         self._move(fetch, start)
         return fetch
 
@@ -476,6 +491,7 @@ class DecodeSession(TicketClaims, PrefillMessages, Outbox):
         fetch.error = error
         self._move(fetch, FetchEvent.FAIL)
         fetch.quiet_by = now + self.config.cancel_grace
+        heapq.heappush(self._timers, (fetch.quiet_by, fetch.id))
         self.tracker.abort(fetch.key)
         for tag in sorted(fetch.tags):
             self._actions.append(Cancel(tag))
@@ -541,6 +557,11 @@ class DecodeSession(TicketClaims, PrefillMessages, Outbox):
         """Fetches whose claim waits for ``link`` to be ready (claiming, nothing sent yet), oldest first."""
         return [f for f in self._on_link.get(link.id, {}).values()
                 if f.state is FetchState.CLAIMING and f.claimed_at is None]
+
+    def _any_renewable(self, link: PrefillLink) -> bool:
+        """``_renewable(link)`` is not empty (without building it: asked every turn)."""
+        return bool(link.offers) or any(f.offer is not None or f.claimed_at is not None
+                                        for f in self._on_link.get(link.id, {}).values())
 
     def _renewable(self, link: PrefillLink) -> list[bytes]:
         """Leases on ``link`` that must not expire: fetches not finished, and offers not yet taken."""
