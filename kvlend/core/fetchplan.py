@@ -130,6 +130,10 @@ def split_chunks(plan: TransferPlan, pages: Mapping[str, GroupPages], num_tokens
         if plan.remote.groups[rg].recurrent:
             chunks[-1][0][rg], chunks[-1][1][lg] = gp, local
             continue
+        first, last = int(gp.token_pages[0]) * rtpp // span, int(gp.token_pages[-1]) * rtpp // span
+        if first == last:  # the usual short lease: one chunk
+            chunks[first][0][rg], chunks[first][1][lg] = gp, local
+            continue
         which = gp.token_pages * rtpp // span  # non-decreasing: token pages are sorted
         where = local * plan.local.tokens_per_page // span
         for c in np.unique(which).tolist():

@@ -198,6 +198,15 @@ class DeliveryTracker:
 
     def _bound(self, r: _Request) -> int:
         tpp, n = self.layout.tokens_per_page, r.num_tokens
+        groups = self.layout.groups.items()
+        if all(not g.recurrent and g.read_window >= n for _, g in groups):
+            # Full attention at every t <= n: the bound is where the shortest delivered prefix ends.
+            bound = n
+            for name, _ in groups:
+                have = r.delivered[name]
+                if not have.all():
+                    bound = min(bound, int(have.argmin()) * tpp)
+            return bound
         # Reads only grow between page boundaries, so boundaries and n are the only candidates.
         t = np.append(np.arange(0, n, tpp, dtype=np.int64), n)
         ok = np.ones(t.size, dtype=bool)

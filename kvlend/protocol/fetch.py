@@ -91,7 +91,8 @@ def plan_work(plan: TransferPlan, offer: LeaseOffer, dst: Mapping[str, Any], res
     given = offer.pages if not done_rows else {
         rg: gp.select(~np.isin(gp.token_pages, done_rows[rg])) if rg in done_rows else gp
         for rg, gp in offer.pages.items()}
-    pages, kept = skip_below(plan, given, offer.num_tokens, resume_from)
+    # From token 0 nothing is skipped (split_chunks keeps only the pages worth reading itself).
+    pages, kept = skip_below(plan, given, offer.num_tokens, resume_from) if resume_from else (given, {})
     chunks = [(plan_reads(plan, src, dst, offer.selection), local)
               for src, local in split_chunks(plan, pages, offer.num_tokens, chunk_pages)]
     needed = needed_pages(plan, given, offer.num_tokens)
