@@ -217,10 +217,11 @@ def _run_demo(args: argparse.Namespace) -> int:
 
 
 def _add_bench(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--scenario", default="1,2,3,4,5,6",
+    parser.add_argument("--scenario", default="1,2,3,4,5,6,7",
                         help="comma-separated scenarios to run: 1 large contiguous read, 2 model-shaped "
                              "fragmented pools, 3 small requests back to back, 4 cold peer, 5 many requests in flight, "
-                             "6 progressive lending under chunked prefill (default 1,2,3,4,5,6)")
+                             "6 progressive lending under chunked prefill, 7 decode CPU per request as fetches in "
+                             "flight and prefill ranks grow (default 1,2,3,4,5,6,7)")
     parser.add_argument("--reps", type=int, default=None,
                         help="timed repetitions per method in scenarios 1-2 (default 10, or 3 with --quick)")
     parser.add_argument("--quick", action="store_true", help="small sizes and few repetitions (seconds, for tests)")
@@ -237,7 +238,7 @@ def _run_bench(args: argparse.Namespace) -> int:
     except ValueError:
         raise CliError(f"--scenario: expected numbers like 1,2,3, got {args.scenario!r}") from None
     if not scenarios:
-        raise CliError("--scenario: name at least one scenario, like 1,2,3,4,5,6")
+        raise CliError("--scenario: name at least one scenario, like 1,2,3,4,5,6,7")
     if args.reps is not None and args.reps < 1:
         raise CliError(f"--reps: must be >= 1, got {args.reps}")
     if args.plot:

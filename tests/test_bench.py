@@ -59,7 +59,7 @@ def _check_stats(r: dict) -> None:
 
 
 def test_quick_report_has_every_scenario_and_machine_facts(quick_report):
-    assert set(quick_report["scenarios"]) == {"1", "2", "3", "4", "5", "6"}
+    assert set(quick_report["scenarios"]) == {"1", "2", "3", "4", "5", "6", "7"}
     m = quick_report["machine"]
     assert m["nproc"] >= 1 and m["memory_gib"] > 0 and m["cpu"]
     assert not multiprocessing.active_children()  # the lender process was reaped
@@ -134,10 +134,23 @@ def test_scenario_6_times_both_lending_modes_from_the_last_chunk(quick_report):
         s6["results"]["progressive_on"]["p50_ms"] / s6["results"]["progressive_off"]["p50_ms"])
 
 
+def test_scenario_7_sweeps_fetches_in_flight_for_each_count_of_prefill_ranks(quick_report):
+    s7 = quick_report["scenarios"]["7"]
+    assert [b["peers"] for b in s7["requests"]] == [1, 2]  # --quick: 1 and 2 prefill ranks, 4 and 16 in flight
+    for block in s7["requests"]:
+        assert list(block["results"]) == ["4 in flight", "16 in flight"]
+        for point in block["results"].values():
+            assert point["verified"] is True
+            assert 0 < point["cpu_seconds"] and 0 < point["seconds"]
+        cpu = [p["cpu_us_per_request"] for p in block["results"].values()]
+        assert block["ratios"] == {"CPU per request 16/4 in flight": pytest.approx(cpu[1] / cpu[0])}
+        assert set(block["targets"]) == {"CPU per request at 16 in flight <= 1.3x that at 4"}
+
+
 def test_human_table_names_every_method(quick_report):
     text = format_report(quick_report)
     for word in ("kvlend", "raw_nixl", "memcpy", "raw_per_page", "staging", "raw_nixl_notif", "targets:",
-                 "progressive_on", "progressive_off", "one chunk's"):
+                 "progressive_on", "progressive_off", "one chunk's", "us CPU per request", "2 prefill ranks"):
         assert word in text
 
 

@@ -3,6 +3,7 @@ with multiprocessing ``spawn``) and answers the reader's commands over a pipe.""
 
 from __future__ import annotations
 
+import itertools
 import multiprocessing
 import os
 import time
@@ -27,6 +28,7 @@ def lender_main(conn) -> None:
     spin, notifs = False, 0
     cold: list = []  # scenario 4 objects, kept alive until quit
     streamer = None  # scenario 6's PrefillNode
+    ticketing: list = []  # scenario 7's PrefillNodes, closed on "close_nodes"
     try:
         while True:
             if conn.poll(0 if spin else 0.0005):
@@ -52,6 +54,13 @@ def lender_main(conn) -> None:
                 elif cmd == "tickets":  # scenario 3 through the node: lend the current pools' pages, ticket each
                     cold.append(_ticket_prefill(layout, arg))
                     conn.send(cold[-1][1])
+                elif cmd == "node_tickets":  # scenario 7: one more PrefillNode, kept until "close_nodes"
+                    ticketing.append(_ticket_prefill(layout, arg))
+                    conn.send(ticketing[-1][1])
+                elif cmd == "close_nodes":
+                    while ticketing:
+                        ticketing.pop()[0].close()
+                    conn.send(True)
                 elif cmd == "stream":  # scenario 6: chunked prefill of one prompt, lent as it goes or at the end
                     if streamer is None:
                         streamer = _stream_prefill(layout, arg)
@@ -74,9 +83,12 @@ def lender_main(conn) -> None:
                     notifs = 0
             notifs += sum(len(v) for v in agent.get_new_notifs().values())
     finally:
-        for obj in cold:
+        for obj in cold + ticketing:
             obj[0].close()
         backend.close()
+
+
+_NODES = itertools.count()  # agent names: several nodes may live in one lender process
 
 
 def _ticket_prefill(layout: PageLayout, arg: dict):
@@ -87,7 +99,8 @@ def _ticket_prefill(layout: PageLayout, arg: dict):
     from ..runtime import PrefillNode
     from ..security.credentials import Credentials
 
-    node = PrefillNode(layout, NixlBackend(f"bench-node-{os.getpid()}"), Credentials.from_env(arg["credentials"]))
+    node = PrefillNode(layout, NixlBackend(f"bench-node-{os.getpid()}-{next(_NODES)}"),
+                       Credentials.from_env(arg["credentials"]))
     node.start()
     selection = layout.full_selection()
     tickets = [node.lend(f"node-{i}", len(src) * TPP, {GROUP: src}, selection).to_text()

@@ -30,6 +30,10 @@ def format_report(report: dict) -> str:
                     extra += "  [" + ", ".join(f"{k} {v['p50_ms']:.2f} ms" for k, v in r["steps"].items()) + "]"
                 if "p99_ms" in r and key == "3":
                     extra = f"  p99 {r['p99_ms']:.3f} ms" + extra
+                if "cpu_us_per_request" in r:  # scenario 7: a point of the sweep
+                    lines.append(f"    {name:22s} {r['cpu_us_per_request']:.0f} us CPU per request, "
+                                 f"{r['requests_per_s']:.0f} requests/s{extra}")
+                    continue
                 if "seconds" in r:  # scenario 5: one timed run of every request
                     lines.append(f"    {name:22s} {r['seconds'] * 1e3:.1f} ms, {r['gbps']:.2f} GB/s, "
                                  f"{r['requests_per_s']:.0f} requests/s{extra}")

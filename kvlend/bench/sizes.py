@@ -20,8 +20,12 @@ class Sizes:
     s6_chunk_pages: int = 64  # chunked prefill: 1024 tokens a chunk
     s6_compute_s: float = 0.040  # simulated compute per chunk (the prefill's GPU time)
     s6_rounds: int = 6  # per mode
+    s7_peers: tuple[int, ...] = (1, 4, 16)  # prefill ranks, spread over the two lender processes
+    s7_inflight: tuple[int, ...] = (8, 64, 512)
+    s7_requests: int = 256  # per point, at least; 3 x the fetches in flight where that is more
 
 
 FULL = Sizes((8 << 20, 256 << 20), ((1024, 32), (8192, 32), (32768, 8)), 1, 16, 10, 500)
-QUICK = Sizes((8 << 20,), ((1024, 4),), 1, 16, 3, 30, 24, 8, 64, 1, 16, 0.005, 2)
+QUICK = Sizes((8 << 20,), ((1024, 4),), 1, 16, 3, 30, 24, 8, 64, 1, 16, 0.005, 2, (1, 2), (4, 16), 24)
 S5_MAX_PAGES = 64
+S7_PAGES = 4  # per request: small, so the control plane is most of the cost

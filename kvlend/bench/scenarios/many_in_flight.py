@@ -13,6 +13,7 @@ from ...core.lender import Lender
 from ...core.negotiate import negotiate
 from ...core.plan import plan_reads
 from ...protocol.config import NodeConfig
+from ..fetching import keep_in_flight
 from ..lender_process import LenderProcess
 from ..pools import GROUP, PAGE_BYTES, TPP, expected_ok, fragmented, make_pools
 from ..sizes import S5_MAX_PAGES, Sizes
@@ -60,7 +61,7 @@ def run(lender: LenderProcess, backend, sizes: Sizes, progress) -> dict:
             node_backend = NixlBackend(f"bench-many-{name}-{os.getpid()}", timeout=XFER_TIMEOUT)
             decode = DecodeNode(local, node_backend, ca.issue(f"bench-decode-{name.replace('_', '-')}"), config=config)
             try:
-                runs[name] = _many_kvlend(decode, todo, arrays, sizes.s5_inflight)
+                runs[name] = keep_in_flight(decode, todo, arrays, sizes.s5_inflight, "scenario 5")
             finally:
                 decode.close()
                 node_backend.close()
@@ -83,38 +84,6 @@ class _Remote:
     def __init__(self, lender: LenderProcess, pages: int) -> None:
         encoded, self.metadata, _ = lender.call("pools", {"pages": pages, "layers": 1, "combined": False, "staging": 0})
         self.layout = PageLayout.decode(encoded)
-
-
-def _slots(free: list[int], n: int) -> np.ndarray:
-    out = np.array(free[:n], dtype=np.int64)
-    del free[:n]
-    return out
-
-
-def _many_kvlend(decode, work: list, arrays: list[np.ndarray], inflight: int) -> dict:
-    """Keep ``inflight`` ticket fetches going, each into pages of its own; check every byte as each ends
-    (the checks are not counted in the time)."""
-    free = list(range(arrays[0].shape[0]))
-    running: dict[int, tuple] = {}
-    pending = list(work)
-    checking, verified = 0.0, True
-    start = time.perf_counter()
-    while pending or running:
-        while pending and len(running) < inflight:
-            side, src, ticket = pending.pop(0)
-            dst = _slots(free, len(src))
-            handle = decode.start_fetch(ticket, {GROUP: dst}, timeout=XFER_TIMEOUT)
-            running[handle.id] = (handle, src, dst)
-        for handle in decode.finished():
-            _, src, dst = running.pop(handle.id)
-            t = time.perf_counter()
-            handle.result()  # raises its error
-            verified &= all(expected_ok(a, r, src, dst) for r, a in enumerate(arrays))
-            checking += time.perf_counter() - t
-            free.extend(dst.tolist())
-        if time.perf_counter() - start > XFER_TIMEOUT * 4:
-            raise BenchError(f"scenario 5: {len(running)} kvlend fetches still running")
-    return {"seconds": time.perf_counter() - start - checking, "verified": verified}
 
 
 def _many_raw(backend, local: PageLayout, arrays: list[np.ndarray], remotes: list[_Remote], requests: list,
