@@ -30,7 +30,8 @@ def run(lender: LenderProcess, backend, sizes: Sizes, progress) -> dict:
 
     lenders = [lender, LenderProcess()]
     counts = {k: max(sizes.s7_requests, 3 * k) for k in sizes.s7_inflight}
-    arrays, local = make_pools(max(sizes.s7_inflight) * S7_PAGES, 1, False, fill=False)
+    # A page of its own for every request of a point (its bytes are checked after it)
+    arrays, local = make_pools(max(max(counts.values()), max(sizes.s7_peers)) * S7_PAGES, 1, False, fill=False)
     for a in arrays:  # fault every page in now: the first point would pay for the kernel's zeroing
         a.fill(1)
     ca = Authority.create()
