@@ -38,7 +38,7 @@ from kvlend.security.certs import Authority, save_rank
 from tests.support.agents import nixl
 from tests.support.certs import creds
 from tests.support.children import child_env
-from tests.support.kvcache import make_layout, make_pools, prefill_request, slots
+from tests.support.kvcache import TPP, make_layout, make_pools, prefill_request, slots
 from tests.support.nodes import (
     DEADLINE,
     DECODE_CONFIG,
@@ -98,6 +98,27 @@ def test_a_thousand_leases_arrive_byte_exact():
         assert r.decode.tracker.stats.requests == 0 and r.decode.tracker.stats.failed == 0
         assert bytes_moved > 0
         assert all(len(f) == SRC_PAGES for f in src_free.values())
+
+
+@pytest.mark.nixl
+def test_fetches_started_in_one_batch_claim_in_one_write():
+    """A node without a loop thread sends the claims of the fetches an engine step starts together:
+    one socket write to the prefill, made when the batch ends, and every fetch still lands whole."""
+    with rig() as r:
+        src_free, dst_free = free_lists(r.layout, SRC_PAGES, 3), free_lists(r.decode.layout, DST_PAGES, 4)
+        lent = [(prefill_request(r.layout, r.src, src_free, 40 + i, seed=i), 40 + i) for i in range(3)]
+        tickets = [r.prefill.lend(f"batch-{i}", n, tables, r.layout.full_selection())
+                   for i, (tables, n) in enumerate(lent)]
+        writes: list[int] = []
+        send = r.decode._sockets.send
+        r.decode._sockets.send = lambda conn, data: (writes.append(conn), send(conn, data))
+        with r.decode.batch():
+            handles = [r.decode.start_fetch(t, {g: dst_free[g].alloc(-(-n // TPP)) for g in r.decode.layout.groups})
+                       for t, (_, n) in zip(tickets, lent)]
+            assert writes == []  # nothing goes out inside the block
+        assert writes == [r.link.id]  # three claims, one write
+        r.decode.wait(handles, DEADLINE)
+        assert [(h.ok, h.bound) for h in handles] == [(True, n) for _, n in lent]
 
 
 @pytest.mark.nixl

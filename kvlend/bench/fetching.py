@@ -29,12 +29,13 @@ def keep_in_flight(decode, work: list, arrays: list[np.ndarray], inflight: int, 
     next_page = 0
     start, start_cpu = time.perf_counter(), time.process_time()
     while pending or running:
-        while pending and len(running) < inflight:
-            _, src, ticket = pending.pop()
-            dst = np.arange(next_page, next_page + len(src), dtype=np.int64)
-            next_page += len(src)
-            handle = decode.start_fetch(ticket, {GROUP: dst}, timeout=XFER_TIMEOUT)
-            running[handle.id] = (handle, src, dst)
+        with decode.batch():  # the fetches an engine step would start: their claims go out together
+            while pending and len(running) < inflight:
+                _, src, ticket = pending.pop()
+                dst = np.arange(next_page, next_page + len(src), dtype=np.int64)
+                next_page += len(src)
+                handle = decode.start_fetch(ticket, {GROUP: dst}, timeout=XFER_TIMEOUT)
+                running[handle.id] = (handle, src, dst)
         finished = decode.finished()  # steps the node's loop once, without waiting
         if not finished:
             decode.step(IDLE_WAIT)  # as an engine's loop would: sleep in poll until a message comes

@@ -27,6 +27,7 @@ the registry is degraded, tickets are redeemed at the endpoint they name
 
 from __future__ import annotations
 
+import contextlib
 import socket
 import time
 from collections import deque
@@ -185,6 +186,7 @@ class DecodeNode(Shell):
         self.tracker = self.session.tracker
         self._handles: dict[int, FetchHandle] = {}
         self._finished: list[FetchHandle] = []
+        self._batching = 0  # open batch() blocks: start_fetch leaves the flush to the last one's end
         self._offers: deque[tuple[Link, LeaseOffer]] = deque()
         if registry is not None:
             self._join(registry, record)
@@ -255,10 +257,23 @@ class DecodeNode(Shell):
                                                   resume_from, timeout, prompt_digest)
             handle = self._handles[fetch.id] = FetchHandle(self, fetch)
         self._wake()
-        if not self.threaded:
+        if not self.threaded and not self._batching:
             self.flush()  # post now: the engine drives the loop
         METRICS.observe("kvlend_post_seconds", time.perf_counter() - started)
         return handle
+
+    @contextlib.contextmanager
+    def batch(self):
+        """Start several fetches as one (an engine step's): on a node without a loop thread, their
+        claims and reads go out when the block ends, one write per prefill, not one per fetch.  A
+        node with a loop thread sends as soon as the thread runs (blocks are accepted, change nothing)."""
+        self._batching += 1
+        try:
+            yield self
+        finally:
+            self._batching -= 1
+            if not self._batching and not self.threaded:
+                self.flush()
 
     def claim(self, ticket: Ticket | str | bytes, prompt_digest: bytes | None = None) -> None:
         """Claim ``ticket``'s lease now and keep it alive until ``start_fetch(ticket, ...)`` reads it.
