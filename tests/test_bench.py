@@ -11,6 +11,7 @@ import pytest
 
 from kvlend import cli
 from kvlend.bench.pools import fragmented, min_descriptors
+from kvlend.bench.reference import in_process_read
 from kvlend.bench.report import format_report, throughputs
 
 pytestmark = pytest.mark.system
@@ -145,6 +146,12 @@ def test_scenario_7_sweeps_fetches_in_flight_for_each_count_of_prefill_ranks(qui
         cpu = [p["cpu_us_per_request"] for p in block["results"].values()]
         assert block["ratios"] == {"CPU per request 16/4 in flight": pytest.approx(cpu[1] / cpu[0])}
         assert set(block["targets"]) == {"CPU per request at 16 in flight <= 1.3x that at 4"}
+
+
+def test_the_in_process_yardstick_reads_the_bytes_and_descriptors_asked_for():
+    r = in_process_read(3 << 20, 8, reps=3)  # 4 layers of K and V, 48 pages of 32 KiB in each region
+    assert (r["bytes"], r["descriptors"], r["n"], r["verified"]) == (3 << 20, 8, 3, True)
+    assert 0 < r["min_ms"] <= r["p50_ms"] and r["gbps"] > 0
 
 
 def test_human_table_names_every_method(quick_report):

@@ -46,3 +46,5 @@ def test_float32_outputs_through_kvlend_equal_a_single_float32_server(tmp_path):
     fetched = [s for s in lines if s["ok"]]
     assert len(fetched) == len(LENGTHS), fetched  # every prompt's KV came over kvlend, not a local recompute
     assert all(s["bytes"] == s["blocks"] * FLOAT32_BLOCK_BYTES > 0 for s in fetched), fetched
+    # Runs of blocks contiguous on both sides are one descriptor: never more than a block per layer's K and V.
+    assert all(0 < s["descriptors"] <= s["blocks"] * 2 * 2 for s in fetched), fetched

@@ -16,7 +16,11 @@ minus the prefill call, which both connectors share), and the KV transfer
 time each connector reports for itself in vLLM's ``/metrics``
 (reads alone, posted to landed: ``vllm:kvlend_read_time_seconds`` and
 ``vllm:nixl_xfer_time_seconds``; and kvlend's whole fetch, claim to done ack,
-``vllm:kvlend_xfer_time_seconds``), mean per request.  Ratios are baseline/kvlend:
+``vllm:kvlend_xfer_time_seconds``), mean per request, and the descriptors each posts
+per request (``vllm:kvlend_num_descriptors``, ``vllm:nixl_num_descriptors``).  Once every
+pair is stopped, kvlend's own read in process (``kvlend.bench.reference``) of each plain
+kvlend row's bytes and descriptors per request is timed: the yardstick its reads inside
+vLLM are held to (issue 26: at most 1.3x).  Ratios are baseline/kvlend:
 above 1 means kvlend is faster.  ``nixl:N`` is NixlConnector with ``num_threads``
 N, its progress threads (vLLM's default, plain ``nixl``, is 4): a fair run sweeps it.
 ``nixl-push[:N]`` is its push mode (NixlPushConnector): the router sends each
@@ -57,7 +61,8 @@ from .demo import (
     write_certs,
 )
 
-_KV_KEYS = ("kv_transfers", "kv_xfer_s", "kv_read_s", "kv_bytes", "kv_failed")  # summed over a row's requests
+# summed over a row's requests
+_KV_KEYS = ("kv_transfers", "kv_xfer_s", "kv_read_s", "kv_bytes", "kv_descriptors", "kv_failed")
 
 
 def row(name: str, results: list[dict], before: dict, after: dict, wall: float, external: int = 0,
@@ -73,7 +78,8 @@ def row(name: str, results: list[dict], before: dict, after: dict, wall: float, 
             "ttft_s": ttft, "decode_leg_s": leg, **delta, "external_tokens": int(external), "wall_s": round(wall, 2),
             "early_bytes": sum(f["early_bytes"] for f in read), "fetched_bytes": sum(f["bytes"] for f in read),
             # the last lend (or, lent whole, the reads posted) to the last byte landed
-            "tail_s": [f["landed_s"] - max(f["posted_s"] or 0, f["final_s"] or 0) for f in read]}
+            "tail_s": [f["landed_s"] - max(f["posted_s"] or 0, f["final_s"] or 0) for f in read],
+            "read_s": [f["landed_s"] - f["posted_s"] for f in read if f["posted_s"] is not None]}
 
 
 def external_tokens(url: str, before: int, timeout: float = 10.0) -> int:
@@ -99,6 +105,7 @@ def summary(rows: list[dict]) -> dict:
     requests = sum(r["requests"] for r in rows)
     fetched = sum(r.get("fetched_bytes", 0) for r in rows)
     tails = [t for r in rows for t in r.get("tail_s", ())]
+    reads = [t for r in rows for t in r.get("read_s", ())]
     return {"requests": requests, "errors": sum(r["errors"] for r in rows),
             "read_while_prefilling_pct": round(100 * sum(r.get("early_bytes", 0) for r in rows) / fetched, 1)
             if fetched else None, "tail_p50_ms": _ms(pct(tails, 50)),
@@ -107,8 +114,10 @@ def summary(rows: list[dict]) -> dict:
             "ttft_p50_ms": _ms(pct(ttft, 50)), "ttft_p99_ms": _ms(pct(ttft, 99)),
             "decode_leg_p50_ms": _ms(pct(leg, 50)), "decode_leg_p99_ms": _ms(pct(leg, 99)),
             "read_ms_mean": round(total["kv_read_s"] / n * 1e3, 2) if n else None,
+            "read_p50_ms": None if not reads else round(pct(reads, 50) * 1e3, 2),  # kvlend's, from its fetch lines
             "xfer_ms_mean": round(total["kv_xfer_s"] / n * 1e3, 2) if n else None,
             "mib_per_request": round(total["kv_bytes"] / n / 2**20, 2) if n else None,
+            "descriptors_per_request": round(total["kv_descriptors"] / n, 1) if n else None,
             "transfers": int(n), "failed": int(total["kv_failed"])}
 
 
@@ -214,9 +223,9 @@ def table(merged: list[dict]) -> str:
     """Each row's connectors in run order, then each baseline's ratios to each kvlend mode (above 1: kvlend
     faster), and progressive kvlend's to plain kvlend (above 1: progressive faster)."""
     lines = ["| row | connector | TTFT p50 ms | TTFT p99 ms | decode leg p50 ms | decode leg p99 ms | reads ms (mean) "
-             "| whole transfer ms (mean) | MiB/request | KV tokens/request | read while prefilling | tail p50 ms "
-             "| requests (errors) |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| whole transfer ms (mean) | MiB/request | descriptors/request | reads ms in process (p50) "
+             "| KV tokens/request | read while prefilling | tail p50 ms | requests (errors) |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     by_row: dict[str, dict[str, dict]] = {}
     for m in merged:
         by_row.setdefault(m["row"], {})[m["connector"]] = m
@@ -227,6 +236,7 @@ def table(merged: list[dict]) -> str:
             lines.append(f"| {name} | {connector} | {m['ttft_p50_ms']} | {m['ttft_p99_ms']} | "
                          f"{m['decode_leg_p50_ms']} | {m['decode_leg_p99_ms']} | {m['read_ms_mean']} | "
                          f"{m['xfer_ms_mean'] if ours else ''} | {m['mib_per_request']} | "
+                         f"{m.get('descriptors_per_request')} | {_yardstick(m)} | "
                          f"{m.get('external_tokens_per_request')} | {'' if share is None else f'{share} %'} | "
                          f"{m.get('tail_p50_ms') if ours else ''} | {m['requests']} ({m['errors']}) |")
         modes = [c for c in runs if c.startswith("kvlend")]
@@ -237,8 +247,31 @@ def table(merged: list[dict]) -> str:
             m, ours = runs[connector], runs[mode]
             cells = [_ratio(m[k], ours[k]) for k in ("ttft_p50_ms", "ttft_p99_ms", "decode_leg_p50_ms",
                                                       "decode_leg_p99_ms", "read_ms_mean")]
-            lines.append(f"| {name} | {connector}/{mode} | {' | '.join(cells)} | | | | | | |")
+            lines.append(f"| {name} | {connector}/{mode} | {' | '.join(cells)} | | | | | | | | |")
     return "\n".join(lines)
+
+
+def yardsticks(merged: list[dict], reps: int = 20) -> None:
+    """Time kvlend's own read in process (``kvlend.bench.reference``) of each plain kvlend row's bytes and
+    descriptors per request, with the engines stopped, and add it to the row: ``in_process_read_ms`` and
+    ``read_vs_in_process`` (the p50 of the row's reads in vLLM, from kvlend's fetch lines, over it; the
+    target is at most 1.3)."""
+    from kvlend.bench.reference import in_process_read
+
+    for m in merged:
+        if m["connector"] != "kvlend" or not m.get("mib_per_request") or not m.get("descriptors_per_request"):
+            continue
+        ref = in_process_read(int(m["mib_per_request"] * 2**20), round(m["descriptors_per_request"]), reps)
+        m["in_process_read_ms"] = round(ref["p50_ms"], 2)
+        m["in_process_read"] = {k: ref[k] for k in ("bytes", "descriptors", "verified")}
+        ours = m.get("read_p50_ms") or m["read_ms_mean"]
+        m["read_vs_in_process"] = round(ours / ref["p50_ms"], 2) if ours else None
+
+
+def _yardstick(m: dict) -> str:
+    if "in_process_read_ms" not in m:
+        return ""
+    return f"{m['in_process_read_ms']} (vLLM's p50 {m.get('read_p50_ms')}: {m['read_vs_in_process']}x)"
 
 
 def _ratio(a: float | None, b: float | None) -> str:
@@ -293,16 +326,19 @@ def main(argv: list[str] | None = None) -> int:
             rows += run_pair(connector, args, model, max_len, log_dir, certs)
             if args.json:  # after every pair: a long run stopped early keeps what it measured
                 write_json(args, rows, complete=False)
-    print(table(merge(rows)))
+    merged = merge(rows)
+    print("bench: kvlend's own read in process of each row's bytes per request (the engines are stopped)", flush=True)
+    yardsticks(merged)
+    print(table(merged))
     if args.json:
-        write_json(args, rows, complete=True)
+        write_json(args, rows, complete=True, merged=merged)
     return 0 if all(r["errors"] == 0 for r in rows) else 1
 
 
-def write_json(args, rows: list[dict], complete: bool) -> None:
+def write_json(args, rows: list[dict], complete: bool, merged: list[dict] | None = None) -> None:
     with open(args.json, "w") as f:
         json.dump({"args": {k: v for k, v in vars(args).items() if k != "json"}, "complete": complete,
-                   "rows": rows, "merged": merge(rows), "cpus": os.cpu_count()}, f, indent=1)
+                   "rows": rows, "merged": merged or merge(rows), "cpus": os.cpu_count()}, f, indent=1)
 
 
 if __name__ == "__main__":

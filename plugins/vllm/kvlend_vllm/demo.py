@@ -42,11 +42,13 @@ KV_METRICS = {
              "kv_xfer_s": "vllm:nixl_xfer_time_seconds_sum",
              "kv_read_s": "vllm:nixl_xfer_time_seconds_sum",  # NIXL's transfer time is its reads alone
              "kv_transfers": "vllm:nixl_xfer_time_seconds_count",
+             "kv_descriptors": "vllm:nixl_num_descriptors_sum",
              "kv_failed": "vllm:nixl_num_failed_transfers_total"},
     "kvlend": {"kv_bytes": "vllm:kvlend_bytes_transferred_sum",
                "kv_xfer_s": "vllm:kvlend_xfer_time_seconds_sum",
                "kv_read_s": "vllm:kvlend_read_time_seconds_sum",
                "kv_transfers": "vllm:kvlend_xfer_time_seconds_count",
+               "kv_descriptors": "vllm:kvlend_num_descriptors_sum",
                "kv_failed": "vllm:kvlend_failed_transfers_total",
                "kv_recomputed_blocks": "vllm:kvlend_recomputed_blocks_total",
                "kv_local_blocks": "vllm:kvlend_local_blocks_total"},

@@ -15,8 +15,8 @@ import numpy as np
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
 from vllm.v1.metrics.utils import create_metric_per_engine
 
-_KEYS = ("transfer_duration", "read_duration", "bytes_transferred", "num_failed_transfers", "num_recomputed_blocks",
-         "num_local_blocks")
+_KEYS = ("transfer_duration", "read_duration", "bytes_transferred", "num_descriptors", "num_failed_transfers",
+         "num_recomputed_blocks", "num_local_blocks")
 
 
 @dataclass
@@ -28,10 +28,12 @@ class KvlendStats(KVConnectorStats):
     def reset(self) -> None:
         self.data = {key: [] for key in _KEYS}  # plain lists: vLLM serialises them between processes
 
-    def record(self, *, seconds: float, read_seconds: float, nbytes: int, local_blocks: int = 0) -> None:
+    def record(self, *, seconds: float, read_seconds: float, nbytes: int, descriptors: int,
+               local_blocks: int = 0) -> None:
         self.data["transfer_duration"].append(seconds)
         self.data["read_duration"].append(read_seconds)
         self.data["bytes_transferred"].append(nbytes)
+        self.data["num_descriptors"].append(descriptors)
         self.data["num_local_blocks"].append(local_blocks)
 
     def record_failure(self, recomputed_blocks: int) -> None:
@@ -63,6 +65,7 @@ class KvlendStats(KVConnectorStats):
                         "P90 xfer time (ms)": round(float(np.percentile(times, 90)) * 1e3, 3),
                         "Avg read time (ms)": round(float(np.mean(self.data["read_duration"])) * 1e3, 3),
                         "Avg MB per transfer": round(mb / len(times), 3),
+                        "Avg number of descriptors": round(float(np.mean(self.data["num_descriptors"])), 1),
                         "Throughput (MB/s)": round(mb / max(float(times.sum()), 1e-9), 3)})
         return out
 
@@ -85,6 +88,10 @@ class KvlendPromMetrics(KVConnectorPromMetrics):
         self._bytes = per_engine(self._histogram_cls(
             name="vllm:kvlend_bytes_transferred", labelnames=labelnames,
             documentation="KV bytes kvlend read per request.", buckets=[2 ** (10 + i) for i in range(1, 25, 2)]))
+        self._descriptors = per_engine(self._histogram_cls(
+            name="vllm:kvlend_num_descriptors", labelnames=labelnames,
+            documentation="NIXL descriptors kvlend posted per request (compare vllm:nixl_num_descriptors).",
+            buckets=[2 ** i for i in range(0, 20, 2)]))
         self._failed = per_engine(self._counter_cls(
             name="vllm:kvlend_failed_transfers", labelnames=labelnames,
             documentation="kvlend fetches that failed (their blocks were reported for recompute)."))
@@ -102,6 +109,8 @@ class KvlendPromMetrics(KVConnectorPromMetrics):
             self._read[engine_idx].observe(value)
         for value in transfer_stats_data["bytes_transferred"]:
             self._bytes[engine_idx].observe(value)
+        for value in transfer_stats_data.get("num_descriptors", ()):
+            self._descriptors[engine_idx].observe(value)
         for value in transfer_stats_data["num_failed_transfers"]:
             self._failed[engine_idx].inc(value)
         for value in transfer_stats_data["num_recomputed_blocks"]:

@@ -344,7 +344,8 @@ class ConsumerWorker:
             results = [h.result() for h in handles]
             self.stats.record(seconds=max(r.seconds for r in results),
                               read_seconds=max(r.read_seconds or 0.0 for r in results),
-                              nbytes=sum(r.bytes for r in results), local_blocks=loading.resume_from // self.block_size)
+                              nbytes=sum(r.bytes for r in results), descriptors=sum(r.descriptors for r in results),
+                              local_blocks=loading.resume_from // self.block_size)
         elif loading.reported_at is not None:  # its KV was complete and verified before this (a lost ack, say)
             log.info("request %s: fetch ended after its KV was complete: %s", request,
                      "; ".join(printable(h.error) for h in handles if not h.ok))
@@ -386,13 +387,13 @@ class ConsumerWorker:
         self._write(loading, None if failed else round(max(r.seconds for r in results), 6),
                     sum(r.bytes for r in results if r is not None),
                     type(failed[0].error).__name__ if failed else None, handle.timeline,
-                    sum(h.early_bytes for h in handles))
+                    sum(h.early_bytes for h in handles), sum(r.descriptors for r in results if r is not None))
 
     def _write(self, loading: _Loading, transfer_s: float | None, nbytes: int, error: str | None,
-               timeline: dict, early_bytes: int = 0) -> None:
+               timeline: dict, early_bytes: int = 0, descriptors: int = 0) -> None:
         line = {"request": loading.request, "ok": error is None, "tp_rank": self.settings.tp_rank,
                 "fetches": len(loading.handles), "seconds": round(time.perf_counter() - loading.started, 6),
-                "transfer_s": transfer_s, "bytes": nbytes, "early_bytes": early_bytes,
+                "transfer_s": transfer_s, "bytes": nbytes, "descriptors": descriptors, "early_bytes": early_bytes,
                 "blocks": max(map(len, loading.tables.values())),
                 "resume_from": loading.resume_from, "bound": loading.bound(), "error": error,
                 "reported_s": None if loading.reported_at is None else round(loading.reported_at - loading.started, 6),
