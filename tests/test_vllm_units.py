@@ -467,8 +467,10 @@ def test_bench_compares_every_baseline_it_ran_with_kvlend():
     def run(connector, ttft):
         return {"connector": connector, "row": "r", "requests": 1, "errors": 0, "ttft_s": [ttft],
                 "decode_leg_s": [ttft / 2], "kv_transfers": 1, "kv_xfer_s": 0.1, "kv_read_s": 0.05,
-                "kv_bytes": 2**20, "kv_failed": 0, "wall_s": 1.0}
-    lines = table(merge([run("kvlend", 0.1), run("nixl:1", 0.5), run("nixl:4", 0.3)])).splitlines()
+                "kv_bytes": 2**20, "kv_descriptors": 4, "kv_failed": 0, "wall_s": 1.0}
+    merged = merge([run("kvlend", 0.1), run("nixl:1", 0.5), run("nixl:4", 0.3)])
+    assert [m["descriptors_per_request"] for m in merged] == [4.0, 4.0, 4.0]
+    lines = table(merged).splitlines()
     assert [line.split(" | ")[1] for line in lines[2:]] == ["kvlend", "nixl:1", "nixl:4", "nixl:1/kvlend",
                                                             "nixl:4/kvlend"]
     assert lines[-1].split(" | ")[2] == "3.00x"
