@@ -114,7 +114,7 @@ def test_scenario_5_reads_every_request_with_many_in_flight_both_ways(quick_repo
         assert r["verified"] is True and r["seconds"] > 0
         assert r["gbps"] == pytest.approx(s5["bytes"] / r["seconds"] / 1e9)
         assert r["requests_per_s"] == pytest.approx(24 / r["seconds"])
-    assert set(s5["targets"]) == {"GB/s kvlend/raw >= 0.90", "GB/s kvlend_read_ahead/raw >= 0.90"}
+    assert set(s5["targets"]) == {"GB/s kvlend/raw >= 0.80", "GB/s kvlend_read_ahead/raw >= 0.80"}
 
 
 def test_scenario_4_cold_peer_reached_verified_bytes_both_ways(quick_report):

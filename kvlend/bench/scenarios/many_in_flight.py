@@ -75,7 +75,7 @@ def run(lender: LenderProcess, backend, sizes: Sizes, progress) -> dict:
     return {"name": "many requests in flight", "count": n, "inflight": sizes.s5_inflight, "bytes": nbytes,
             "results": results,
             "ratios": {f"GB/s {k}/raw": results[k]["gbps"] / raw["gbps"] for k in runs},
-            "targets": {f"GB/s {k}/raw >= 0.90": results[k]["gbps"] >= 0.9 * raw["gbps"] for k in runs}}
+            "targets": {f"GB/s {k}/raw >= 0.80": results[k]["gbps"] >= 0.8 * raw["gbps"] for k in runs}}
 
 
 class _Remote:

@@ -69,7 +69,9 @@ def run(lender: LenderProcess, backend, sizes: Sizes, progress) -> dict:
         "node_overhead_ms": results["kvlend_node"]["p50_ms"] - kv["p50_ms"],
         "node_ahead_overhead_ms": results["kvlend_node_ahead"]["p50_ms"] - kv["p50_ms"],
         "targets": {f"p50 <= 1.5x the faster raw ({faster})": kv["p50_ms"] <= 1.5 * results[faster]["p50_ms"],
-                    f"p99 <= 3x the faster raw ({faster})": kv["p99_ms"] <= 3 * results[faster]["p99_ms"]},
+                    f"p99 <= 3x the faster raw ({faster})": kv["p99_ms"] <= 3 * results[faster]["p99_ms"],
+                    f"through the nodes with read_ahead p50 <= 3x the faster raw ({faster})":
+                        results["kvlend_node_ahead"]["p50_ms"] <= 3 * results[faster]["p50_ms"]},
     }
 
 
