@@ -32,6 +32,7 @@ from vllm.v1.request import RequestStatus
 from kvlend.errors import ConfigError
 from kvlend.protocol.config import NodeConfig
 from kvlend.security.credentials import Credentials
+from kvlend_nixl.huge_pages import back_with_huge_pages
 
 from .layout import GROUP, CacheGroup, layout_from_kv_caches, model_digest, scope_of
 from .scheduler import LENT_STATUSES, ConsumerScheduler, Endpoint, ProducerScheduler, StepPlan, readers_per_worker
@@ -54,7 +55,7 @@ def _show_kvlend_logs() -> None:
 # kv_connector_extra_config keys and defaults (seconds): docs/vllm.md.
 DEFAULTS = {"host": "127.0.0.1", "port": 0, "advertise": None, "ttl": 30.0, "heartbeat": 1.0,
             "claim_wait": 5.0, "transfer_timeout": 30.0, "stats_path": None, "decode_tp": 1,
-            "etcd": None, "cluster_prefix": "/kvlend/default"}
+            "etcd": None, "cluster_prefix": "/kvlend/default", "huge_pages": True}
 
 
 def _number(extra: dict, key: str) -> float:
@@ -188,6 +189,9 @@ class KvlendConnector(KVConnectorBase_V1, SupportsHMA):
                            else ConsumerWorker(settings, self.block_size, self.stats))
         self._endpoint: Endpoint | None = None
         self._on_device = False  # the KV tensors are on an accelerator (set as they are registered)
+        self._huge_pages = extra["huge_pages"]
+        if not isinstance(self._huge_pages, bool):
+            raise ConfigError(f"kv_connector_extra_config.huge_pages: expected true or false, got {self._huge_pages!r}")
 
     # ------------------------------------------------------------ scheduler
     def on_new_request(self, request) -> None:
@@ -257,6 +261,9 @@ class KvlendConnector(KVConnectorBase_V1, SupportsHMA):
                                        replicated=model.use_mla or model.get_total_num_kv_heads() < tp,
                                        groups={layer: group for group, layers in self.groups for layer in layers}
                                        or None)
+        if not on_device and self._huge_pages:
+            collapsed, seconds = back_with_huge_pages(layout.regions)
+            log.info("kvlend: %.2f GiB of KV cache on 2 MiB pages in %.1f s", collapsed / 2**30, seconds)
         if self.producer:
             self._endpoint = self.worker.register(layout)
         else:
