@@ -45,7 +45,7 @@ class GroupPages:
         od = np.array(self.ordinals, dtype=np.int64, copy=True).reshape(-1)
         if tp.shape != od.shape:
             raise PageRangeError(f"token_pages ({tp.size}) and ordinals ({od.size}) differ in length")
-        if tp.size and (tp[0] < 0 or np.any(np.diff(tp) <= 0)):
+        if tp.size and (tp[0] < 0 or not (tp[1:] > tp[:-1]).all()):
             raise PageRangeError("token_pages must be non-negative and strictly increasing")
         if od.size and od.min() < 0:
             raise PageRangeError(f"negative page ordinal {int(od.min())}")
