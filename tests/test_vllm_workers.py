@@ -54,7 +54,8 @@ class Stats:
     def __init__(self):
         self.ok, self.failed = [], []
 
-    def record(self, *, seconds, read_seconds, nbytes, local_blocks=0):
+    def record(self, *, seconds, read_seconds, nbytes, descriptors, local_blocks=0):
+        assert 0 < descriptors <= nbytes
         self.ok.append(nbytes)
 
     def record_failure(self, blocks):
