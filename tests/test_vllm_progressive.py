@@ -48,7 +48,7 @@ def pair(rig: Rig, stats: str, limits=("--max-num-batched-tokens", "128")) -> tu
 def test_the_decode_reads_a_chunked_prefill_while_it_computes(tmp_path):
     assert os.path.exists(launch.VLLM_VENV_PYTHON), "no .venv-vllm: scripts/test runs scripts/vllm-setup first"
     model = ensure_model("tiny")
-    lengths = [5, 300, 1100, 1500]
+    lengths = [5, 300, 1100, 1500, 1900]
     asked = prompts(25, lengths)
     stats = str(tmp_path / "decode-stats.jsonl")
     rig = Rig(model, str(tmp_path))
@@ -63,9 +63,13 @@ def test_the_decode_reads_a_chunked_prefill_while_it_computes(tmp_path):
     assert [n for n, g, e in zip(lengths, got, expected) if g != e] == []
     assert len(lines) == len(lengths) and all(s["ok"] for s in lines), lines  # every prompt's KV came over kvlend
     long = [s for s in lines if s["blocks"] >= 9]  # 1,100 tokens and more: 9 or more chunks of 128
-    assert len(long) == 2, lines
-    # Read while the prefill still computed: bytes were posted before the lease's last extend.
-    assert all(0 < s["early_bytes"] < s["bytes"] and s["final_s"] is not None for s in long), long
+    assert len(long) == 3 and all(s["final_s"] is not None for s in long), lines
+    # A fetch that began before the lease's last extend read while the prefill still computed: bytes went
+    # before it, not all of them. On a loaded host the decode may begin one only after the prefill is done
+    # (then nothing is early, rightly), but not all three.
+    began_early = [s for s in long if s["posted_s"] < s["final_s"]]
+    assert began_early and all(0 < s["early_bytes"] < s["bytes"] for s in began_early), long
+    assert all(s["early_bytes"] == 0 for s in long if s not in began_early), long
 
 
 def test_a_prefill_that_preempts_requests_being_read_never_gives_a_wrong_answer(tmp_path):
