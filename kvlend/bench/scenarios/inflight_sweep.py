@@ -4,6 +4,7 @@ small requests so that the control plane is most of the cost."""
 from __future__ import annotations
 
 import os
+import tempfile
 
 import numpy as np
 
@@ -21,12 +22,10 @@ def run(lender: LenderProcess, backend, sizes: Sizes, progress) -> dict:
     """For each count of prefill ranks (PrefillNodes in the two lender processes, several per process),
     one DecodeNode redeems tickets of ``S7_PAGES`` pages each with ``k`` fetches in flight, for each
     ``k``; reported: this process's CPU per request (its node loop and the driver) and requests/s."""
-    import tempfile
-
     from kvlend_nixl import NixlBackend
 
     from ...runtime import DecodeNode
-    from ...security.certs import Authority, save_rank
+    from ...security.certs import Authority
 
     lenders = [lender, LenderProcess()]
     counts = {k: max(sizes.s7_requests, 3 * k) for k in sizes.s7_inflight}
@@ -42,7 +41,7 @@ def run(lender: LenderProcess, backend, sizes: Sizes, progress) -> dict:
         for peers in sizes.s7_peers:
             progress(f"scenario 7: {peers} prefill rank(s), {'/'.join(map(str, counts))} fetches in flight, "
                      f"{S7_PAGES}-page requests ({sum(counts.values())} in all)")
-            work = _lend(lenders, peers, [peers] + list(counts.values()), ca, save_rank, tempfile)
+            work = _lend(lenders, peers, [peers] + list(counts.values()), ca)
             node_backend = NixlBackend(f"bench-sweep-{peers}-{os.getpid()}", timeout=XFER_TIMEOUT)
             decode = DecodeNode(local, node_backend, ca.issue(f"bench-sweep-decode-{peers}"))
             try:
@@ -63,9 +62,11 @@ def run(lender: LenderProcess, backend, sizes: Sizes, progress) -> dict:
                     "CPU: this process's time (the node's loop thread and the driver), byte checks left out"}
 
 
-def _lend(lenders: list[LenderProcess], peers: int, counts: list[int], ca, save_rank, tempfile) -> list[list]:
+def _lend(lenders: list[LenderProcess], peers: int, counts: list[int], ca) -> list[list]:
     """``peers`` PrefillNodes (node j in lender process j % 2), each lending its share of every batch
     of ``counts`` requests, round robin; the batches of (node, source slots, ticket)."""
+    from ...security.certs import save_rank
+
     rng = np.random.default_rng(7 + peers)
     batches = [[(i % peers, fragmented(POOL, S7_PAGES, seed=int(rng.integers(1 << 30)))) for i in range(n)]
                for n in counts]
