@@ -19,13 +19,12 @@ from __future__ import annotations
 
 import os
 import random
-import time
 
 import pytest
 
 from kvlend_vllm import launch
 from kvlend_vllm.demo import KV_METRICS, scrape
-from tests.support.vllm_rig import Rig, ensure_model, generate, wait_for_stats
+from tests.support.vllm_rig import Rig, ensure_model, generate, wait_for_stats, worker_metrics
 
 pytestmark = pytest.mark.system
 
@@ -43,15 +42,6 @@ def blocks_read(length: int) -> tuple[int, int]:
     """(full-attention blocks, windowed blocks) per layer for a prompt of ``length`` tokens."""
     pages = -(-length // BLOCK)
     return pages, pages - (length - WINDOW) // BLOCK
-
-
-def nixl_counters(decode: launch.Server, transfers: int, timeout: float = 60.0) -> dict:
-    """NixlConnector's counters once they count ``transfers`` (vLLM ships a step's stats later)."""
-    end, got = time.monotonic() + timeout, {}
-    while got.get("kv_transfers", 0) < transfers and time.monotonic() < end:
-        got = scrape(decode.url, KV_METRICS["nixl"])
-        time.sleep(0.5)
-    return got
 
 
 def test_a_hybrid_model_moves_only_its_windows_and_answers_as_a_plain_server(tmp_path):
@@ -79,9 +69,11 @@ def test_a_hybrid_model_moves_only_its_windows_and_answers_as_a_plain_server(tmp
         lines = wait_for_stats(stats, len(prompts))
         got_unlendable = generate(router, model, [unlendable], MAX_TOKENS, concurrency=1)
         nixl_got = generate(nixl_router, model, prompts, MAX_TOKENS)
-        nixl = nixl_counters(nixl_decode, len(prompts))
+        nixl = worker_metrics(nixl_decode, model, KV_METRICS["nixl"],
+                              lambda got: got.get("kv_transfers", 0) >= len(prompts))
         nixl_unlendable = generate(nixl_router, model, [unlendable], MAX_TOKENS, concurrency=1)
-        nixl_after = nixl_counters(nixl_decode, len(prompts) + 1)
+        nixl_after = worker_metrics(nixl_decode, model, KV_METRICS["nixl"],
+                                    lambda got: got.get("kv_transfers", 0) >= len(prompts) + 1)
         late = wait_for_stats(stats, len(prompts), timeout=5.0)  # a lend of the unlendable would add a line
         served = scrape(decode.url, {"ok": "vllm:request_success_total"})
     finally:

@@ -12,13 +12,11 @@ from __future__ import annotations
 
 import os
 import random
-import time
 
 import pytest
 
 from kvlend_vllm import launch
-from kvlend_vllm.demo import scrape
-from tests.support.vllm_rig import Rig, ensure_model, generate, wait_for_stats
+from tests.support.vllm_rig import Rig, ensure_model, generate, wait_for_stats, worker_metrics
 
 pytestmark = pytest.mark.system
 
@@ -54,11 +52,8 @@ def test_prefix_cached_prompts_read_only_their_missing_blocks_and_answer_as_a_pl
         got = generate(router, model, shared, MAX_TOKENS)
         lines = wait_for_stats(stats, len(first) + len(shared))
         held = sum(line["resume_from"] // BLOCK for line in lines)
-        end = time.monotonic() + 60.0
-        local = {}
-        while local.get("blocks", -1) < held and time.monotonic() < end:  # vLLM ships stats every few steps
-            local = scrape(decode.url, {"blocks": "vllm:kvlend_local_blocks_total"})
-            time.sleep(0.5)
+        local = worker_metrics(decode, model, {"blocks": "vllm:kvlend_local_blocks_total"},
+                               lambda got: got.get("blocks", -1) >= held)
     finally:
         rig.close()
     assert all("tokens" in e and len(e["tokens"]) == MAX_TOKENS for e in expected), expected

@@ -207,6 +207,22 @@ def wait_for_stats(path: str, count: int, timeout: float = 60.0) -> list[dict]:
     return lines
 
 
+def worker_metrics(server: launch.Server, model: str, names: dict[str, str], reached, timeout: float = 60.0) -> dict:
+    """``names``' values scraped from ``server`` once ``reached(values)`` holds (or at ``timeout``).
+
+    A worker's connector stats travel to the front end only with an engine step's output, and an idle
+    engine takes no steps: each round sends the engine a one-token request of its own, so the stats of
+    the last fetch are shipped however the fetch and the last step raced."""
+    from kvlend_vllm.demo import scrape
+    end, got = time.monotonic() + timeout, {}
+    while True:
+        got = scrape(server.url, names)
+        if reached(got) or time.monotonic() >= end:
+            return got
+        post(server.url + "/v1/completions", completion(model, [5, 6, 7], 1), timeout=30.0)
+        time.sleep(0.2)
+
+
 def ensure_model(size: str) -> str:
     out = subprocess.run([launch.VLLM_VENV_PYTHON, "-m", "kvlend_vllm.models", "--size", size],
                          check=True, capture_output=True, text=True, timeout=300)
