@@ -325,6 +325,17 @@ def test_renewed_lease_is_not_expired():
     assert lender.locks.locked_pages() == 0
 
 
+def test_a_caller_that_never_sweeps_keeps_the_expiry_heap_bounded_and_expiry_exact():
+    lender = Lender(hybrid(host=False))
+    kept = lender.lend("kept", 161, tables(), ALL, now=0, ttl=1000)
+    for i in range(2000):  # lend and release (and renew the kept one) without ever calling expire
+        lender.release(lender.lend(f"r{i}", 161, tables(), ALL, now=i * 0.1, ttl=10).id)
+        lender.renew(kept.id, i * 0.1)
+    assert len(lender._deadlines) <= 2 * lender.active_leases + 65
+    assert lender.next_expiry() == pytest.approx(199.9 + 1000)
+    assert lender.expire(1199.9) == [] and [x.id for x in lender.expire(1200)] == [kept.id]
+
+
 def test_renew_past_expiry_is_refused_and_changes_nothing():
     lender = Lender(hybrid(host=False))
     lease = lender.lend("r", 161, tables(), ALL, now=0, ttl=10)

@@ -438,8 +438,8 @@ class Lender:
         return bound
 
     def next_expiry(self) -> float | None:
-        """The earliest expiry among live and held leases, or None (may be early: renewals are pushed lazily)."""
-        while self._deadlines and not (self._deadlines[0][2] in self._live or self._deadlines[0][2] in self._held):
+        """The earliest expiry among live and held leases, or None."""
+        while self._deadlines and not self._current(self._deadlines[0]):
             heapq.heappop(self._deadlines)
         return self._deadlines[0][0] if self._deadlines else None
 
@@ -497,10 +497,10 @@ class Lender:
         now = check_time("now", now)
         out = []
         while self._deadlines and self._deadlines[0][0] < now:
-            expires_at, _, lease_id = heapq.heappop(self._deadlines)
-            loan = self._live.get(lease_id) or self._held.get(lease_id)
-            if loan is None or loan.lease.expires_at != expires_at:
+            entry = heapq.heappop(self._deadlines)
+            if not self._current(entry):
                 continue
+            lease_id = entry[2]
             out.append(self._end(lease_id, _EXPIRED) if lease_id in self._live else self.settle(lease_id))
         return out
 
@@ -523,6 +523,14 @@ class Lender:
     def _push(self, lease: Lease) -> None:
         self._seq += 1
         heapq.heappush(self._deadlines, (lease.expires_at, self._seq, lease.id))
+        if len(self._deadlines) > 2 * self.active_leases + 64:  # a caller that never calls expire: drop stale
+            self._deadlines = [e for e in self._deadlines if self._current(e)]
+            heapq.heapify(self._deadlines)
+
+    def _current(self, entry: tuple[float, int, bytes]) -> bool:
+        """Whether a deadline entry is still a lease's expiry (not one released or renewed since)."""
+        loan = self._live.get(entry[2]) or self._held.get(entry[2])
+        return loan is not None and loan.lease.expires_at == entry[0]
 
     def _end(self, lease_id: bytes, why: str, hold: bool = False) -> Lease:
         loan = self._live.pop(lease_id)
