@@ -132,6 +132,19 @@ def steps(pair, until, timeout: float = 10.0, finished: frozenset = frozenset())
     return recved, sent
 
 
+def lease_over(producer, request: str, timeout: float = 10.0) -> None:
+    """Block until every lease of ``request`` ended on the prefill (its done ack was handled, say)."""
+    with producer._lock:
+        assert producer._lock.wait_for(lambda: request in producer._ended, timeout), request
+
+
+def lease_endings(producer) -> list[str]:
+    """The reasons the prefill node gives as each of its leases ends, from now on."""
+    reasons, release = [], producer.node.on_release
+    producer.node.on_release = lambda lease, reason: (reasons.append(reason), release(lease, reason))
+    return reasons
+
+
 def same_blocks(pair, src_blocks, dst_blocks) -> bool:
     return all(torch.equal(s[src_blocks], d[dst_blocks]) for s, d in zip(pair.src.values(), pair.dst.values()))
 
@@ -168,7 +181,7 @@ def test_a_request_is_reported_sent_only_after_vllm_said_it_finished(pair):
     params = lend(pair, "r1", 20, [3, 4])
     load(pair, "d1", params, 20, [5, 6])
     steps(pair, lambda r, s: "d1" in r)
-    time.sleep(0.2)  # the done ack has long arrived: the lease is over
+    lease_over(pair.producer, "r1")  # the done ack arrived: the lease is over
     assert pair.producer.finished_sending(set()) == set()
     assert pair.producer.finished_sending({"r1"}) == {"r1"}
 
@@ -229,11 +242,14 @@ def test_a_request_aborted_while_queued_gives_its_claimed_lease_back(short):
     req = arrive("d1", params, 40)
     short.d.on_new_request(req)
     short.consumer.start(short.d.take_plan())
-    time.sleep(0.2)
+    deadline = time.monotonic() + 10.0
+    while not short.consumer.node.links:  # the link is up, so the claim went out (an abort before that
+        assert time.monotonic() < deadline  # tells the prefill nothing: its lease then expires at the TTL)
+        time.sleep(0.01)
+    endings = lease_endings(short.producer)
     short.d.request_finished(req)
-    started = time.monotonic()
     steps(short, lambda r, s: "r1" in s, finished=frozenset({"r1"}))
-    assert time.monotonic() - started < 0.9  # released at once, not at the one-second TTL
+    assert endings == ["aborted"], endings  # given back by the decode, not left to expire at the TTL
 
 
 @pytest.mark.parametrize("early", [False, True], ids=["claimed-at-load", "claimed-at-arrival"])
