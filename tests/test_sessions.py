@@ -332,6 +332,18 @@ def test_an_unclaimed_lease_is_released_by_the_prefill_at_once():
     assert d.session.next_deadline() is None  # nothing left to heartbeat: the late offer was dropped
 
 
+def test_a_lease_given_back_before_its_link_was_up_is_released_once_it_is():
+    world = World(0)
+    p = world.add_prefill(config=LONG)
+    d = world.add_decode(config=LONG)
+    t = p.ticket(20, seed=8)
+    d.session.claim_ticket(t, d.now)  # the link is not even open yet: the claim is queued
+    d.unclaim(t)  # the engine aborted the request before the link came up
+    world.pump()
+    assert not live(p, t) and locked(p) == 0 and [why for _, why in p.ended] == ["aborted"]
+    assert d.session.next_deadline() is None  # the claim's late answer was dropped: nothing to heartbeat
+
+
 def test_claiming_ahead_twice_or_after_the_fetch_started_changes_nothing():
     world, p, d, conn = rig(LONG)
     t = p.ticket(20, seed=8)

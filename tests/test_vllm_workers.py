@@ -242,11 +242,7 @@ def test_a_request_aborted_while_queued_gives_its_claimed_lease_back(short):
     req = arrive("d1", params, 40)
     short.d.on_new_request(req)
     short.consumer.start(short.d.take_plan())
-    deadline = time.monotonic() + 10.0
-    while not short.consumer.node.links:  # the link is up, so the claim went out (an abort before that
-        assert time.monotonic() < deadline  # tells the prefill nothing: its lease then expires at the TTL)
-        time.sleep(0.01)
-    endings = lease_endings(short.producer)
+    endings = lease_endings(short.producer)  # its link may not be up yet: the abort follows the claim
     short.d.request_finished(req)
     steps(short, lambda r, s: "r1" in s, finished=frozenset({"r1"}))
     assert endings == ["aborted"], endings  # given back by the decode, not left to expire at the TTL

@@ -22,7 +22,7 @@ CLAIMED_AHEAD = (L.QUEUED, L.CLAIMED, L.RECLAIMED)  # claims ahead not yet answe
 _KEEPS = {  # what a lease's record holds in each state; the rest is cleared as it enters it
     L.QUEUED: {"digest"}, L.CLAIMED: {"digest", "sent"}, L.RECLAIMED: {"digest", "sent"},
     L.HELD: {"digest", "offer", "sure"}, L.OFFERED: {"offer", "sure"}, L.REFUSED: {"refusal"},
-    L.DECLINING: {"digest"}, L.ABANDONED: set(), L.GONE: set(),
+    L.DECLINING: {"digest"}, L.UNCLAIMED: {"digest"}, L.ABANDONED: set(), L.GONE: set(),
 }
 _CLEARED = {"offer": None, "sure": None, "sent": None, "digest": b"", "refusal": None}
 del L

@@ -79,6 +79,10 @@ class PrefillMessages:
             claim = link.lease_to(lease, LeaseEvent.CLAIM)
             claim.sent = now
             link.conn.send(Claim(lease, claim.digest))
+        for lease, given_back in list(link.by_state[LeaseState.UNCLAIMED].items()):
+            link.conn.send(Claim(lease, given_back.digest))  # the prefill ends a lease only its holder aborts
+            link.conn.send(Abort(lease, Code.CANCELLED, "unclaimed: the decode will not read it"))
+            link.lease_to(lease, LeaseEvent.CLAIM)
         for lease in list(link.by_state[LeaseState.DECLINING]):
             link.lease_to(lease, LeaseEvent.LAYOUT)  # a layout we read after all: nothing to give back
 
@@ -89,7 +93,7 @@ class PrefillMessages:
         while len(self._unreadable) > PLAN_CACHE:
             self._unreadable.popitem(last=False)
         came_for = [(f.lease, f.prompt_digest) for f in self._waiting(link)]
-        came_for += [(lease, known.digest) for state in (LeaseState.QUEUED, LeaseState.DECLINING)
+        came_for += [(lease, known.digest) for state in (LeaseState.QUEUED, LeaseState.UNCLAIMED, LeaseState.DECLINING)
                      for lease, known in link.by_state[state].items()]
         for lease, digest in dict(came_for).items():
             link.conn.send(Claim(lease, digest))  # refused as we are, a claim gives the lease back

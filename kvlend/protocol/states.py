@@ -140,6 +140,7 @@ class LeaseState(str, Enum):
     OFFERED = "offered"  # pushed by the prefill: the engine may fetch or decline it
     REFUSED = "refused"  # the prefill refused the claim or ended the lease: a later fetch of it fails so
     ABANDONED = "abandoned"  # a claim we gave up (and aborted): its answer is dropped when it comes
+    UNCLAIMED = "unclaimed"  # given back while queued: once the link is ready, its claim goes out with an abort
     RECLAIMED = "reclaimed"  # claimed ahead again while an abandoned claim's answer is still owed
     DECLINING = "declining"  # of a layout we cannot read: a claim gives it back if the prefill refuses ours
     GONE = "gone"  # forgotten: fetched, given back, answered, or the oldest of too many refusals
@@ -179,7 +180,10 @@ LEASE: Mapping[tuple[LeaseState | None, LeaseEvent], LeaseState] = {
     (S.RECLAIMED, E.FETCH): S.ABANDONED,  # the fetch waits for the new claim's answer; the old one's is dropped
     (S.HELD, E.DECLINE): S.GONE,
     (S.OFFERED, E.DECLINE): S.GONE,
-    (S.QUEUED, E.UNCLAIM): S.GONE,  # never sent
+    (S.QUEUED, E.UNCLAIM): S.UNCLAIMED,  # never sent: the prefill learns it is given back once the link is up
+    (S.UNCLAIMED, E.CLAIM): S.ABANDONED,  # the claim and its abort go out together: the answer is dropped
+    (S.UNCLAIMED, E.QUEUE): S.QUEUED,  # claimed ahead again before the link was ready
+    (S.UNCLAIMED, E.FETCH): S.GONE,  # the fetch claims it itself
     (S.REFUSED, E.UNCLAIM): S.GONE,
     (S.CLAIMED, E.UNCLAIM): S.ABANDONED,  # aborted: its answer may still come
     (S.RECLAIMED, E.UNCLAIM): S.ABANDONED,
