@@ -74,7 +74,7 @@ ENVIRONMENT = {
     "KVLEND_KEY": ("none", "this rank's private key (PEM, keep it 0600); `{rank}` as for `KVLEND_CERT`"),
     "KVLEND_LOG": ("`WARNING` (`INFO` inside vLLM)", "log level of the example ranks and of kvlend inside vLLM's "
                                                      "engine processes"),
-    "KVLEND_LOOP_NICE": ("`-5`", "nice value of kvlend's loop thread inside a vLLM worker (negative needs "
+    "KVLEND_LOOP_NICE": ("`-10`", "nice value of kvlend's loop thread inside a vLLM worker (negative needs "
                                  "CAP_SYS_NICE; without it the thread keeps its priority)"),
     "KVLEND_MODEL_DIR": ("`~/.cache/kvlend/models`", "where the local vLLM test models are built and cached"),
     "KVLEND_EXAMPLES": ("the checkout's `examples/`", "where `kvlend demo` finds `pair.py` and the toy engine"),

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import json
 import logging
+import os
+import threading
 import time
 from types import SimpleNamespace
 
@@ -175,6 +177,21 @@ def test_a_decode_from_another_ca_gets_no_kv_and_every_block_is_recomputed(stran
     with open(stranger.consumer.settings.stats_path) as f:
         (line,) = [json.loads(text) for text in f]
     assert line["error"] == "AuthError" and line["bytes"] == 0
+
+
+def test_each_loop_thread_runs_ahead_of_the_engine_where_the_host_allows_it(pair):
+    """A shared-memory read is copied on the node's loop thread: it should not queue behind vLLM's
+    busy processes (``KVLEND_LOOP_NICE``, -10 by default; without CAP_SYS_NICE it stays at 0)."""
+    probe = threading.Thread(target=threading.Event().wait, args=(5.0,), daemon=True)
+    probe.start()
+    try:
+        os.setpriority(os.PRIO_PROCESS, probe.native_id, -10)
+        allowed = True
+    except PermissionError:
+        allowed = False
+    for worker in (pair.producer, pair.consumer):
+        nice = os.getpriority(os.PRIO_PROCESS, worker.node.loop_thread.native_id)
+        assert nice == (-10 if allowed else 0), (worker, nice)
 
 
 def test_a_request_is_reported_sent_only_after_vllm_said_it_finished(pair):
