@@ -52,8 +52,8 @@ def _place(node) -> None:
     heartbeat and NIXL progress (reads measured stuck for 10 s with two engines on one
     core).  The loop mostly sleeps in poll, so a higher priority (``KVLEND_LOOP_NICE``,
     default -10; needs CAP_SYS_NICE) costs the engine little and answers a peer at once.  Its
-    busy moments are the copies themselves (a shared-memory read runs on this thread): on 2
-    vCPUs beside four vLLM processes, 256 MiB reads took 43-47 ms (p50) at -5 and 31-34 ms at -10.
+    busy moments are the copies themselves (a shared-memory read runs on this thread), which on a
+    small host queue behind vLLM's busy processes (BENCHMARKS.md, issue 26, measures -5 against -10).
     """
     tid = node.loop_thread.native_id
     try:
