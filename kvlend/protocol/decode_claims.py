@@ -18,7 +18,7 @@ from ..errors import (
     UsageError,
 )
 from .codes import Code, lease_error
-from .decode_link import CLAIMED_AHEAD, REFUSED_KEPT, PrefillLink
+from .decode_link import CLAIMED_AHEAD, REFUSED_KEPT, UNCLAIM_DETAIL, PrefillLink
 from .fetch import Fetch, check_destination, clone_error, resume_point, timeout_arg
 from .states import FetchEvent, FetchState, LeaseEvent, LeaseState, LinkState
 from .ticket import Ticket
@@ -162,9 +162,9 @@ class TicketClaims:
             link.lease_to(ticket.lease, LeaseEvent.UNCLAIM)
         elif state in (LeaseState.CLAIMED, LeaseState.RECLAIMED):  # sent: its answer may still come, dropped then
             link.lease_to(ticket.lease, LeaseEvent.UNCLAIM)
-            link.conn.send(Abort(ticket.lease, Code.CANCELLED, "unclaimed: the decode will not read it"))
+            link.conn.send(Abort(ticket.lease, Code.CANCELLED, UNCLAIM_DETAIL))
         elif state in (LeaseState.HELD, LeaseState.OFFERED) and link.state is LinkState.READY:
-            self.decline(conn, known.offer, "unclaimed: the decode will not read it")
+            self.decline(conn, known.offer, UNCLAIM_DETAIL)
 
     def _claim(self, link: PrefillLink, fetch: Fetch, now: float) -> None:
         fetch.claimed_at = now

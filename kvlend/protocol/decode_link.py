@@ -15,6 +15,7 @@ from .wire import MAX_META, Extend, LeaseOffer
 
 PLAN_CACHE = 64  # plans, refused layouts and closed links' errors remembered
 REFUSED_KEPT = 4096  # early claims' refusals remembered per link, and leases declined lately
+UNCLAIM_DETAIL = "unclaimed: the decode will not read it"  # why a lease claimed ahead is given back
 
 L = LeaseState
 _OFFERS = (L.HELD, L.OFFERED)  # with an offer not yet fetched: heartbeated, fetched by ``fetch_offer``

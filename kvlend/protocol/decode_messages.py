@@ -11,7 +11,7 @@ from ..core.text import printable
 from ..errors import IncompleteFetch, KvlendError, LayoutMismatch, PeerLost, PeerProtocolError, QuotaExceeded
 from .actions import AddPeer, Offered, PeerReady
 from .codes import Code, code_of, lease_error, link_error
-from .decode_link import PLAN_CACHE, PrefillLink, check_committed, grown_offer
+from .decode_link import PLAN_CACHE, UNCLAIM_DETAIL, PrefillLink, check_committed, grown_offer
 from .fetch import Fetch
 from .prefill import peer_layout
 from .states import FetchEvent, FetchState, IllegalTransition, LeaseEvent, LeaseState, LinkEvent, LinkState
@@ -81,7 +81,7 @@ class PrefillMessages:
             link.conn.send(Claim(lease, claim.digest))
         for lease, given_back in list(link.by_state[LeaseState.UNCLAIMED].items()):
             link.conn.send(Claim(lease, given_back.digest))  # the prefill ends a lease only its holder aborts
-            link.conn.send(Abort(lease, Code.CANCELLED, "unclaimed: the decode will not read it"))
+            link.conn.send(Abort(lease, Code.CANCELLED, UNCLAIM_DETAIL))
             link.lease_to(lease, LeaseEvent.CLAIM)
         for lease in list(link.by_state[LeaseState.DECLINING]):
             link.lease_to(lease, LeaseEvent.LAYOUT)  # a layout we read after all: nothing to give back
