@@ -25,9 +25,9 @@ ALLOWED = {
     "protocol": {"core"},
     "transport": {"core"},
     "security": {"core"},
-    "cluster": {"core"},
-    "runtime": {"core", "protocol", "transport", "security", "metrics", "cluster"},
-    "bench": {"core", "protocol", "transport", "security", "runtime"},
+    "cluster": {"core", "ports"},
+    "runtime": {"core", "protocol", "transport", "security", "metrics", "cluster", "ports"},
+    "bench": {"core", "protocol", "transport", "security", "runtime", "ports"},
 }
 IMPURE = ("nixl", "torch", "socket", "select", "selectors", "asyncio", "subprocess")
 # Imported directly by no pure module (``logging`` brings ``threading`` along; that is not a thread).

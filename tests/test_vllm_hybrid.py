@@ -22,6 +22,7 @@ import random
 
 import pytest
 
+from kvlend.ports import spare_port
 from kvlend_vllm import launch
 from kvlend_vllm.demo import KV_METRICS, scrape
 from tests.support.vllm_rig import Rig, ensure_model, generate, wait_for_stats, worker_metrics
@@ -51,7 +52,7 @@ def test_a_hybrid_model_moves_only_its_windows_and_answers_as_a_plain_server(tmp
     prompts = [[rng.randrange(4, 1000) for _ in range(n)] for n in LENGTHS]
     unlendable = [rng.randrange(4, 1000) for _ in range(UNLENDABLE)]
     stats = str(tmp_path / "decode-stats.jsonl")
-    nixl_env = {"VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1", "VLLM_NIXL_SIDE_CHANNEL_PORT": str(launch.free_port())}
+    nixl_env = {"VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1", "VLLM_NIXL_SIDE_CHANNEL_PORT": str(spare_port())}
     rig = Rig(model, str(tmp_path))
     try:
         plain = rig.engine("plain", dtype="float32")

@@ -20,7 +20,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import ssl
 import subprocess
 import tempfile
@@ -29,6 +28,7 @@ import urllib.error
 import urllib.request
 
 from ..errors import RegistryError
+from ..ports import spare_ports
 
 START_TIMEOUT = 20.0
 
@@ -42,19 +42,6 @@ def etcd_binary() -> str:
     return path
 
 
-def _free_ports(n: int) -> list[int]:
-    socks = []
-    try:
-        for _ in range(n):
-            s = socket.socket()
-            s.bind(("127.0.0.1", 0))
-            socks.append(s)
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
-
-
 class EtcdMembers:
     """``n`` etcd members of one fresh cluster on 127.0.0.1; ``endpoints`` are their client URLs' host:port."""
 
@@ -65,7 +52,7 @@ class EtcdMembers:
         self.host = host
         self._own_dir = workdir is None
         self.workdir = workdir or tempfile.mkdtemp(prefix="kvlend-etcd-")
-        ports = _free_ports(2 * n)
+        ports = spare_ports(2 * n, host)
         self.client_ports, self.peer_ports = ports[:n], ports[n:]
         self.names = [f"m{i}" for i in range(n)]
         self.cluster = ",".join(f"{m}=http://{host}:{p}" for m, p in zip(self.names, self.peer_ports))

@@ -19,6 +19,7 @@ import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
+from kvlend.ports import spare_port
 from kvlend.security.certs import Authority, save_rank
 from kvlend_vllm import launch
 
@@ -42,7 +43,7 @@ class Rig:
     def engine(self, name: str, config: dict | None = None, *, extra=(), env=None,
                dtype: str = "bfloat16", prefix_caching: bool = True, tp: int = 1) -> launch.Server:
         """A ``vllm serve``; with ``tp`` > 1 its workers are ``name-0`` ... (``{rank}`` in the cert paths)."""
-        port = launch.free_port()
+        port = spare_port()
         parallel = ["--tensor-parallel-size", str(tp)] if tp > 1 else []
         argv = launch.vllm_serve_argv(self.model, port, kv_transfer_config=config, max_model_len=2048,
                                       dtype=dtype, prefix_caching=prefix_caching, extra=[*parallel, *extra])
@@ -57,7 +58,7 @@ class Rig:
 
     def router(self, name: str, prefill: launch.Server, decode: launch.Server, *,
                progressive: bool = False) -> launch.Server:
-        port = launch.free_port()
+        port = spare_port()
         argv = [launch.VLLM_VENV_PYTHON, "-m", "kvlend_vllm.router", "--port", str(port),
                 "--prefill", prefill.url, "--decode", decode.url, "--timeout", "120",
                 *(["--progressive"] if progressive else [])]
@@ -67,10 +68,10 @@ class Rig:
         """vLLM's own P/D router (``vllm-router``, Rust) in front of running engines: it passes the
         prefill's ``kv_transfer_params`` to the decode unchanged, so kvlend's tickets ride it.  Health
         checks every second take a dead worker out of rotation quickly."""
-        port = launch.free_port()
+        port = spare_port()
         argv = [os.path.join(os.path.dirname(launch.VLLM_VENV_PYTHON), "vllm-router"), "--host", "127.0.0.1",
                 "--port", str(port), "--vllm-pd-disaggregation", "--policy", policy,
-                "--prometheus-port", str(launch.free_port()), "--request-timeout-secs", "120",
+                "--prometheus-port", str(spare_port()), "--request-timeout-secs", "120",
                 "--health-check-interval-secs", "1", "--health-failure-threshold", "1",
                 "--worker-startup-timeout-secs", "60"]
         for server in prefills:

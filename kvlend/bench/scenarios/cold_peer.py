@@ -8,6 +8,7 @@ import time
 
 import numpy as np
 
+from ...ports import spare_port
 from ..lender_process import LenderProcess
 from ..pools import GROUP, PAGE_BYTES, descriptor_rows, expected_ok, make_pools
 from ..sizes import Sizes
@@ -16,7 +17,6 @@ from ..timing import BenchError, backoff
 
 def run(lender: LenderProcess, backend, sizes: Sizes, progress) -> dict:
     """First contact to first verified byte: kvlend's control channel vs NIXL's listener (one sample each)."""
-    import socket
     import tempfile
 
     from kvlend_nixl import NixlBackend
@@ -46,9 +46,7 @@ def run(lender: LenderProcess, backend, sizes: Sizes, progress) -> dict:
         decode.close()
         cold_backend.close()
     progress("scenario 4: cold raw NIXL agent -> peer listener (fetch_remote_metadata, first read)")
-    with socket.socket() as sock:  # a free port for the peer's listener
-        sock.bind(("127.0.0.1", 0))
-        free = sock.getsockname()[1]
+    free = spare_port()  # for the peer's listener
     nbytes = n * 2 * PAGE_BYTES
     name, address = lender.call("listener", {"port": free, "bytes": nbytes})
     dst = np.zeros(nbytes // 8, np.uint64)

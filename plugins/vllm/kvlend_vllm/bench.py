@@ -46,6 +46,8 @@ import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 
+from kvlend.ports import spare_port
+
 from . import launch, models
 from .demo import (
     EXTERNAL_TOKENS,
@@ -147,7 +149,7 @@ def run_pair(spec: str, args, model: str, max_len: int, log_dir: str, certs: dic
     engine = "kvlend" if progressive else connector
     servers = []
     try:
-        side_channel, engine_id, push = launch.free_port(), f"{name}-prefill", None
+        side_channel, engine_id, push = spare_port(), f"{name}-prefill", None
         if connector == "nixl-push":  # the decode registers its blocks with the prefill, named in advance
             push = {"remote_engine_id": engine_id, "remote_host": "127.0.0.1", "remote_port": side_channel,
                     "tp_size": 1, "pp_size": 1}

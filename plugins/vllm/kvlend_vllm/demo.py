@@ -28,6 +28,7 @@ import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
+from kvlend.ports import spare_port
 from kvlend.security.certs import Authority, save_rank
 from kvlend_vllm import launch, models
 
@@ -150,14 +151,14 @@ def start_engine(name: str, connector: str | None, role: str | None, model: str,
     one (None); ``tls_env`` names kvlend's credentials (``write_certs``); ``side_channel``/``engine_id``:
     a NIXL engine's side-channel port or a Mooncake prefill's bootstrap port (default: a free one) and
     its engine id (default: vLLM's random one)."""
-    port, extra_env, cfg = launch.free_port(), {}, None
+    port, extra_env, cfg = spare_port(), {}, None
     if connector in ("nixl", "nixl-push"):
         cfg = launch.nixl_transfer_config(role, nixl_threads, push=connector == "nixl-push", engine_id=engine_id)
         extra_env = {"VLLM_NIXL_SIDE_CHANNEL_HOST": HOST,
-                     "VLLM_NIXL_SIDE_CHANNEL_PORT": str(side_channel or launch.free_port())}
+                     "VLLM_NIXL_SIDE_CHANNEL_PORT": str(side_channel or spare_port())}
     elif connector == "mooncake":
         cfg = launch.mooncake_transfer_config(role, engine_id)
-        extra_env = {**launch.mooncake_env(), "VLLM_MOONCAKE_BOOTSTRAP_PORT": str(side_channel or launch.free_port())}
+        extra_env = {**launch.mooncake_env(), "VLLM_MOONCAKE_BOOTSTRAP_PORT": str(side_channel or spare_port())}
     elif connector == "kvlend":
         cfg = launch.kvlend_transfer_config(role, kvlend_extra)
         extra_env = dict(tls_env)
@@ -170,7 +171,7 @@ def start_router(prefill: launch.Server, decode: launch.Server, log_dir: str, ti
                  push_params: dict | None = None, progressive: bool = False) -> launch.Server:
     """kvlend's router; with ``push_params`` in push mode, with ``progressive`` in kvlend's progressive
     mode (``kvlend_vllm.router``)."""
-    port = launch.free_port()
+    port = spare_port()
     push = ["--push-params", json.dumps(push_params)] if push_params is not None else []
     push += ["--progressive"] if progressive else []
     return launch.Server("router", f"http://{HOST}:{port}", ("/health",)).start(
@@ -181,9 +182,9 @@ def start_router(prefill: launch.Server, decode: launch.Server, log_dir: str, ti
 def start_vllm_router(prefills: list[launch.Server], decodes: list[launch.Server], policy: str, log_dir: str,
                       timeout: float) -> launch.Server:
     """vLLM's ``vllm-router`` in P/D mode; start it once the engines are up (it checks them at start-up)."""
-    port = launch.free_port()
+    port = spare_port()
     argv = [os.path.join(os.path.dirname(sys.executable), "vllm-router"), "--host", HOST, "--port", str(port),
-            "--vllm-pd-disaggregation", "--policy", policy, "--prometheus-port", str(launch.free_port()),
+            "--vllm-pd-disaggregation", "--policy", policy, "--prometheus-port", str(spare_port()),
             "--request-timeout-secs", str(int(timeout)), "--health-check-interval-secs", "1"]
     for server in prefills:
         argv += ["--prefill", server.url]

@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -25,13 +24,6 @@ VLLM_VENV_PYTHON = os.path.join(
 
 
 SITE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "site")  # its sitecustomize.py
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port that was free a moment ago (the kernel picks it)."""
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 def _python() -> str:
