@@ -146,7 +146,16 @@ def _get(url: str, timeout: float) -> int:
 
 
 class Server:
-    """One server process group; use as a context manager to always stop it."""
+    """One server process group; use as a context manager to always stop it.
+
+    Its own process group, so ``stop`` reaches all of its processes and a terminal's SIGINT or a
+    wrapper's ``timeout`` none of them, but the caller's session: with Linux's autogroup scheduling
+    (on by default) each session shares the CPUs as one group, and a thread's priority counts only
+    inside its group.  Engines in sessions of their own on a 2-vCPU host, a TP decode busy-stepping
+    while it waits for KV starved the whole prefill engine, kvlend's loop thread at nice -10
+    included, for seconds at a time: its claims were answered and its reads progressed 5-15 s late
+    (``docs/operations.md``, "Engines that share cores").
+    """
 
     def __init__(self, name: str, url: str, ready_paths: Sequence[str] = ("/health", "/v1/models")):
         self.name, self.url, self.ready_paths = name, url.rstrip("/"), tuple(ready_paths)
@@ -163,7 +172,7 @@ class Server:
             self._t0 = time.monotonic()
             self.proc = subprocess.Popen(list(argv), env=dict(env) if env is not None else None,
                                          stdin=subprocess.DEVNULL, stdout=log,
-                                         stderr=subprocess.STDOUT, start_new_session=True)
+                                         stderr=subprocess.STDOUT, process_group=0)
         finally:
             log.close()
         return self
@@ -203,7 +212,7 @@ class Server:
         """SIGTERM the whole group, then SIGKILL what is left after timeout."""
         if self.proc is None:
             return
-        pgid = self.proc.pid      # start_new_session: the leader's pid is the pgid
+        pgid = self.proc.pid      # process_group=0: the leader's pid is the pgid
         for sig, wait in ((signal.SIGTERM, timeout), (signal.SIGKILL, 5.0)):
             try:
                 os.killpg(pgid, sig)
