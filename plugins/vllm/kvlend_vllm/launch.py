@@ -151,9 +151,9 @@ class Server:
     Its own process group, so ``stop`` reaches all of its processes and a terminal's SIGINT or a
     wrapper's ``timeout`` none of them, but the caller's session: with Linux's autogroup scheduling
     (on by default) each session shares the CPUs as one group, and a thread's priority counts only
-    inside its group.  Engines in sessions of their own on a 2-vCPU host, a TP decode busy-stepping
-    while it waits for KV starved the whole prefill engine, kvlend's loop thread at nice -10
-    included, for seconds at a time: its claims were answered and its reads progressed 5-15 s late
+    inside its group.  With engines in sessions of their own on a 2-vCPU host, a TP decode
+    busy-stepping while it waited for KV starved the whole prefill engine, kvlend's loop thread at
+    nice -10 included, for seconds at a time: claims were answered and reads progressed 5-15 s late
     (``docs/operations.md``, "Engines that share cores").
     """
 
