@@ -301,22 +301,20 @@ class PageLayout:
 
 
 def _check_overlaps(region: str, spans: list[tuple[int, int, str, str]]) -> None:
-    """Buffers of one region must not share bytes, except buffers of different groups on exactly
-    the same bytes: one pool serving several groups (vLLM's hybrid allocator), where a slot
-    belongs to one group at a time, so its page locks cover every group that uses it."""
-    spans.sort()  # by start, then end, then group: a group's duplicate is next to it
-    reach = None  # the span reaching furthest so far (the last such)
+    """Buffers of one group must not share a region's bytes; buffers of different groups may: one
+    pool serving several groups (vLLM's hybrid allocator, where a recurrent state block lies in the
+    first bytes of an attention page), where a slot belongs to one group at a time, so its page locks
+    cover every group that uses it."""
+    spans.sort(key=lambda span: (span[2], span[0], span[1]))  # by group, then start and end
+    reach = None  # the span of this group reaching furthest so far
     for s1, e1, g1, n1 in spans:
-        if reach is not None and s1 < reach[1]:
-            s0, e0, g0, n0 = reach
-            if (s0, e0) != (s1, e1):
-                raise fail(f"buffer {n1!r}.offset", f"bytes [{s1}, ...) overlap buffer {n0!r} [{s0}, {e0}) "
-                           f"in region {region!r}")
-            if g0 == g1:
-                raise fail(f"buffer {n1!r}.offset", f"bytes [{s1}, {e1}) are also buffer {n0!r}'s in region "
-                           f"{region!r}, in the same group {g1!r} (only different groups may share a slot's bytes)")
-        if reach is None or e1 >= reach[1]:
+        if reach is not None and reach[2] == g1 and s1 < reach[1]:
+            s0, e0, _, n0 = reach
+            raise fail(f"buffer {n1!r}.offset", f"bytes [{s1}, {e1}) overlap buffer {n0!r} [{s0}, {e0}) "
+                       f"of the same group {g1!r} in region {region!r} (only different groups may share bytes)")
+        if reach is None or reach[2] != g1 or e1 >= reach[1]:
             reach = (s1, e1, g1, n1)
+
 
 def layout_from_pools(
     kv: Sequence[Any] | None = None,

@@ -29,7 +29,11 @@ class Role(str, Enum):
     # hold a head's K rows then its V rows): split by heads only, never by tokens.
     HEAD_KV = "HEAD_KV"
     STATE = "STATE"
-    CONV = "CONV"
+    CONV = "CONV"  # a conv state whole, or the first of its parts (Mamba2's x channels)
+    # The conv state's other parts when each is sharded on its own (Mamba2: B and C channels,
+    # split by SSM groups or held whole by every rank, where x is split by heads).
+    CONV_B = "CONV_B"
+    CONV_C = "CONV_C"
 
 
 class HeadOrder(str, Enum):
@@ -48,7 +52,7 @@ class SelectionMode(str, Enum):
 
 
 _ATTENTION_ROLES = {Role.K, Role.V, Role.KV, Role.HEAD_KV}
-_RECURRENT_ROLES = {Role.STATE, Role.CONV}
+_RECURRENT_ROLES = {Role.STATE, Role.CONV, Role.CONV_B, Role.CONV_C}
 
 
 @dataclass(frozen=True)

@@ -26,15 +26,17 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     SupportsHMA,
 )
 from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
-from vllm.v1.kv_cache_interface import FullAttentionSpec, MLAAttentionSpec, SlidingWindowSpec
+from vllm.model_executor.layers.mamba.mamba_utils import is_conv_state_dim_first
+from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
+from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec, MLAAttentionSpec, SlidingWindowSpec
 from vllm.v1.request import RequestStatus
 
-from kvlend.errors import ConfigError
+from kvlend.errors import ConfigError, KvlendError
 from kvlend.protocol.config import NodeConfig
 from kvlend.security.credentials import Credentials
 from kvlend_nixl.huge_pages import back_with_huge_pages
 
-from .layout import GROUP, CacheGroup, layout_from_kv_caches, model_digest, scope_of
+from .layout import GROUP, CacheGroup, StateShape, layout_from_kv_caches, model_digest, scope_of, state_scope
 from .scheduler import LENT_STATUSES, ConsumerScheduler, Endpoint, ProducerScheduler, StepPlan, readers_per_worker
 from .stats import KvlendPromMetrics, KvlendStats
 from .worker import ConsumerWorker, ProducerWorker, WorkerSettings
@@ -115,9 +117,45 @@ def _decode_tp(extra: dict, prefill_tp: int) -> int:
     return int(value)
 
 
-def cache_groups(kv_cache_config) -> tuple[tuple[CacheGroup, tuple[str, ...]], ...]:
+# Where a model's config names its Mamba2 SSM groups (granite-4.0-h and Falcon-H1, Nemotron-H and
+# Mamba2, Zamba2).
+_GROUP_KEYS = ("mamba_n_groups", "n_groups", "mamba_ngroups")
+
+
+def state_shape(spec: MambaSpec, hf_config, where: str) -> StateShape:
+    """A ``MambaSpec`` group's state block as kvlend describes it; ConfigError names what is not
+    supported (a Mamba1 or gated-delta-net state, prefix caching's align mode, speculative state blocks,
+    a shape that is not a conv plus an SSM state)."""
+    mamba_type = getattr(spec.mamba_type, "name", str(spec.mamba_type))
+    if spec.mamba_type is not MambaAttentionBackendEnum.MAMBA2:
+        raise ConfigError(f"KvlendConnector: {where} holds {mamba_type} state; only Mamba2 state is supported")
+    if spec.mamba_cache_mode != "none":
+        raise ConfigError(f"KvlendConnector: {where}: mamba_cache_mode {spec.mamba_cache_mode!r} (prefix caching "
+                          "of recurrent state) is not supported; start the engine with --no-enable-prefix-caching")
+    if spec.num_speculative_blocks:  # (checkpoint blocks exist only in align mode)
+        raise ConfigError(f"KvlendConnector: {where}: {spec.num_speculative_blocks} speculative state blocks "
+                          "per request (speculative decoding) are not supported")
+    shapes = tuple(tuple(int(n) for n in shape) for shape in spec.shapes)
+    if len(shapes) != 2 or len(shapes[0]) != 2 or len(shapes[1]) != 3:
+        raise ConfigError(f"KvlendConnector: {where}: state shapes {shapes} are not a Mamba2 conv state "
+                          "and SSM state")
+    groups = next((hf_config[k] for k in _GROUP_KEYS if isinstance(hf_config.get(k), int)), None)
+    if groups is None:
+        raise ConfigError(f"KvlendConnector: {where}: the model config names no SSM group count "
+                          f"(looked for {list(_GROUP_KEYS)})")
+    state = StateShape(shapes[0], shapes[1], spec.dtypes[0].itemsize, spec.dtypes[1].itemsize,
+                       is_conv_state_dim_first(), groups)
+    try:
+        state.channels()
+    except KvlendError as exc:
+        raise ConfigError(f"KvlendConnector: {where}: {exc}") from None
+    return state
+
+
+def cache_groups(kv_cache_config, hf_config: dict | None = None) -> tuple[tuple[CacheGroup, tuple[str, ...]], ...]:
     """vLLM's KV cache groups as kvlend groups, with their layers: full attention (or MLA) moves whole,
-    a sliding window (vLLM's hybrid allocator) only its window's blocks; any other kind is refused."""
+    a sliding window (vLLM's hybrid allocator) only its window's blocks, a Mamba2 group its state block
+    (``hf_config``: the model's, for its SSM groups); any other kind is refused."""
     groups = getattr(kv_cache_config, "kv_cache_groups", None)
     if groups is None:
         return ((CacheGroup(GROUP), ()),)
@@ -135,9 +173,13 @@ def cache_groups(kv_cache_config) -> tuple[tuple[CacheGroup, tuple[str, ...]], .
             out.append((CacheGroup(name), tuple(g.layer_names)))
         elif type(spec) is SlidingWindowSpec:
             out.append((CacheGroup(name, int(spec.sliding_window)), tuple(g.layer_names)))
+        elif type(spec) is MambaSpec:
+            state = state_shape(spec, hf_config or {}, f"KV cache group {i} (layers {list(g.layer_names)[:3]})")
+            out.append((CacheGroup(name, state=state), tuple(g.layer_names)))
         else:
             raise ConfigError(f"KvlendConnector: KV cache group {i} ({type(spec).__name__}, layers "
-                              f"{list(g.layer_names)[:3]}...) is not full attention or a sliding window")
+                              f"{list(g.layer_names)[:3]}...) is not full attention, a sliding window "
+                              "or Mamba2 state")
     return tuple(out)
 
 
@@ -156,7 +198,10 @@ class KvlendConnector(KVConnectorBase_V1, SupportsHMA):
         super().__init__(vllm_config, role, kv_cache_config)
         _show_kvlend_logs()
         check_vllm(vllm.__version__, vllm_config)
-        self.groups = cache_groups(kv_cache_config)
+        self.groups = cache_groups(kv_cache_config, vllm_config.model_config.hf_config.to_dict())
+        self._state_dtypes = next((tuple(str(d).removeprefix("torch.") for d in g.kv_cache_spec.dtypes)
+                                   for g in getattr(kv_cache_config, "kv_cache_groups", None) or ()
+                                   if type(g.kv_cache_spec) is MambaSpec), None)
         transfer = self._kv_transfer_config
         if transfer.kv_role not in ("kv_producer", "kv_consumer"):
             raise ConfigError(f"KvlendConnector: kv_role must be kv_producer or kv_consumer, got {transfer.kv_role!r}")
@@ -244,15 +289,21 @@ class KvlendConnector(KVConnectorBase_V1, SupportsHMA):
 
     # --------------------------------------------------------------- worker
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        stateful = {layer for group, layers in self.groups if group.state is not None for layer in layers}
         first = next(iter(kv_caches.values()))
-        dtype = str(first.dtype).removeprefix("torch.")
+        attention = next((t for name, t in kv_caches.items() if name not in stateful), None)
+        # A state block's view is raw bytes: the model's element type is the attention cache's.
+        dtype = (str(attention.dtype) if attention is not None else str(self._vllm_config.model_config.dtype))
+        dtype = dtype.removeprefix("torch.")
         config = self._vllm_config
         on_device = self._on_device = first.device.type != "cpu"
         kernel = (f"CPU_ATTN-{torch.backends.cpu.get_cpu_capability()}" if not on_device
                   else f"{first.device.type}-sm{''.join(map(str, torch.cuda.get_device_capability(first.device)))}")
+        state = next((g.state for g, _ in self.groups if g.state is not None), None)
         scope = scope_of(platform=first.device.type, kernel=kernel, dtype=dtype, block_size=self.block_size,
                          cache_layout=str(getattr(self._kv_cache_config, "kv_cache_layout", "default")),
-                         model=model_digest(config.model_config.hf_config.to_dict()))
+                         model=model_digest(config.model_config.hf_config.to_dict()),
+                         state="" if state is None else state_scope(state, *self._state_dtypes))
         tp = config.parallel_config.tensor_parallel_size
         model = config.model_config
         layout = layout_from_kv_caches(kv_caches, block_size=self.block_size, dtype=dtype, scope=scope,

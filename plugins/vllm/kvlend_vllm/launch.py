@@ -127,6 +127,9 @@ def vllm_env(kv_cache_gib: int = 1, extra: Mapping[str, str] | None = None) -> d
         "VLLM_NO_USAGE_STATS": "1",
         "PYTHONUNBUFFERED": "1",
     })
+    # A Mamba2 conv state stored channel-major (vLLM's default only for its own NIXL connectors on CPU):
+    # its x, B and C channels are then runs a tensor-parallel peer reads apart (kvlend_vllm.layout).
+    env.setdefault("VLLM_SSM_CONV_STATE_LAYOUT", "DS")
     if (os.cpu_count() or 1) <= 4:
         env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
         env.setdefault("OMP_NUM_THREADS", "1")

@@ -38,6 +38,15 @@ the strides.  So:
   window.  Under vLLM's hybrid allocator layers of different groups share one
   tensor (a block belongs to one group at a time): their buffers lie on the
   same bytes, which a layout allows across groups only.
+- A Mamba2 layer's cache (a ``MambaSpec`` group) is one state block per
+  request, ``[blocks, 1, 1, state bytes]`` padded to the attention page: the
+  conv state, then the SSM state ``(heads, head_dim, d_state)``.  Both become
+  buffers of a recurrent group, the padding none.  The SSM state is split by
+  heads under tensor parallelism; the conv state, when stored channel-major
+  (vLLM's ``DS`` layout), is three runs of channels sharded apart: x by heads
+  (``CONV``), B and C by SSM groups, or held whole by every rank when the
+  model has one group (``CONV_B``, ``CONV_C``).  Stored token-major (``SD``)
+  the conv state has no split and moves whole.
 """
 
 from __future__ import annotations
@@ -66,11 +75,47 @@ GROUP = "full"  # the group of a model with one KV cache group: vLLM's block tab
 
 
 @dataclass(frozen=True)
+class StateShape:
+    """A Mamba2 layer's state block, per rank: the conv state's shape (``conv_first``: ``(channels,
+    rows)``, vLLM's DS; else ``(rows, channels)``) and the SSM state's ``(heads, head_dim, d_state)``,
+    with element sizes; ``groups``: the model's SSM groups (B and C channels are split by them, or held
+    whole by every rank when there is one)."""
+
+    conv: tuple[int, int]
+    ssm: tuple[int, int, int]
+    conv_elt: int
+    ssm_elt: int
+    conv_first: bool
+    groups: int
+
+    @property
+    def conv_bytes(self) -> int:
+        return self.conv[0] * self.conv[1] * self.conv_elt
+
+    @property
+    def nbytes(self) -> int:
+        return self.conv_bytes + self.ssm[0] * self.ssm[1] * self.ssm[2] * self.ssm_elt
+
+    def channels(self) -> tuple[int, int]:
+        """(x channels, B channels) per rank: the conv channels are x | B | C, x being heads x head_dim."""
+        channels = self.conv[0] if self.conv_first else self.conv[1]
+        heads, head_dim, d_state = self.ssm
+        x = heads * head_dim
+        b, odd = divmod(channels - x, 2)
+        if odd or b <= 0 or b % d_state:
+            raise LayoutError(f"Mamba2 state: {channels} conv channels are not {heads} heads x {head_dim} "
+                              f"(x) plus B and C of whole groups of {d_state} (shapes {self.conv}, {self.ssm})")
+        return x, b
+
+
+@dataclass(frozen=True)
 class CacheGroup:
-    """One of vLLM's KV cache groups: its kvlend group name and window (tokens; None: full attention)."""
+    """One of vLLM's KV cache groups: its kvlend group name and window (tokens; None: full attention),
+    or the state block of its recurrent layers (``state``)."""
 
     name: str
     window: int | None = None
+    state: StateShape | None = None
 
 
 def layer_index(name: str) -> int:
@@ -107,8 +152,8 @@ def layout_from_kv_caches(kv_caches: Mapping[str, Any], *, block_size: int, dtyp
     pages: list[_Pages] = []
     group_of: dict[int, CacheGroup] = {}
     for name, t in sorted(kv_caches.items(), key=lambda it: layer_index(it[0])):
-        p = _pages(name, t, block_size)
         group = CacheGroup(GROUP) if groups is None else groups.get(name)
+        p = _pages(name, t, block_size) if group is None or group.state is None else _state_pages(name, t, group.state)
         same = [q for q in pages if (q.address, q.stride, q.page_bytes) == (p.address, p.stride, p.page_bytes)]
         # A layer that reuses another's cache (vLLM's cross-layer KV sharing: in no group, or in the
         # other's) moves with it; one in another group (the hybrid allocator's shared tensors) has pages
@@ -133,11 +178,15 @@ def layout_from_kv_caches(kv_caches: Mapping[str, Any], *, block_size: int, dtyp
             home = MemoryRegion(f"L{p.layer}", kind, device_id, p.num * p.stride, p.stride, p.num, p.address)
             regions.append(home)
         members.setdefault(home.name, []).append(p.layer)
+        group = group_of[p.layer]
+        if group.state is not None:
+            buffers += _state_buffers(p.layer, home.name, p.address - home.address, group)
+            continue
         geometry = None if p.heads is None else HeadGeometry(
             p.heads[0], p.heads[1], p.heads[2], Sharding.REPLICATED if replicated else Sharding.INDEXED)
         buffers.append(BufferDesc(f"L{p.layer}.kv", home.name, p.address - home.address, p.page_bytes,
                                   LayerIdentity(p.layer, LayerKind.ATTENTION, Role.HEAD_KV),
-                                  group=group_of[p.layer].name, geometry=geometry, window=group_of[p.layer].window))
+                                  group=group.name, geometry=geometry, window=group.window))
     # A region the layers share (block-outermost layouts) is named after all of them.
     names = {r.name: (r.name if len(members[r.name]) == 1 else f"L{members[r.name][0]}-L{members[r.name][-1]}")
              for r in regions}
@@ -147,6 +196,48 @@ def layout_from_kv_caches(kv_caches: Mapping[str, Any], *, block_size: int, dtyp
                           geometry=b.geometry, window=b.window) for b in buffers]
     return PageLayout(tuple(regions), tuple(buffers), block_size, block_size * pages[0].num, dtype, scope,
                       ReplicaRank(tp_size, tp_rank))
+
+
+def _state_pages(name: str, t: Any, state: StateShape) -> _Pages:
+    """Where one recurrent layer's state blocks lie: ``[blocks, 1, 1, bytes]`` views, each block's state
+    (conv then SSM) at its start and the padding after it."""
+    shape, elt = tuple(t.shape), t.element_size()
+    stride = tuple(s * elt for s in t.stride())
+    if len(shape) != 4 or shape[1:3] != (1, 1) or 0 in shape or shape[3] * elt < state.nbytes:
+        raise LayoutError(f"kv cache {name!r}: shape {list(shape)} is not a Mamba2 state block of "
+                          f"{state.nbytes} bytes ([blocks, 1, 1, bytes])")
+    if shape[3] > 1 and stride[3] != elt:
+        raise LayoutError(f"kv cache {name!r}: a state block is not one run of bytes (byte strides {list(stride)})")
+    if stride[0] < state.nbytes:
+        raise LayoutError(f"kv cache {name!r}: state blocks {stride[0]} bytes apart overlap their "
+                          f"{state.nbytes} bytes of state")
+    return _Pages(layer_index(name), t.data_ptr(), stride[0], state.nbytes, shape[0], None)
+
+
+def _state_buffers(layer: int, region: str, offset: int, group: CacheGroup) -> list[BufferDesc]:
+    """A Mamba2 layer's buffers in its state block: the conv state (whole, or x | B | C where stored
+    channel-major), then the SSM state split by heads."""
+    state = group.state
+    heads, head_dim, d_state = state.ssm
+    rows = state.conv[1] if state.conv_first else state.conv[0]
+
+    def buffer(suffix: str, at: int, nbytes: int, role: Role, geometry: HeadGeometry | None) -> BufferDesc:
+        return BufferDesc(f"L{layer}.{suffix}", region, offset + at, nbytes,
+                          LayerIdentity(layer, LayerKind.RECURRENT, role), group=group.name, geometry=geometry)
+
+    if state.conv_first:
+        x, b = state.channels()
+        row = rows * state.conv_elt  # one channel's bytes
+        shared = Sharding.REPLICATED if state.groups == 1 else Sharding.INDEXED
+        conv = [buffer("conv_x", 0, x * row, Role.CONV, HeadGeometry(heads, head_dim * row)),
+                buffer("conv_b", x * row, b * row, Role.CONV_B,
+                       HeadGeometry(b // d_state, d_state * row, sharding=shared)),
+                buffer("conv_c", (x + b) * row, b * row, Role.CONV_C,
+                       HeadGeometry(b // d_state, d_state * row, sharding=shared))]
+    else:
+        conv = [buffer("conv", 0, state.conv_bytes, Role.CONV, None)]
+    ssm_head = head_dim * d_state * state.ssm_elt
+    return conv + [buffer("ssm", state.conv_bytes, heads * ssm_head, Role.STATE, HeadGeometry(heads, ssm_head))]
 
 
 def _pages(name: str, t: Any, block_size: int) -> _Pages:
@@ -191,6 +282,15 @@ def model_digest(hf_config: Mapping[str, Any]) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
-def scope_of(*, platform: str, kernel: str, dtype: str, block_size: int, cache_layout: str, model: str) -> str:
-    """What must match for a block to mean the same on both engines, in one comparable string."""
-    return f"vllm/{platform}/{kernel}/{dtype}/bs{block_size}/{cache_layout}/model-{model}"
+def scope_of(*, platform: str, kernel: str, dtype: str, block_size: int, cache_layout: str, model: str,
+             state: str = "") -> str:
+    """What must match for a block to mean the same on both engines, in one comparable string
+    (``state``: how a recurrent model stores its state, when it has one)."""
+    scope = f"vllm/{platform}/{kernel}/{dtype}/bs{block_size}/{cache_layout}/model-{model}"
+    return f"{scope}/{state}" if state else scope
+
+
+def state_scope(state: StateShape, conv_dtype: str, ssm_dtype: str) -> str:
+    """The scope part of a recurrent model: the conv layout and the states' element types (their shapes,
+    split by tensor parallelism, are the buffers')."""
+    return f"state-{'DS' if state.conv_first else 'SD'}-{conv_dtype}-{ssm_dtype}"

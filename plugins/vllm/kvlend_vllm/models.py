@@ -1,4 +1,4 @@
-"""Local Llama test models (random weights, locally trained BPE tokenizer).
+"""Local test models (random weights, locally trained BPE tokenizer): Llama, and a Mamba2 hybrid.
 
 Why: tests and demos need a model vLLM loads offline, deterministically, with
 known KV geometry, and without a hub.  ``ensure_model`` builds one once per
@@ -13,6 +13,10 @@ Sizes:
             16384 positions (for ~8k-token prompts; fp32 KV is 64 KiB per token)
     hybrid: tiny with 4 layers, alternately a 256-token sliding window and full
             attention (two KV cache groups under vLLM's hybrid allocator)
+    mamba : a GraniteMoeHybrid (the granite-4.0-h architecture): 3 layers, Mamba2,
+            attention, Mamba2 (hidden 256, 8 Mamba heads of 64, one group, state 16,
+            conv 4; attention 4 heads, 2 KV heads): two recurrent KV cache groups
+            (one state block per request each) and one full-attention group
 """
 
 from __future__ import annotations
@@ -36,10 +40,16 @@ SIZES = {
                    num_attention_heads=4, num_key_value_heads=2, head_dim=64,
                    max_position_embeddings=2048, sliding_window=256,
                    layer_types=["sliding_attention", "full_attention"] * 2),
+    "mamba": dict(hidden_size=256, num_hidden_layers=3, layer_types=["mamba", "attention", "mamba"],
+                  num_attention_heads=4, num_key_value_heads=2, mamba_n_heads=8, mamba_d_head=64,
+                  mamba_n_groups=1, mamba_d_state=16, mamba_d_conv=4, num_local_experts=0,
+                  shared_intermediate_size=512, max_position_embeddings=2048),
 }
+# Which transformers class builds each size.
+FAMILY = {"tiny": "llama", "large": "llama", "hybrid": "llama", "mamba": "granite"}
 # With the default 0.02 the 8-layer model's greedy output is one token repeated
 # (a weak check); 0.1 gives 16 distinct tokens out of 16.  Tiny keeps 0.02.
-INIT_RANGE = {"tiny": 0.02, "large": 0.1, "hybrid": 0.1}
+INIT_RANGE = {"tiny": 0.02, "large": 0.1, "hybrid": 0.1, "mamba": 0.1}
 VOCAB = 1024
 SPECIALS = ["<unk>", "<s>", "</s>", "<pad>"]   # ids 0..3
 NEEDED = ("config.json", "model.safetensors", "tokenizer.json")
@@ -85,14 +95,16 @@ def _write_tokenizer(out: str, max_len: int) -> None:
 
 def _write_model(out: str, size: str, seed: int) -> None:
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+    import transformers
 
     torch.manual_seed(seed)
-    cfg = LlamaConfig(
+    config, model = {"llama": ("LlamaConfig", "LlamaForCausalLM"),
+                     "granite": ("GraniteMoeHybridConfig", "GraniteMoeHybridForCausalLM")}[FAMILY[size]]
+    cfg = getattr(transformers, config)(
         vocab_size=VOCAB, rms_norm_eps=1e-5, rope_theta=10000.0,
         tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, pad_token_id=3,
         initializer_range=INIT_RANGE[size], dtype="float32", **SIZES[size])
-    LlamaForCausalLM(cfg).to(torch.float32).save_pretrained(out, safe_serialization=True)
+    getattr(transformers, model)(cfg).to(torch.float32).save_pretrained(out, safe_serialization=True)
 
 
 def _complete(path: str) -> bool:
@@ -134,19 +146,24 @@ def build(size: str, out: str, seed: int = 0, force: bool = False) -> str:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
+def model_dir(size: str, seed: int = 0, root: str | None = None) -> str:
+    """Where ``ensure_model`` keeps a size: ``<root>/<family>-<size>-s<seed>``."""
+    return os.path.join(root or default_root(), f"{FAMILY[size]}-{size}-s{seed}")
+
+
 def ensure_model(size: str, root: str | None = None, seed: int = 0) -> str:
-    """Path of the cached model ``<root>/llama-<size>-s<seed>``, built on first use."""
-    return build(size, os.path.join(root or default_root(), f"llama-{size}-s{seed}"), seed)
+    """Path of the cached model (``model_dir``), built on first use."""
+    return build(size, model_dir(size, seed, root), seed)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--size", choices=sorted(SIZES), default="tiny")
-    ap.add_argument("--out", help="model directory (default: <root>/llama-<size>-s<seed>)")
+    ap.add_argument("--out", help="model directory (default: <root>/<family>-<size>-s<seed>)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--force", action="store_true", help="rebuild even if cached")
     a = ap.parse_args()
-    out = a.out or os.path.join(default_root(), f"llama-{a.size}-s{a.seed}")
+    out = a.out or model_dir(a.size, a.seed)
     print(build(a.size, out, a.seed, a.force))
 
 

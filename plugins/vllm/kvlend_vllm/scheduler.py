@@ -22,6 +22,12 @@ lends under the digest of its prompt, the decode claims with its own request's,
 and a ticket put on another prompt reads nothing (the request is computed
 locally).
 
+A recurrent model (Mamba2 state groups) lends a prompt of N tokens as N - 1: vLLM recomputes the
+last prompt token after a load, which applies it once more to a recurrent state.  So the prefill
+computes N - 1 tokens (its request is cut short as it arrives, ``hold_back_last_token``) and lends
+their attention blocks with the state h(N - 1); the decode loads those and computes token N
+itself.  A one-token prompt is not lent: its decode computes it.
+
 Progressive lending (a router that sends to both engines at once, ``docs/vllm.md``): the
 router chooses the lease ids and gives them to the prefill (``LEASES_KEY``) and, as tickets
 of the prefill's endpoints, to the decode (``PROGRESSIVE_KEY``: their token count is the
@@ -50,6 +56,7 @@ TICKET_KEY = "kvlend_ticket"  # in kv_transfer_params, next to the do_remote_* f
 LEASES_KEY = "kvlend_leases"  # prefill: lend progressively under these lease ids (hex), the router's
 PROGRESSIVE_KEY = "kvlend_progressive"  # decode: the tickets are the router's, their token count the prompt's
 TEMPLATE_KEY = "kvlend_template"  # prefill: answer with this engine's tickets (lending nothing), for a router
+HELD_BACK_KEY = "kvlend_held_back"  # prefill, recurrent model: the request's last prompt token was cut
 ONE_GROUP = (CacheGroup(GROUP),)  # a model with full attention only
 NULL_BLOCK = 0  # vLLM's null block (its BlockPool takes block 0): a freed out-of-window slot's placeholder
 MAX_TICKETS = 64  # tickets one request may carry (prefill TP x readers): more is refused unread
@@ -118,14 +125,20 @@ def pages_for(num_tokens: int, block_size: int) -> int:
 
 def group_tables(groups: tuple[CacheGroup, ...], block_ids, num_tokens: int,
                  block_size: int) -> dict[str, tuple[int, ...]] | None:
-    """Each group's blocks for ``num_tokens``, or None when a sliding-window group lacks a block of its
-    window (vLLM frees a finished request's blocks below ``num_tokens - window + 1``: the decode's
-    recompute of the last prompt token also needs the token before, which a block boundary there lost)."""
+    """Each group's blocks for ``num_tokens`` (a recurrent group's: its one state block), or None when
+    a group lacks one: a sliding window's (vLLM frees a finished request's blocks below ``num_tokens -
+    window + 1``: the decode's recompute of the last prompt token also needs the token before, which a
+    block boundary there lost) or a state block."""
     if len(block_ids) != len(groups):
         raise ConfigError(f"vLLM gave {len(block_ids)} block tables for {len(groups)} KV cache groups")
     pages = pages_for(num_tokens, block_size)
     tables = {}
     for group, ids in zip(groups, block_ids):
+        if group.state is not None:
+            if not ids or ids[0] == NULL_BLOCK:
+                return None
+            tables[group.name] = (ids[0],)
+            continue
         table = tuple(ids[:pages])
         first = 0 if group.window is None else max(0, num_tokens - group.window) // block_size
         if len(table) < pages or NULL_BLOCK in table[first:]:
@@ -141,7 +154,33 @@ def padded_tables(groups: tuple[CacheGroup, ...], block_ids, num_tokens: int,
     pages = pages_for(num_tokens, block_size)
     if len(block_ids) != len(groups):
         raise ConfigError(f"vLLM gave {len(block_ids)} block tables for {len(groups)} KV cache groups")
-    return {g.name: tuple(ids[:pages]) + (-1,) * max(0, pages - len(ids)) for g, ids in zip(groups, block_ids)}
+    return {g.name: (tuple(ids[:1]) or (-1,)) if g.state is not None
+            else tuple(ids[:pages]) + (-1,) * max(0, pages - len(ids)) for g, ids in zip(groups, block_ids)}
+
+
+def recurrent(groups: tuple[CacheGroup, ...]) -> bool:
+    """The model keeps recurrent state: its tickets cover all but the last prompt token."""
+    return any(g.state is not None for g in groups)
+
+
+def hold_back_last_token(request: Any) -> bool:
+    """Cut a recurrent model's request to all but its last prompt token, once, so the prefill computes
+    h(N - 1) and its decode token N (vLLM recomputes a loaded prompt's last token, which would apply it to
+    the state twice).  False, leaving the request whole, when it cannot be cut: one prompt token (nothing
+    would be left to lend), prompt embeddings, or a request that reads no cache (prompt logprobs)."""
+    params = request.kv_transfer_params
+    if params.get(HELD_BACK_KEY):
+        return True
+    ids = request.prompt_token_ids
+    skips = getattr(request, "get_skip_reading_prefix_cache", None)
+    if ids is None or len(ids) < 2 or (skips is not None and skips()):
+        return False
+    del ids[-1]
+    del request._all_token_ids[-1]
+    request.num_prompt_tokens -= 1
+    request.max_tokens = 1
+    params[HELD_BACK_KEY] = True
+    return True
 
 
 def parse_leases(value: Any, count: int) -> tuple[bytes, ...]:
@@ -235,6 +274,7 @@ class ProducerScheduler:
         self.block_size = block_size
         self.readers = readers  # decode workers reading each of this engine's workers
         self.groups = groups  # vLLM's KV cache groups, in its order
+        self.recurrent = recurrent(groups)
         self.endpoints: list[Endpoint] = []  # one per TP rank, in rank order
         self._plan = StepPlan()
         self._held: set[str] = set()  # requests whose blocks wait for finished_sending
@@ -251,12 +291,18 @@ class ProducerScheduler:
         return tuple(tuple(secrets.token_bytes(LEASE_ID_BYTES) for _ in range(self.readers)) for _ in self.endpoints)
 
     def on_new_request(self, request: Any) -> None:
-        """A request carrying the router's lease ids is lent progressively, from the next step on."""
+        """A recurrent model's request to be lent loses its last prompt token; a request carrying the
+        router's lease ids is lent progressively, from the next step on."""
         params = request.kv_transfer_params
-        if not params or not params.get("do_remote_decode") or LEASES_KEY not in params:
+        if not params or not params.get("do_remote_decode"):
+            return
+        held_back = self.recurrent and hold_back_last_token(request)
+        if LEASES_KEY not in params:
             return
         why = None
-        if not self.endpoints:
+        if self.recurrent and not held_back:
+            why = "a recurrent model's one-token prompt is computed by its decode"
+        elif not self.endpoints:
             why = "no kvlend endpoint from the workers yet"
         elif any(g.window is not None for g in self.groups):  # vLLM frees a window's blocks as chunks pass it
             why = "a sliding-window model is lent once its prefill finished"
@@ -284,6 +330,9 @@ class ProducerScheduler:
             return self._finish_growing(growing, block_ids)
         if not params or not params.get("do_remote_decode") or LEASES_KEY in params:
             return False, None  # (lease ids it could not lend under: its decode reads nothing else)
+        if self.recurrent and not params.get(HELD_BACK_KEY):
+            log.info("request %s: a recurrent model's request computed whole; not lent", request.request_id)
+            return False, None
         status = getattr(request.status, "name", str(request.status))
         num_tokens = request.num_computed_tokens
         if status not in LENT_STATUSES or not any(block_ids) or num_tokens <= 0:
@@ -365,6 +414,7 @@ class ConsumerScheduler:
         self.block_size = block_size
         self.tp_size = tp_size  # this engine's workers: each reads its share of the tickets
         self.groups = groups  # vLLM's KV cache groups, in its order
+        self.recurrent = recurrent(groups)
         self._plan = StepPlan()
         # request -> (tickets, digest), claimed and not yet loading
         self._claimed: dict[str, tuple[tuple[str, ...], bytes]] = {}
@@ -377,15 +427,19 @@ class ConsumerScheduler:
         if not params or not params.get("do_remote_prefill") or TICKET_KEY not in params:
             return None
         prompt = len(request.prompt_token_ids or ())
+        expected = prompt - 1 if self.recurrent else prompt  # the state is lent as h(N - 1)
+        if expected < 1:
+            return None
         try:
             texts, tickets = parse_tickets(params[TICKET_KEY], self.tp_size,
-                                           prompt if params.get(PROGRESSIVE_KEY) is True else None)
+                                           expected if params.get(PROGRESSIVE_KEY) is True else None)
         except KvlendError as exc:
             log.warning("request %s: bad kvlend ticket, computing locally: %s", request.request_id, exc)
             return None
-        if tickets[0].num_tokens != prompt:
-            log.warning("request %s: ticket covers %d tokens but the prompt has %d; computing locally",
-                        request.request_id, tickets[0].num_tokens, prompt)
+        if tickets[0].num_tokens != expected:
+            log.warning("request %s: ticket covers %d tokens but %d are lent for a prompt of %d%s; computing "
+                        "locally", request.request_id, tickets[0].num_tokens, expected, prompt,
+                        " (a recurrent model lends all but the last)" if self.recurrent else "")
             return None
         return texts, tickets[0].num_tokens
 
