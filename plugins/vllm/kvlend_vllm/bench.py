@@ -1,6 +1,6 @@
 """kvlend's connector against vLLM's own NixlConnector: same machine, model, prompts and run.
 
-    scripts/vllm-bench [--size large] [--lengths 512,2048,8192] [--requests 6] [--rounds 2]
+    scripts/vllm-bench [--size large|mamba] [--lengths 512,2048,8192] [--requests 6] [--rounds 2]
                        [--shared 0,50,90 --shared-tokens 2048]
                        [--connectors kvlend,nixl:1,nixl:2,nixl:4,nixl-push:1]
 
@@ -155,12 +155,13 @@ def run_pair(spec: str, args, model: str, max_len: int, log_dir: str, certs: dic
                     "tp_size": 1, "pp_size": 1}
         elif connector == "mooncake":  # the same, through the prefill's bootstrap server
             push = {"remote_engine_id": engine_id, "remote_bootstrap_addr": f"http://127.0.0.1:{side_channel}"}
+        caching = models.prefix_caching(args.size)
         prefill = start_engine(f"{name}-prefill", engine, "kv_producer", model, max_len, args.kv_cache_gib,
                                log_dir, certs["prefill"], prefill_extra, dtype=args.dtype, nixl_threads=threads,
-                               side_channel=side_channel, engine_id=engine_id)
+                               side_channel=side_channel, engine_id=engine_id, prefix_caching=caching)
         decode = start_engine(f"{name}-decode", engine, "kv_consumer", model, max_len, args.kv_cache_gib,
                               log_dir, certs["decode"], {"stats_path": stats, **decode_extra},
-                              dtype=args.dtype, nixl_threads=threads)
+                              dtype=args.dtype, nixl_threads=threads, prefix_caching=caching)
         servers = [prefill, decode]
         servers.append(start_router(prefill, decode, log_dir, args.request_timeout, push, progressive))
         boot(servers, args.boot_timeout)

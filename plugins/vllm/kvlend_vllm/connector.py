@@ -357,7 +357,8 @@ class KvlendConnector(KVConnectorBase_V1, SupportsHMA):
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
         sending, recving = self.get_finished(finished_req_ids)
-        return KVConnectorTransferResults(sending or set(), recving or set(), set())
+        failed = set() if self.producer else self.worker.failed_loads()
+        return KVConnectorTransferResults(sending or set(), recving or set(), failed)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return set() if self.producer else self.worker.load_errors()

@@ -5,7 +5,7 @@ Why: the end-to-end check of a KV connector is what a user would run — two
 OpenAI client measuring TTFT and throughput.  `--check` also boots one plain
 server and compares greedy tokens, so a connector that moves wrong KV fails.
 
-    python -m kvlend_vllm.demo --connector kvlend|nixl [--size tiny|hybrid|large] [--check] ...
+    python -m kvlend_vllm.demo --connector kvlend|nixl [--size tiny|hybrid|mamba|large] [--check] ...
     python -m kvlend_vllm.demo --router vllm-router --prefills 2 --decodes 1 [--policy power_of_two]
 
 ``--router vllm-router`` puts vLLM's own P/D router in front (it carries kvlend's
@@ -33,7 +33,7 @@ from kvlend.security.certs import Authority, save_rank
 from kvlend_vllm import launch, models
 
 HOST = "127.0.0.1"
-DEFAULT_TOKENS = {"tiny": "32,300,1000", "hybrid": "32,300,1000", "large": "512,2048,8000"}
+DEFAULT_TOKENS = {"tiny": "32,300,1000", "hybrid": "32,300,1000", "mamba": "32,300,1000", "large": "512,2048,8000"}
 # Prometheus counters the server that transfers exports for each connector
 # (the decode, which reads; the prefill in push mode, which writes), summed
 # over label sets.  NixlConnector's are vLLM's; kvlend's are defined by
@@ -146,11 +146,13 @@ def write_certs(log_dir: str, *identities: str) -> dict[str, dict[str, str]]:
 def start_engine(name: str, connector: str | None, role: str | None, model: str, max_len: int, kv_gib: int,
                  log_dir: str, tls_env: dict[str, str], kvlend_extra: dict | None = None,
                  dtype: str = "bfloat16", nixl_threads: int | None = None, extra: tuple = (),
-                 side_channel: int | None = None, engine_id: str | None = None) -> launch.Server:
+                 side_channel: int | None = None, engine_id: str | None = None,
+                 prefix_caching: bool = True) -> launch.Server:
     """One `vllm serve` with ``connector`` (kvlend | nixl | nixl-push | mooncake) in ``role``, or a plain
     one (None); ``tls_env`` names kvlend's credentials (``write_certs``); ``side_channel``/``engine_id``:
     a NIXL engine's side-channel port or a Mooncake prefill's bootstrap port (default: a free one) and
-    its engine id (default: vLLM's random one)."""
+    its engine id (default: vLLM's random one); ``prefix_caching``: off for a recurrent model
+    (``models.prefix_caching``)."""
     port, extra_env, cfg = spare_port(), {}, None
     if connector in ("nixl", "nixl-push"):
         cfg = launch.nixl_transfer_config(role, nixl_threads, push=connector == "nixl-push", engine_id=engine_id)
@@ -163,7 +165,8 @@ def start_engine(name: str, connector: str | None, role: str | None, model: str,
         cfg = launch.kvlend_transfer_config(role, kvlend_extra)
         extra_env = dict(tls_env)
     return launch.Server(name, f"http://{HOST}:{port}").start(
-        launch.vllm_serve_argv(model, port, kv_transfer_config=cfg, max_model_len=max_len, dtype=dtype, extra=extra),
+        launch.vllm_serve_argv(model, port, kv_transfer_config=cfg, max_model_len=max_len, dtype=dtype,
+                               prefix_caching=prefix_caching, extra=extra),
         launch.vllm_env(kv_gib, extra_env), os.path.join(log_dir, f"{name}.log"))
 
 
@@ -361,7 +364,8 @@ def main(argv: list[str] | None = None) -> int:
         gpu = () if args.gpu_memory_utilization is None else ("--gpu-memory-utilization",
                                                                str(args.gpu_memory_utilization))
         return start_engine(name, args.connector if role else None, role, model, max_len, kv_gib, log_dir,
-                            certs.get(name, {}), dtype=args.dtype, extra=gpu)
+                            certs.get(name, {}), dtype=args.dtype, extra=gpu,
+                            prefix_caching=models.prefix_caching(args.size))
 
     servers: list[launch.Server] = []
     try:

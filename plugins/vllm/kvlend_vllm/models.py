@@ -55,6 +55,12 @@ SPECIALS = ["<unk>", "<s>", "</s>", "<pad>"]   # ids 0..3
 NEEDED = ("config.json", "model.safetensors", "tokenizer.json")
 
 
+def prefix_caching(size: str) -> bool:
+    """Whether an engine of this size may cache prefixes: vLLM's Mamba prefix caching (its align mode)
+    is not ready on CPU, and kvlend refuses it."""
+    return FAMILY[size] != "granite"
+
+
 def default_root() -> str:
     return os.environ.get("KVLEND_MODEL_DIR") or os.path.expanduser("~/.cache/kvlend/models")
 

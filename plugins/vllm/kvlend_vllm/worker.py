@@ -259,6 +259,7 @@ class ConsumerWorker:
         self._by_handle: dict[int, _Loading] = {}
         self._done: set[str] = set()
         self._invalid: set[int] = set()
+        self._failed: set[str] = set()
 
     def register(self, layout) -> None:
         s = self.settings
@@ -315,9 +316,7 @@ class ConsumerWorker:
             if loading.handles:
                 self._loading[load.request] = loading
                 return
-        recompute = self._blocks_from(loading, load.resume_from)  # nothing started: nothing is in flight
-        self._invalid.update(recompute)
-        self.stats.record_failure(len(recompute))
+        self._recompute(loading, load.resume_from)  # nothing started: nothing is in flight
         self._done.add(load.request)
         if self.settings.stats_path:
             self._write(loading, None, 0, type(refused).__name__, {})
@@ -353,13 +352,26 @@ class ConsumerWorker:
                      "; ".join(printable(h.error) for h in handles if not h.ok))
         elif not loading.cancelled:  # an aborted request's blocks are freed, not recomputed
             bound = loading.bound()
-            invalid = self._blocks_from(loading, bound)  # pages below every verified bound landed whole
-            self._invalid.update(invalid)
-            self.stats.record_failure(len(invalid))
+            recomputed = self._recompute(loading, bound)  # pages below every verified bound landed whole
             log.warning("request %s: KV fetch failed at token %d (%s); %d blocks recomputed", request, bound,
-                        "; ".join(printable(h.error) for h in handles if not h.ok), len(invalid))
+                        "; ".join(printable(h.error) for h in handles if not h.ok), recomputed)
         if loading.reported_at is None:
             self._done.add(request)
+
+    def _recompute(self, loading: _Loading, token: int) -> int:
+        """Have vLLM recompute a quiet load from ``token`` on; the blocks it writes again.
+
+        With one KV cache group vLLM takes the blocks to recompute; with several it takes only the
+        request (a block id names a block within one group), which it then recomputes whole.
+        """
+        if len(self.node.layout.groups) == 1:
+            blocks = self._blocks_from(loading, token)
+            self._invalid.update(blocks)
+        else:
+            blocks = self._blocks_from(loading, 0)
+            self._failed.add(loading.request)
+        self.stats.record_failure(len(blocks))
+        return len(blocks)
 
     def _blocks_from(self, loading: _Loading, token: int) -> list[int]:
         """The blocks a load writes from the page holding ``token`` on, in every group (a windowed
@@ -370,8 +382,15 @@ class ConsumerWorker:
                 for row in groups[name].pages_read(loading.num_tokens, self.block_size).tolist() if row >= first]
 
     def load_errors(self) -> set[int]:
+        """Blocks to recompute (a model with one KV cache group), reported once."""
         invalid, self._invalid = self._invalid, set()
         return invalid
+
+    def failed_loads(self) -> set[str]:
+        """Requests to recompute whole (a model with several KV cache groups), reported once, each with
+        or before its ``finished_recving``."""
+        failed, self._failed = self._failed, set()
+        return failed
 
     def _record(self, handle) -> None:
         """A load's stats line (``stats_path``), on the node's thread as its last fetch ends."""
