@@ -441,3 +441,80 @@ def test_a_progressive_lend_naming_a_live_lease_is_refused_and_that_lease_still_
     load(pair, "d1", params, 20, [5, 6])
     recved, sent = steps(pair, lambda r, s: "d1" in r and {"r1", "r2"} <= s, finished=frozenset({"r1", "r2"}))
     assert same_blocks(pair, [3, 4], [5, 6]) and not pair.consumer.load_errors()
+
+
+def recurrent_pair(decode: WorkerSettings | None = None):
+    """A prefill and a decode worker over a Mamba2 + attention model's caches (``test_vllm_recurrent_units``'s:
+    a state block in the first bytes of each attention page), the prefill's bytes random."""
+    from tests.test_vllm_recurrent_units import BS as RBS, caches as mamba_caches, state
+
+    shape = state(1)
+    (src, groups, src_flat), (dst, _, dst_flat) = mamba_caches(shape), mamba_caches(shape)
+    seeded = torch.Generator().manual_seed(3)
+    src_flat.copy_(torch.randint(-128, 128, src_flat.shape, dtype=torch.int8, generator=seeded))
+    order = (groups["model.layers.0.mixer"], groups["model.layers.1.self_attn.attn"])
+    producer = ProducerWorker(WorkerSettings(creds("p"), config=CONFIG))
+    consumer = ConsumerWorker(decode or WorkerSettings(creds("d"), config=CONFIG), RBS, Stats())
+    p_sched, d_sched = ProducerScheduler(RBS, 1, order), ConsumerScheduler(RBS, 1, order)
+    layout = dict(block_size=RBS, dtype="float32", scope="test/mamba", groups=groups)
+    p_sched.set_endpoints([producer.register(layout_from_kv_caches(src, **layout))])
+    consumer.register(layout_from_kv_caches(dst, **layout))
+    yield SimpleNamespace(src=src_flat, dst=dst_flat, page=src_flat.numel() // 6, state=shape.nbytes, bs=RBS,
+                          producer=producer, consumer=consumer, p=p_sched, d=d_sched)
+    consumer.close()
+    producer.close()
+
+
+@pytest.fixture
+def recurrent():
+    yield from recurrent_pair()
+
+
+@pytest.fixture
+def recurrent_stranger():
+    yield from recurrent_pair(WorkerSettings(Authority.create().issue("d"), config=CONFIG))
+
+
+def lend_recurrent(pair, prompt: int, state_block: int, blocks: list[int]) -> dict:
+    """The prefill side of a recurrent request: cut to ``prompt - 1`` tokens as it arrives, computed, lent."""
+    req = Req(request_id="r1", prompt_token_ids=list(range(prompt)), num_computed_tokens=0,
+              status=SimpleNamespace(name="FINISHED_LENGTH_CAPPED"), kv_transfer_params={"do_remote_decode": True},
+              _all_token_ids=list(range(prompt)), num_prompt_tokens=prompt, max_tokens=8)
+    pair.p.on_new_request(req)
+    req.num_computed_tokens = req.num_prompt_tokens
+    delay, params = pair.p.request_finished(req, ([state_block], blocks))
+    assert delay and req.num_prompt_tokens == prompt - 1
+    return params
+
+
+def load_recurrent(pair, params: dict, prompt: int, state_block: int, blocks: list[int]) -> None:
+    req = arrive("d1", params, prompt)
+    assert pair.d.get_num_new_matched_tokens(req, 0) == (prompt - 1, True)
+    pair.d.update_state_after_alloc(req, SimpleNamespace(get_block_ids=lambda: ([state_block], blocks)), prompt - 1)
+
+
+def test_a_recurrent_request_lands_as_its_state_block_and_the_attention_of_all_but_its_last_token(recurrent):
+    pair = recurrent
+    params = lend_recurrent(pair, 2 * pair.bs + 1, 4, [1, 3])  # 33 tokens: 32 lent, in two blocks
+    load_recurrent(pair, params, 2 * pair.bs + 1, 2, [5, 3])
+    steps(pair, lambda r, s: "d1" in r)
+    page = pair.page
+    assert torch.equal(pair.dst[2 * page:2 * page + pair.state], pair.src[4 * page:4 * page + pair.state])
+    assert not pair.dst[2 * page + pair.state:3 * page].any()  # the state block's padding is never read
+    for src, dst in ((1, 5), (3, 3)):
+        assert torch.equal(pair.dst[dst * page:(dst + 1) * page], pair.src[src * page:(src + 1) * page])
+    assert not pair.dst[:2 * page].any() and not pair.dst[4 * page:5 * page].any()  # nothing else written
+    assert pair.consumer.stats.ok == [pair.state + 2 * page]
+    assert not pair.consumer.load_errors() and not pair.consumer.failed_loads()
+
+
+def test_a_failed_recurrent_load_is_reported_as_its_request_which_vllm_recomputes_whole(recurrent_stranger):
+    """vLLM takes no block ids from a model with several KV cache groups (it would stop the engine): the
+    request itself is reported failed, with its finish."""
+    pair = recurrent_stranger
+    params = lend_recurrent(pair, 40, 4, [1, 3, 5])
+    load_recurrent(pair, params, 40, 2, [3, 5, 1])
+    recved, _ = steps(pair, lambda r, s: "d1" in r)
+    assert pair.consumer.failed_loads() == {"d1"} and not pair.consumer.load_errors()
+    assert pair.consumer.stats.failed == [4] and not pair.consumer.stats.ok  # 3 attention blocks and the state
+    assert not pair.dst.any()

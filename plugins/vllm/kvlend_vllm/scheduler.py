@@ -346,7 +346,8 @@ class ProducerScheduler:
             return False, None
         tables = group_tables(self.groups, block_ids, num_tokens, self.block_size)
         if tables is None:
-            log.info("request %s: a sliding window's first block is already freed; not lent", request.request_id)
+            log.info("request %s: a sliding window's first block is already freed (or a state block is missing); "
+                     "not lent", request.request_id)
             return False, None
         leases = self._new_leases()
         texts = self._tickets(leases, num_tokens)
@@ -473,8 +474,9 @@ class ConsumerScheduler:
             self._unclaim(request.request_id)  # all local: give the prefill its blocks back now
             return
         tables = group_tables(self.groups, blocks.get_block_ids(), num_tokens, self.block_size)
-        if tables is None:  # vLLM allocates a loaded window whole; if it did not, compute
-            log.warning("request %s: a sliding window's block is not allocated; computing locally", request.request_id)
+        if tables is None:  # vLLM allocates a loaded window and a state whole; if it did not, compute
+            log.warning("request %s: a sliding window's or a state's block is not allocated; computing locally",
+                        request.request_id)
             self._unclaim(request.request_id)
             return
         claim = self._claimed.pop(request.request_id, None)
