@@ -36,7 +36,7 @@ from kvlend.errors import (
     TransferCancelled,
     TransferTimeout,
 )
-from kvlend.protocol.actions import Close, LeaseEnded, Offered, RemovePeer, Send
+from kvlend.protocol.actions import ClaimWaits, Close, LeaseEnded, Offered, RemovePeer, Send
 from kvlend.protocol.codes import Code
 from kvlend.protocol.config import NodeConfig
 from kvlend.protocol.connection import AUTH_TIMEOUT
@@ -234,6 +234,7 @@ def test_a_claim_before_the_lend_waits_for_it_and_reads_the_lent_bytes():
     t = minted(p, 20)
     r = d.fetch_ticket(t, seed=6)
     assert r.fetch.state is FetchState.CLAIMING and p.session.next_deadline() is not None
+    assert [e for e in p.events if isinstance(e, ClaimWaits)] == [ClaimWaits(t.lease)]  # the engine may lend now
     world.advance(WAIT.claim_wait / 2)
     assert r.fetch.state is FetchState.CLAIMING and locked(p) == 0
     p.lend(20, seed=6, lease_id=t.lease)

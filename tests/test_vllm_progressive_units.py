@@ -67,7 +67,7 @@ def test_a_request_with_the_routers_leases_is_lent_at_once_and_grows_with_each_s
     engine, req = producer(), Req()
     engine.scheduler.on_new_request(req)
     (lend,) = engine.step().lends  # queued, nothing computed: lent empty, so an early claim is answered
-    assert (lend.leases, lend.ready, lend.num_tokens, lend.tables) == (((bytes.fromhex(LEASE),),), 0, 40,
+    assert (lend.leases, lend.ready, lend.num_tokens, lend.tables) == ((bytes.fromhex(LEASE),), 0, 40,
                                                                         {"full": (-1, -1, -1)})
     assert lend.digest == request_digest(req, 40)
     engine.blocks["r1"] = [7, 3]

@@ -51,8 +51,7 @@ def run_pair(tmp_path, model, asked, prefill_tp: int, decode_tp: int) -> tuple[l
     stats = str(tmp_path / "decode-stats.jsonl")
     rig = Rig(model, str(tmp_path))
     try:
-        prefill = rig.engine("prefill", launch.kvlend_transfer_config("kv_producer", {"decode_tp": decode_tp}),
-                             tp=prefill_tp, **ENGINE)
+        prefill = rig.engine("prefill", launch.kvlend_transfer_config("kv_producer"), tp=prefill_tp, **ENGINE)
         decode = rig.engine("decode", launch.kvlend_transfer_config("kv_consumer", {"stats_path": stats}),
                             tp=decode_tp, **ENGINE)
         router = rig.router("router", prefill, decode)

@@ -208,7 +208,7 @@ ENDPOINT = Endpoint("127.0.0.1", 5555, "prefill-a", "ab" * 32)
 
 
 def producer() -> ProducerScheduler:
-    s = ProducerScheduler(BS, 1, GROUPS_OF)
+    s = ProducerScheduler(BS, GROUPS_OF)
     s.set_endpoints([ENDPOINT])
     return s
 

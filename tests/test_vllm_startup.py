@@ -1,5 +1,6 @@
 """The vLLM connector refuses, at start-up, a vLLM or a configuration it does not understand
-(tensor parallel on either side it takes, when one side's degree divides the other's).
+(tensor parallel on either side it takes; a recurrent state only Mamba2's, without prefix caching or
+speculative blocks).
 
 Run in .venv-vllm (the connector imports vLLM), in a child interpreter.
 """
@@ -18,13 +19,15 @@ from tests.support.children import child_env
 pytestmark = pytest.mark.system
 
 PROBE = r"""
-import json, sys
+import json, os, sys
+os.environ["VLLM_SSM_CONV_STATE_LAYOUT"] = "DS"  # as kvlend_vllm.launch starts engines
 from types import SimpleNamespace as NS
 import torch
 import vllm
-from vllm.v1.kv_cache_interface import ChunkedLocalAttentionSpec, FullAttentionSpec, SlidingWindowSpec
+from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
+from vllm.v1.kv_cache_interface import ChunkedLocalAttentionSpec, FullAttentionSpec, MambaSpec, SlidingWindowSpec
 from kvlend.errors import ConfigError
-from kvlend_vllm.connector import _decode_tp, cache_groups, check_vllm
+from kvlend_vllm.connector import cache_groups, check_vllm
 
 def config(role="kv_consumer", tp=1, pp=1, dcp=1):
     return NS(parallel_config=NS(tensor_parallel_size=tp, pipeline_parallel_size=pp, decode_context_parallel_size=dcp),
@@ -33,6 +36,12 @@ def config(role="kv_consumer", tp=1, pp=1, dcp=1):
 geometry = dict(block_size=128, num_kv_heads=2, head_size=64, dtype=torch.bfloat16)
 full, swa = FullAttentionSpec(**geometry), SlidingWindowSpec(**geometry, sliding_window=256)
 chunked = ChunkedLocalAttentionSpec(**geometry, attention_chunk_size=256)
+f32 = torch.float32
+
+def mamba(shapes=((544, 3), (8, 64, 16)), **kw):  # the tiny granite-4.0-h's, DS
+    return MambaSpec(block_size=2048, shapes=shapes, dtypes=(f32,) * len(shapes), **kw)
+
+granite = {"mamba_n_groups": 1}
 
 def groups(*specs):
     return NS(kv_cache_groups=[NS(layer_names=[f"model.layers.{i}.attn"], kv_cache_spec=s)
@@ -54,9 +63,12 @@ print(json.dumps({
     "dcp": refusal(check_vllm, vllm.__version__, config(dcp=2)),
     "producer_tp": refusal(check_vllm, vllm.__version__, config("kv_producer", tp=2)),
     "consumer_tp": refusal(check_vllm, vllm.__version__, config("kv_consumer", tp=4)),
-    "decode_tp": refusal(_decode_tp, {"decode_tp": 4}, 2),
-    "decode_tp_odd": refusal(_decode_tp, {"decode_tp": 3}, 2),
-    "decode_tp_bad": refusal(_decode_tp, {"decode_tp": 1.5}, 1),
+    "mamba2": [[g.name, g.state is not None] for g, _ in cache_groups(groups(mamba(), full), granite)],
+    "mamba1": refusal(cache_groups, groups(mamba(mamba_type=MambaAttentionBackendEnum.MAMBA1), full), granite),
+    "align": refusal(cache_groups, groups(mamba(mamba_cache_mode="align"), full), granite),
+    "speculative": refusal(cache_groups, groups(mamba(num_speculative_blocks=1), full), granite),
+    "no_groups": refusal(cache_groups, groups(mamba(), full), {}),
+    "shapes": refusal(cache_groups, groups(mamba(shapes=((544, 3),)), full), granite),
     "groups": [[g.name, g.window, list(layers)] for g, layers in cache_groups(groups(full, swa))],
     "one_group": [[g.name, g.window] for g, _ in cache_groups(groups(full))],
     "chunked": refusal(cache_groups, groups(full, chunked)),
@@ -74,12 +86,16 @@ def test_the_connector_refuses_what_it_does_not_understand_before_the_workers_st
     assert got["installed"] is None  # what the tests run passes
     assert got["one_group"] == got["no_config"] == [["full", None]]
     assert got["groups"] == [["g0", None, ["model.layers.0.attn"]], ["g1", 256, ["model.layers.1.attn"]]]
-    assert "group 1 (ChunkedLocalAttentionSpec" in got["chunked"] and "not full attention or a sliding window" \
-        in got["chunked"]
+    assert "group 1 (ChunkedLocalAttentionSpec" in got["chunked"] and "not full attention, a sliding window or " \
+        "Mamba2 state" in got["chunked"]
+    assert got["mamba2"] == [["g0", True], ["g1", False]]
+    assert "holds MAMBA1 state; only Mamba2 state is supported" in got["mamba1"]
+    assert "mamba_cache_mode 'align'" in got["align"] and "--no-enable-prefix-caching" in got["align"]
+    assert "1 speculative state blocks" in got["speculative"]
+    assert "names no SSM group count" in got["no_groups"]
+    assert "are not a Mamba2 conv state and SSM state" in got["shapes"]
     assert "supports vLLM 0.32.x, not '0.31.4'" in got["old"] and "'0.33.0'" in got["next"]
     assert "'main'" in got["garbage"]
     assert "pipeline parallel size must be 1, got 2" in got["pp"]
     assert "decode_context_parallel_size must be 1, got 2" in got["dcp"]
-    assert got["producer_tp"] is None and got["consumer_tp"] is None and got["decode_tp"] is None
-    assert "prefill 2 and decode 3 workers, neither a multiple of the other" in got["decode_tp_odd"]
-    assert "decode_tp: expected an integer in [1, 64], got 1.5" in got["decode_tp_bad"]
+    assert got["producer_tp"] is None and got["consumer_tp"] is None

@@ -1,5 +1,6 @@
 """kvlend inside real vLLM servers with tensor parallel on one side: prefill TP 1 -> decode TP 2, and
-prefill TP 2 -> decode TP 1, token for token against one plain server.
+prefill TP 2 -> decode TP 1, token for token against one plain server.  No prefill is told its
+decodes' TP: one TP 1 prefill serves a TP 2 and a TP 1 decode in the same run.
 
 The tiny model has 2 KV heads, so at TP 2 each worker holds one: every decode worker must read
 exactly its head of every block (TP 1 -> 2: half a block each, from the one prefill worker), or
@@ -48,28 +49,36 @@ def plain(tmp_path_factory):
     return model, prompts, expected
 
 
-def run_pair(tmp_path, model, prompts, prefill_tp: int, decode_tp: int) -> tuple[list[dict], list[dict]]:
-    """Answers through router -> prefill (TP prefill_tp) -> kvlend -> decode (TP decode_tp), and the decode
-    workers' stats lines (one per load and worker)."""
-    stats = str(tmp_path / "decode-stats.jsonl")
+def run(tmp_path, model, prompts, prefill_tp: int, decode_tps: tuple[int, ...]) -> list[tuple[list, list]]:
+    """One prefill (TP prefill_tp, told nothing of its decodes) and a decode of each TP in ``decode_tps``,
+    each behind a router of its own: per decode, the answers through it and its workers' stats lines (one
+    per load and worker)."""
     rig = Rig(model, str(tmp_path))
     try:
-        prefill = rig.engine("prefill", launch.kvlend_transfer_config("kv_producer", {"decode_tp": decode_tp}),
-                             tp=prefill_tp, dtype="float32", env=TCP)
-        decode = rig.engine("decode", launch.kvlend_transfer_config("kv_consumer", {"stats_path": stats}),
-                            tp=decode_tp, prefix_caching=False, dtype="float32", env=TCP)
-        router = rig.router("router", prefill, decode)
-        rig.wait(prefill, decode, router)
-        got = generate(router, model, prompts, MAX_TOKENS)
-        lines = wait_for_stats(stats, decode_tp * len(prompts))  # a load's line comes with its acks
+        prefill = rig.engine("prefill", launch.kvlend_transfer_config("kv_producer"), tp=prefill_tp,
+                             dtype="float32", env=TCP)
+        decodes, routers, stats = [], [], []
+        for i, tp in enumerate(decode_tps):
+            stats.append(str(tmp_path / f"decode-{i}-stats.jsonl"))
+            decodes.append(rig.engine(f"decode-{i}", launch.kvlend_transfer_config("kv_consumer",
+                                                                                  {"stats_path": stats[-1]}),
+                                      tp=tp, prefix_caching=False, dtype="float32", env=TCP))
+            routers.append(rig.router(f"router-{i}", prefill, decodes[-1]))
+        rig.wait(prefill, *decodes, *routers)
+        out = []
+        for router, path, tp in zip(routers, stats, decode_tps):
+            got = generate(router, model, prompts, MAX_TOKENS)
+            out.append((got, wait_for_stats(path, tp * len(prompts))))  # a load's line comes with its acks
     finally:
         rig.close()
-    return got, lines
+    return out
 
 
-def test_prefill_tp1_to_decode_tp2_each_decode_worker_reads_its_head(tmp_path, plain):
+def test_one_prefill_told_no_decode_tp_serves_a_tp2_and_a_tp1_decode(tmp_path, plain):
+    """TP 1 -> 2: each decode worker reads its head, under its share of the prefill worker's lease; the
+    same prefill then serves a TP 1 decode, which reads the lease itself."""
     model, prompts, expected = plain
-    got, lines = run_pair(tmp_path, model, prompts, 1, 2)
+    (got, lines), (got_tp1, lines_tp1) = run(tmp_path, model, prompts, 1, (2, 1))
     assert [n for n, g, e in zip(LENGTHS, got, expected) if g != e] == []
     assert all(s["fetches"] == 1 and s["ok"] for s in lines) and len(lines) == 2 * len(LENGTHS), lines
     for rank in (0, 1):
@@ -77,11 +86,14 @@ def test_prefill_tp1_to_decode_tp2_each_decode_worker_reads_its_head(tmp_path, p
         # One of the two KV heads of every block: exactly half the block's bytes.
         assert all(s["bytes"] == s["blocks"] * BLOCK_BYTES // 2 > 0 for s in mine), mine
         assert sorted(s["bound"] for s in mine) == sorted(LENGTHS), mine
+    assert [n for n, g, e in zip(LENGTHS, got_tp1, expected) if g != e] == []
+    assert len(lines_tp1) == len(LENGTHS) and all(s["ok"] and s["fetches"] == 1 for s in lines_tp1), lines_tp1
+    assert all(s["bytes"] == s["blocks"] * BLOCK_BYTES > 0 for s in lines_tp1), lines_tp1
 
 
 def test_prefill_tp2_to_decode_tp1_the_decode_reads_both_prefill_workers_heads(tmp_path, plain):
     model, prompts, expected = plain
-    got, lines = run_pair(tmp_path, model, prompts, 2, 1)
+    ((got, lines),) = run(tmp_path, model, prompts, 2, (1,))
     assert [n for n, g, e in zip(LENGTHS, got, expected) if g != e] == []
     assert len(lines) == len(LENGTHS), lines
     # Two fetches per request (one per prefill worker, one head each) make up whole blocks.

@@ -34,8 +34,8 @@ from kvlend_vllm.scheduler import (
     ProducerScheduler,
     group_tables,
     parse_tickets,
-    readers_per_worker,
     request_digest,
+    share_lease,
     worker_tickets,
 )
 
@@ -253,8 +253,8 @@ class Req:
 ENDPOINT = Endpoint("127.0.0.1", 5555, "prefill-a", "ab" * 32)
 
 
-def producer(endpoints=(ENDPOINT,), readers=1) -> ProducerScheduler:
-    s = ProducerScheduler(BS, readers)
+def producer(endpoints=(ENDPOINT,)) -> ProducerScheduler:
+    s = ProducerScheduler(BS)
     s.set_endpoints(list(endpoints))
     return s
 
@@ -267,7 +267,7 @@ def test_producer_lends_a_finished_request_and_mints_its_ticket():
     assert (ticket.host, ticket.port, ticket.prefill, ticket.num_tokens) == ("127.0.0.1", 5555, "prefill-a", 40)
     (lend,) = s.take_plan().lends
     # 40 tokens: 3 blocks
-    assert (lend.request, lend.leases, lend.tables) == ("r1", ((ticket.lease,),), {"full": (7, 3, 9)})
+    assert (lend.request, lend.leases, lend.tables) == ("r1", (ticket.lease,), {"full": (7, 3, 9)})
     assert lend.digest == request_digest(Req(), 40)  # lent for this prompt alone
     assert s.holding == 1 and not s.take_plan().lends
     s.finished_sending({"r1"})
@@ -295,34 +295,41 @@ def test_producer_frees_at_once_what_it_must_not_lend(req, blocks):
     assert not s.take_plan().lends and s.holding == 0
 
 
-@pytest.mark.parametrize("prefill_tp, decode_tp", [(1, 2), (2, 1), (2, 2), (2, 4), (4, 2)])
+@pytest.mark.parametrize("prefill_tp, decode_tp", [(1, 2), (2, 1), (2, 2), (2, 4), (4, 2), (1, 8), (3, 6)])
 def test_tensor_parallel_tickets_give_each_decode_worker_every_prefill_worker_holding_its_heads(prefill_tp,
                                                                                               decode_tp):
-    """One lease per (prefill worker, decode worker reading it); decode worker r's share of the list names
-    exactly the prefill ranks whose heads overlap r's (the negotiator's sources), each lease read once."""
+    """One lease per prefill worker, whatever the decode's TP; decode worker r's share of the list names
+    exactly the prefill ranks whose heads overlap r's (the negotiator's sources), and where several decode
+    workers read one prefill worker each claims a share of its lease of its own."""
     endpoints = [Endpoint("127.0.0.1", 5555 + r, f"prefill-{r}", "ab" * 32) for r in range(prefill_tp)]
-    s = producer(endpoints, readers_per_worker(prefill_tp, decode_tp))
+    s = producer(endpoints)
     params = s.request_finished(Req(), ([7, 3, 9],))[1]
     texts = params[TICKET_KEY]
-    assert isinstance(texts, list) and len(texts) == max(prefill_tp, decode_tp)
+    assert len(texts if isinstance(texts, list) else [texts]) == prefill_tp
     (lend,) = s.take_plan().lends
-    assert [len(leases) for leases in lend.leases] == [max(1, decode_tp // prefill_tp)] * prefill_tp
-    assert sorted(Ticket.from_text(t).lease for t in texts) == sorted(x for leases in lend.leases for x in leases)
-    parse_tickets(texts, decode_tp)  # what the decode checks
+    texts = tuple(texts) if isinstance(texts, list) else (texts,)
+    assert [Ticket.from_text(t).lease for t in texts] == list(lend.leases)
+    parse_tickets(list(texts), decode_tp)  # what the decode checks
+    claimed = []
     for rank in range(decode_tp):
-        share = [Ticket.from_text(t) for t in worker_tickets(tuple(texts), decode_tp, rank)]
+        mine = [Ticket.from_text(t) for t in worker_tickets(texts, decode_tp, rank)]
         first, count = rank * prefill_tp // decode_tp, max(1, prefill_tp // decode_tp)
-        assert [t.prefill for t in share] == [f"prefill-{r}" for r in range(first, first + count)]
-        for t in share:  # the lease lent on that prefill worker
-            assert t.lease in lend.leases[int(t.prefill.split("-")[1])]
+        assert [t.prefill for t in mine] == [f"prefill-{r}" for r in range(first, first + count)]
+        readers = max(1, decode_tp // prefill_tp)
+        for t in mine:  # the lease lent on that prefill worker, or this reader's share of it
+            lease = lend.leases[int(t.prefill.split("-")[1])]
+            assert t.lease == (lease if readers == 1 else share_lease(lease, rank % readers, readers))
+            claimed.append(t.lease)
+    assert len(set(claimed)) == len(claimed) == max(prefill_tp, decode_tp)  # no lease read twice
 
 
 def test_a_ticket_list_that_does_not_fit_the_decodes_workers_is_computed_locally():
     endpoints = [Endpoint("127.0.0.1", 5555 + r, f"prefill-{r}", "ab" * 32) for r in range(2)]
     two = producer(endpoints).request_finished(Req(), ([7, 3, 9],))[1][TICKET_KEY]
-    doubled = producer(endpoints[:1], readers=2).request_finished(Req(), ([7, 3, 9],))[1][TICKET_KEY]
-    for texts, tp, match in ((two, 4, "cannot be shared by 4"), (doubled, 1, "would read prefill 'prefill-0' twice"),
-                             ([], 1, "a list of 1 to"), (two * 40, 1, "a list of 1 to"), ([two[0], 5], 1, "a list")):
+    one = producer(endpoints[:1]).request_finished(Req(), ([7, 3, 9],))[1][TICKET_KEY]
+    for texts, tp, match in ((two, 3, "cannot be shared by 3"), (one, 16, "at most 8 decode workers"),
+                             ([one, one], 1, "named twice"), ([], 1, "a list of 1 to"),
+                             (two * 40, 1, "a list of 1 to"), ([two[0], 5], 1, "a list")):
         with pytest.raises(UsageError, match=match):
             parse_tickets(texts, tp)
         s = ConsumerScheduler(BS, tp)

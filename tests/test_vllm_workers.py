@@ -31,7 +31,6 @@ from kvlend_vllm.scheduler import (
     TICKET_KEY,
     ConsumerScheduler,
     ProducerScheduler,
-    readers_per_worker,
 )
 from kvlend_vllm.worker import ConsumerWorker, ProducerWorker, WorkerSettings
 from tests.support.certs import creds
@@ -297,12 +296,13 @@ def test_a_prefills_abort_reason_is_logged_escaped(pair, monkeypatch, caplog):
     assert lines and all(line.isprintable() and "\\n2030" in line for line in lines), lines
 
 
-@pytest.mark.parametrize("prefill_tp, decode_tp", [(2, 1), (1, 2), (2, 2)])
-def test_tensor_parallel_workers_each_land_exactly_their_heads(prefill_tp, decode_tp):
+@pytest.mark.parametrize("prefill_tp, decode_tps", [(2, (1,)), (1, (2,)), (2, (2,)), (1, (1, 2)), (2, (2, 1))])
+def test_tensor_parallel_workers_each_land_exactly_their_heads(prefill_tp, decode_tps):
     """Every worker a node of its own (real NIXL agents), as vLLM runs them: the prefill workers each lend
-    their heads of the request's blocks, the tickets go through both schedulers, and every decode worker's
-    blocks end up holding exactly its heads; the request is reported loaded by every decode worker and sent
-    by every prefill worker."""
+    their heads of a request's blocks, the tickets go through both schedulers, and every decode worker's
+    blocks end up holding exactly its heads; each request is reported loaded by every worker of its decode
+    and sent by every prefill worker.  One prefill serves decodes of every TP in one run, told none: a
+    decode with more workers reads each prefill worker's lease as shares of it."""
     whole = caches(True)
 
     def heads(tensors: dict, tp: int, rank: int) -> dict:
@@ -314,44 +314,49 @@ def test_tensor_parallel_workers_each_land_exactly_their_heads(prefill_tp, decod
                                      tp_rank=rank)
 
     src = [heads(whole, prefill_tp, r) for r in range(prefill_tp)]
-    dst = [heads(caches(False), decode_tp, r) for r in range(decode_tp)]
+    dst = [[heads(caches(False), tp, r) for r in range(tp)] for tp in decode_tps]
     producers = [ProducerWorker(WorkerSettings(creds(f"p-{r}"), config=CONFIG, tp_size=prefill_tp, tp_rank=r))
                  for r in range(prefill_tp)]
-    consumers = [ConsumerWorker(WorkerSettings(creds(f"d-{r}"), config=CONFIG, tp_size=decode_tp, tp_rank=r), BS,
-                                Stats()) for r in range(decode_tp)]
+    decodes = [[ConsumerWorker(WorkerSettings(creds(f"d{e}-{r}"), config=CONFIG, tp_size=tp, tp_rank=r), BS,
+                               Stats()) for r in range(tp)] for e, tp in enumerate(decode_tps)]
     try:
-        p_sched = ProducerScheduler(BS, readers_per_worker(prefill_tp, decode_tp))
+        p_sched = ProducerScheduler(BS)
         p_sched.set_endpoints([w.register(layout(src[r], prefill_tp, r)) for r, w in enumerate(producers)])
-        for r, w in enumerate(consumers):
-            w.register(layout(dst[r], decode_tp, r))
-        d_sched = ConsumerScheduler(BS, decode_tp)
-        pair = SimpleNamespace(p=p_sched, d=d_sched)
-        params = lend(pair, "r1", 40, [5, 2, 9])
-        load(pair, "d1", params, 40, [7, 1, 30])
-        recved = {r: set() for r in range(decode_tp)}
-        sent = {r: set() for r in range(prefill_tp)}
+        for e, tp in enumerate(decode_tps):
+            for r, w in enumerate(decodes[e]):
+                w.register(layout(dst[e][r], tp, r))
+        d_scheds = [ConsumerScheduler(BS, tp) for tp in decode_tps]
+        for e, d_sched in enumerate(d_scheds):  # request r{e} for decode engine e
+            pair = SimpleNamespace(p=p_sched, d=d_sched)
+            load(pair, f"d{e}", lend(pair, f"r{e}", 40, [5, 2, 9]), 40, [7, 1, 30])
+        requests = {f"r{e}" for e in range(len(decode_tps))}
+        recved = [[set() for _ in workers] for workers in decodes]
+        sent = [set() for _ in producers]
         deadline = time.monotonic() + 10.0
         # A load is reported once verified, before the done ack; its stats come with the ack.
-        while not (all("d1" in s for s in recved.values()) and all("r1" in s for s in sent.values())
-                   and all(w.stats.ok for w in consumers)):
+        while not (all(f"d{e}" in r for e, ranks in enumerate(recved) for r in ranks)
+                   and all(requests <= s for s in sent) and all(w.stats.ok for ws in decodes for w in ws)):
             assert time.monotonic() < deadline, (recved, sent)
-            p_plan, d_plan = p_sched.take_plan(), d_sched.take_plan()  # one plan, every worker
+            p_plan = p_sched.take_plan()  # one plan, every worker
             for r, w in enumerate(producers):
                 w.start(p_plan)
-                sent[r] |= w.finished_sending({"r1"})
-            for r, w in enumerate(consumers):
-                w.start(d_plan)
-                recved[r] |= w.finished_recving()
+                sent[r] |= w.finished_sending(requests)
+            for e, d_sched in enumerate(d_scheds):
+                d_plan = d_sched.take_plan()
+                for r, w in enumerate(decodes[e]):
+                    w.start(d_plan)
+                    recved[e][r] |= w.finished_recving()
             time.sleep(0.005)
-        share = HEADS // decode_tp
-        for r, w in enumerate(consumers):
-            assert not w.load_errors()
-            assert w.stats.ok and sum(w.stats.ok) == 2 * 3 * share * BS * 2 * HEAD * 4  # layers x blocks x its heads
-            for name, t in dst[r].items():
-                assert torch.equal(t[[7, 1, 30]], whole[name][[5, 2, 9], r * share:(r + 1) * share]), (r, name)
-                assert not t[[0, 3]].any()  # nothing else written
+        for e, tp in enumerate(decode_tps):
+            share = HEADS // tp
+            for r, w in enumerate(decodes[e]):
+                assert not w.load_errors()
+                assert sum(w.stats.ok) == 2 * 3 * share * BS * 2 * HEAD * 4  # layers x blocks x its heads
+                for name, t in dst[e][r].items():
+                    assert torch.equal(t[[7, 1, 30]], whole[name][[5, 2, 9], r * share:(r + 1) * share]), (e, r)
+                    assert not t[[0, 3]].any()  # nothing else written
     finally:
-        for w in consumers + producers:
+        for w in [w for ws in decodes for w in ws] + producers:
             w.close()
 
 
@@ -455,7 +460,7 @@ def recurrent_pair(decode: WorkerSettings | None = None):
     order = (groups["model.layers.0.mixer"], groups["model.layers.1.self_attn.attn"])
     producer = ProducerWorker(WorkerSettings(creds("p"), config=CONFIG))
     consumer = ConsumerWorker(decode or WorkerSettings(creds("d"), config=CONFIG), RBS, Stats())
-    p_sched, d_sched = ProducerScheduler(RBS, 1, order), ConsumerScheduler(RBS, 1, order)
+    p_sched, d_sched = ProducerScheduler(RBS, order), ConsumerScheduler(RBS, 1, order)
     layout = dict(block_size=RBS, dtype="float32", scope="test/mamba", groups=groups)
     p_sched.set_endpoints([producer.register(layout_from_kv_caches(src, **layout))])
     consumer.register(layout_from_kv_caches(dst, **layout))

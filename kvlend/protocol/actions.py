@@ -86,6 +86,13 @@ class LeaseEnded:
 
 
 @dataclass(frozen=True)
+class ClaimWaits:
+    """Prefill: a claim names a lease not lent (yet) and waits up to ``claim_wait`` for its lend: the engine
+    may lend under that id now (a share of a lease it lent, say, which only its reader can name)."""
+    lease_id: bytes
+
+
+@dataclass(frozen=True)
 class Offered:
     """Decode: a prefill pushed a lease over link ``conn``."""
     conn: int

@@ -55,7 +55,7 @@ from ..errors import (
     UsageError,
 )
 from . import states
-from .actions import Close, LeaseEnded, Outbox, PeerGone, PeerReady, Send
+from .actions import ClaimWaits, Close, LeaseEnded, Outbox, PeerGone, PeerReady, Send
 from .codes import Code, code_of, detail_of
 from .config import NodeConfig
 from .connection import AUTH_TIMEOUT, Connection
@@ -486,6 +486,7 @@ class PrefillSession(Outbox):
                     and self._loans.waiting_count(conn) < self.config.quotas.max_leases_per_peer):
                 self._loans.to(lease_id, LoanEvent.WAIT, reader=conn, deadline=now + self.config.claim_wait,
                               digest=digest)
+                self._events.append(ClaimWaits(lease_id))
                 return
         try:
             # LeaseExpired, LeaseUnknown, LeaseDenied (PromptMismatch), or QuotaExceeded (the peer's, or the lifetime)

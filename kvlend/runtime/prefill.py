@@ -1,7 +1,7 @@
 """``PrefillNode``: a ``PrefillSession`` behind sockets, a backend and (optionally) a thread.
 
 Thread-safety: every public method may be called from any engine thread
-while the node serves; ``on_release`` runs on the loop's thread (the node's
+while the node serves; ``on_release`` and ``on_claim_wait`` run on the loop's thread (the node's
 own after ``start()``), never under the node's lock, so it may call back
 into the node.  Hand released requests to the engine's thread (a queue)
 rather than freeing pages from the callback if the cache is not thread-safe.
@@ -26,7 +26,7 @@ from ..core.negotiate import negotiate
 from ..core.text import printable
 from ..errors import ConfigError, KvlendError
 from ..metrics import METRICS
-from ..protocol.actions import LeaseEnded, PeerGone, PeerReady
+from ..protocol.actions import ClaimWaits, LeaseEnded, PeerGone, PeerReady
 from ..protocol.config import NodeConfig
 from ..protocol.prefill import PrefillSession
 from ..protocol.ticket import Ticket, host_problem
@@ -57,6 +57,8 @@ class PrefillNode(Shell):
 
     ``on_release(lease, reason)`` is called when a lease ends (``"done"``,
     ``"aborted"``, ``"expired"`` or ``"released"``): the engine may then reuse its pages.
+    ``on_claim_wait(lease_id)`` is called when a claim names a lease not lent and waits
+    ``claim_wait`` for it: the engine may lend under that id now.  Both run on the loop's thread.
     ``advertise`` is the host that tickets name (default ``host``; set it when
     listening on a wildcard address).
 
@@ -77,11 +79,13 @@ class PrefillNode(Shell):
                  host: str = DEFAULT_HOST, port: int = 0, advertise: str | None = None,
                  config: NodeConfig = NodeConfig(),
                  on_release: Callable[[Lease, str], None] | None = None,
+                 on_claim_wait: Callable[[bytes], None] | None = None,
                  clock: Callable[[], float] = lease_clock,
                  registry: Registry | None = None, capacity: int | None = None,
                  meta: Mapping[str, str] | None = None) -> None:
         self.layout = layout
         self.on_release = on_release or (lambda lease, reason: None)
+        self.on_claim_wait = on_claim_wait or (lambda lease_id: None)
         super().__init__(None, backend, credentials, clock, config)
         try:
             self.host, self.port = self._sockets.listen(host, port)  # a port in use fails before registering
@@ -276,6 +280,11 @@ class PrefillNode(Shell):
                     self.on_release(event.lease, event.reason)
                 except Exception:
                     log.exception("prefill %s: on_release failed for lease %s", self.name, event.lease.hex)
+            elif isinstance(event, ClaimWaits):
+                try:
+                    self.on_claim_wait(event.lease_id)
+                except Exception:
+                    log.exception("prefill %s: on_claim_wait failed for lease %s", self.name, event.lease_id.hex())
             elif isinstance(event, PeerReady):
                 log.info("prefill %s: decode rank %s ready", self.name, printable(event.peer))
             elif isinstance(event, PeerGone):

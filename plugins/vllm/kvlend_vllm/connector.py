@@ -37,7 +37,7 @@ from kvlend.security.credentials import Credentials
 from kvlend_nixl.huge_pages import back_with_huge_pages
 
 from .layout import GROUP, CacheGroup, StateShape, layout_from_kv_caches, model_digest, scope_of, state_scope
-from .scheduler import LENT_STATUSES, ConsumerScheduler, Endpoint, ProducerScheduler, StepPlan, readers_per_worker
+from .scheduler import LENT_STATUSES, ConsumerScheduler, Endpoint, ProducerScheduler, StepPlan
 from .stats import KvlendPromMetrics, KvlendStats
 from .worker import ConsumerWorker, ProducerWorker, WorkerSettings
 
@@ -56,7 +56,7 @@ def _show_kvlend_logs() -> None:
 
 # kv_connector_extra_config keys and defaults (seconds): docs/vllm.md.
 DEFAULTS = {"host": "127.0.0.1", "port": 0, "advertise": None, "ttl": 30.0, "heartbeat": 1.0,
-            "claim_wait": 5.0, "transfer_timeout": 30.0, "stats_path": None, "decode_tp": 1,
+            "claim_wait": 5.0, "transfer_timeout": 30.0, "stats_path": None,
             "etcd": None, "cluster_prefix": "/kvlend/default", "huge_pages": True}
 
 
@@ -106,15 +106,6 @@ def _endpoints(extra: dict) -> tuple[str, ...]:
     if not isinstance(value, str) or not value.strip():
         raise ConfigError(f"kv_connector_extra_config.etcd: expected host:port[,host:port...], got {value!r}")
     return tuple(e.strip() for e in value.split(",") if e.strip())
-
-
-def _decode_tp(extra: dict, prefill_tp: int) -> int:
-    """The prefill's ``decode_tp``: how many workers the decode engine reads with (checked at start-up)."""
-    value = _number(extra, "decode_tp")
-    if value != int(value) or not 1 <= value <= 64:
-        raise ConfigError(f"kv_connector_extra_config.decode_tp: expected an integer in [1, 64], got {value!r}")
-    readers_per_worker(prefill_tp, int(value))  # one TP must divide the other
-    return int(value)
 
 
 # Where a model's config names its Mamba2 SSM groups (granite-4.0-h and Falcon-H1, Nemotron-H and
@@ -213,11 +204,10 @@ class KvlendConnector(KVConnectorBase_V1, SupportsHMA):
                              f"known: {sorted(DEFAULTS)}")
         self.block_size = vllm_config.cache_config.block_size
         tp = vllm_config.parallel_config.tensor_parallel_size
-        readers = readers_per_worker(tp, _decode_tp(extra, tp)) if self.producer else 1
         self.scheduler = self.worker = None
         if role == KVConnectorRole.SCHEDULER:
             groups = tuple(g for g, _ in self.groups)
-            self.scheduler = (ProducerScheduler(self.block_size, readers, groups) if self.producer
+            self.scheduler = (ProducerScheduler(self.block_size, groups) if self.producer
                               else ConsumerScheduler(self.block_size, tp, groups))
         else:
             config = NodeConfig(ttl=_number(extra, "ttl"), heartbeat=_number(extra, "heartbeat"),

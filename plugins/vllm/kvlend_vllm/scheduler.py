@@ -9,12 +9,15 @@ waits for the lend (``NodeConfig.claim_wait``).  Nothing here blocks,
 raises into vLLM on a bad ticket, or touches NIXL.  vLLM objects are read
 duck-typed (``request``, ``blocks``), so the logic is tested without an engine.
 
-Tensor parallel: each prefill worker runs a node of its own and lends its heads
-of a request's blocks, once per decode worker that reads it (``readers``: the
-decode's TP over the prefill's, at least 1), each lease under its own id.  The
-ticket key then holds a list, prefill rank major, and decode worker ``r`` of
-``n`` reads the ``r``-th ``len/n`` of it (``worker_tickets``): its own slice of
-heads, from every prefill worker holding part of it.
+Tensor parallel: each prefill worker runs a node of its own and lends its heads of a
+request's blocks under one lease, whatever the decode's TP: the ticket key holds one
+ticket per prefill worker, in rank order.  A decode with as many workers or fewer
+gives each worker its slice of the list (``worker_tickets``): the prefill workers
+holding its heads.  A decode with ``k`` times as many workers has ``k`` of them read
+each prefill worker's heads, each under a lease id of its own derived from the
+ticket's (``share_lease``): the prefill worker lends those shares of its lease when
+the first is claimed (``ProducerWorker.claim_waits``), so it never needs to know the
+decode's TP, and one prefill serves decodes of any TP.
 
 A ticket travels in ``kv_transfer_params``, which any HTTP client can set, so
 both sides bind it to the request's content (``request_digest``): the prefill
@@ -38,6 +41,7 @@ decode reads the prompt while the prefill computes the rest.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import secrets
 from dataclasses import dataclass, field, replace
@@ -59,7 +63,8 @@ TEMPLATE_KEY = "kvlend_template"  # prefill: answer with this engine's tickets (
 HELD_BACK_KEY = "kvlend_held_back"  # prefill, recurrent model: the request's last prompt token was cut
 ONE_GROUP = (CacheGroup(GROUP),)  # a model with full attention only
 NULL_BLOCK = 0  # vLLM's null block (its BlockPool takes block 0): a freed out-of-window slot's placeholder
-MAX_TICKETS = 64  # tickets one request may carry (prefill TP x readers): more is refused unread
+MAX_TICKETS = 64  # tickets one request may carry (one per prefill TP worker): more is refused unread
+SHARE_COUNTS = range(2, 9)  # decode workers that may read one prefill worker's lease: 2 to 8
 # Names of vLLM's RequestStatus a finished prefill is lent in (the connector checks they exist at
 # start-up); an abort or error frees the blocks at once.
 LENT_STATUSES = ("FINISHED_STOPPED", "FINISHED_LENGTH_CAPPED")
@@ -78,7 +83,7 @@ class Endpoint:
 @dataclass(frozen=True)
 class Lend:
     request: str
-    leases: tuple[tuple[bytes, ...], ...]  # per prefill TP rank, one lease per decode worker reading it
+    leases: tuple[bytes, ...]  # one per prefill TP rank
     num_tokens: int
     tables: dict[str, tuple[int, ...]]  # block ids per KV cache group (kvlend group name); -1: not allocated
     digest: bytes  # ``request_digest`` of the request: only a claim for the same content reads it
@@ -197,18 +202,22 @@ def parse_leases(value: Any, count: int) -> tuple[bytes, ...]:
     return leases
 
 
-def readers_per_worker(prefill_tp: int, decode_tp: int) -> int:
-    """How many decode workers read each prefill worker's heads; ConfigError unless one TP divides the other."""
-    if max(prefill_tp, decode_tp) % min(prefill_tp, decode_tp):
-        raise ConfigError(f"tensor parallel: prefill {prefill_tp} and decode {decode_tp} workers, "
-                          "neither a multiple of the other")
-    return max(1, decode_tp // prefill_tp)
+def share_lease(lease: bytes, index: int, count: int) -> bytes:
+    """The lease id decode worker ``index`` of the ``count`` reading one prefill worker's ``lease`` claims:
+    derived from it, so only a holder of its ticket can name it, and the prefill can find it."""
+    return hashlib.sha256(b"kvlend/share\0" + lease + bytes((index, count))).digest()[:LEASE_ID_BYTES]
 
 
 def worker_tickets(tickets: tuple[str, ...], tp_size: int, tp_rank: int) -> tuple[str, ...]:
-    """Decode worker ``tp_rank`` of ``tp_size``'s share of a request's tickets (prefill rank major)."""
-    per = len(tickets) // tp_size
-    return tickets[tp_rank * per:(tp_rank + 1) * per]
+    """Decode worker ``tp_rank`` of ``tp_size``'s share of a request's tickets (one per prefill worker, in
+    rank order): its slice of them, or, with more decode workers than tickets, its share of one ticket's
+    lease (``share_lease``)."""
+    if tp_size <= len(tickets):
+        per = len(tickets) // tp_size
+        return tickets[tp_rank * per:(tp_rank + 1) * per]
+    count = tp_size // len(tickets)
+    ticket = Ticket.from_text(tickets[tp_rank // count])
+    return (replace(ticket, lease=share_lease(ticket.lease, tp_rank % count, count)).to_text(),)
 
 
 def parse_tickets(value: Any, tp_size: int, num_tokens: int | None = None) -> tuple[tuple[str, ...], list[Ticket]]:
@@ -218,19 +227,16 @@ def parse_tickets(value: Any, tp_size: int, num_tokens: int | None = None) -> tu
     texts = (value,) if isinstance(value, str) else tuple(value) if isinstance(value, list) else None
     if texts is None or not texts or len(texts) > MAX_TICKETS or not all(isinstance(t, str) for t in texts):
         raise UsageError(f"{TICKET_KEY}: expected a ticket or a list of 1 to {MAX_TICKETS} tickets")
-    if len(texts) % tp_size:
-        raise UsageError(f"{TICKET_KEY}: {len(texts)} tickets cannot be shared by {tp_size} decode workers "
-                         "(set the prefill's decode_tp to this engine's tensor parallel size)")
+    if max(len(texts), tp_size) % min(len(texts), tp_size) or tp_size // len(texts) > SHARE_COUNTS[-1]:
+        raise UsageError(f"{TICKET_KEY}: {len(texts)} tickets (prefill workers) cannot be shared by {tp_size} "
+                         f"decode workers: one count must divide the other, at most {SHARE_COUNTS[-1]} "
+                         "decode workers per prefill worker")
     tickets = [Ticket.from_text(t) for t in texts]
     if num_tokens is not None:
         tickets = [replace(t, num_tokens=num_tokens) for t in tickets]
         texts = tuple(t.to_text() for t in tickets)
-    for rank in range(tp_size):
-        share = worker_tickets(tuple(range(len(texts))), tp_size, rank)
-        prefills = [tickets[i].prefill for i in share]
-        if len(set(prefills)) != len(prefills):
-            raise UsageError(f"{TICKET_KEY}: decode worker {rank} would read prefill {prefills[0]!r} twice "
-                             "(set the prefill's decode_tp to this engine's tensor parallel size)")
+    if len({t.prefill for t in tickets}) != len(tickets):
+        raise UsageError(f"{TICKET_KEY}: a prefill worker is named twice")
     if len({t.num_tokens for t in tickets}) != 1:
         raise UsageError(f"{TICKET_KEY}: the tickets cover different token counts")
     return texts, tickets
@@ -259,7 +265,7 @@ class _Growing:
     """A request lent progressively, under the router's lease ids."""
 
     request: Any  # vLLM's Request: its num_computed_tokens is what the steps so far computed
-    leases: tuple[tuple[bytes, ...], ...]
+    leases: tuple[bytes, ...]
     num_tokens: int  # its prompt's
     digest: bytes
     ready: int | None = None  # tokens lent so far (None: not lent yet)
@@ -270,9 +276,8 @@ class ProducerScheduler:
     """Prefill: lend a finished request's blocks in place and hand back its ticket(s), or lend a
     request as its chunks compute, under lease ids a router chose (``LEASES_KEY``)."""
 
-    def __init__(self, block_size: int, readers: int = 1, groups: tuple[CacheGroup, ...] = ONE_GROUP) -> None:
+    def __init__(self, block_size: int, groups: tuple[CacheGroup, ...] = ONE_GROUP) -> None:
         self.block_size = block_size
-        self.readers = readers  # decode workers reading each of this engine's workers
         self.groups = groups  # vLLM's KV cache groups, in its order
         self.recurrent = recurrent(groups)
         self.endpoints: list[Endpoint] = []  # one per TP rank, in rank order
@@ -283,12 +288,12 @@ class ProducerScheduler:
     def set_endpoints(self, endpoints: list[Endpoint]) -> None:
         self.endpoints = list(endpoints)
 
-    def _tickets(self, leases: tuple[tuple[bytes, ...], ...], num_tokens: int) -> list[str]:
+    def _tickets(self, leases: tuple[bytes, ...], num_tokens: int) -> list[str]:
         return [Ticket(lease, e.host, e.port, e.name, num_tokens, e.layout_id).to_text()
-                for e, ranks in zip(self.endpoints, leases) for lease in ranks]
+                for e, lease in zip(self.endpoints, leases)]
 
-    def _new_leases(self) -> tuple[tuple[bytes, ...], ...]:
-        return tuple(tuple(secrets.token_bytes(LEASE_ID_BYTES) for _ in range(self.readers)) for _ in self.endpoints)
+    def _new_leases(self) -> tuple[bytes, ...]:
+        return tuple(secrets.token_bytes(LEASE_ID_BYTES) for _ in self.endpoints)
 
     def on_new_request(self, request: Any) -> None:
         """A recurrent model's request to be lent loses its last prompt token; a request carrying the
@@ -311,13 +316,12 @@ class ProducerScheduler:
         if why is None and digest is None:
             why = "no prompt token ids"
         try:
-            flat = parse_leases(params[LEASES_KEY], len(self.endpoints) * self.readers) if why is None else ()
+            leases = parse_leases(params[LEASES_KEY], len(self.endpoints)) if why is None else ()
         except KvlendError as exc:
             why = str(exc)
         if why is not None:
             log.warning("request %s: not lent progressively (%s)", request.request_id, why)
             return
-        leases = tuple(flat[i * self.readers:(i + 1) * self.readers] for i in range(len(self.endpoints)))
         self._growing[request.request_id] = _Growing(request, leases, num_tokens, digest)
 
     def request_finished(self, request: Any, block_ids: tuple[list[int], ...]) -> tuple[bool, dict | None]:

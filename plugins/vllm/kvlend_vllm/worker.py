@@ -14,7 +14,7 @@ import os
 import threading
 import time
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from kvlend.core.text import printable
 from kvlend.errors import KvlendError
@@ -24,10 +24,11 @@ from kvlend.security.credentials import Credentials
 from kvlend.transport import load_backend
 
 from .amx import request_amx
-from .scheduler import Endpoint, StepPlan, worker_tickets
+from .scheduler import SHARE_COUNTS, Endpoint, StepPlan, share_lease, worker_tickets
 
 log = logging.getLogger("kvlend.vllm")
 _FINISHED_KEPT = 65536
+_ASKED_KEPT = 4096  # lease ids claimed before any lend, remembered in case they are shares of the next
 
 
 @dataclass(frozen=True)
@@ -101,18 +102,39 @@ def _backend(credentials: Credentials):
     return load_backend("nixl", name=f"{credentials.identity}-{os.getpid()}", timeout=10.0)
 
 
+@dataclass
+class _Loan:
+    """One request this worker lent: the scheduler's lease (its ticket's), what it was lent with, and the
+    leases that carry it now: that lease, or the shares it was split into for a decode with more workers."""
+
+    request: str
+    lease: bytes
+    num_tokens: int
+    tables: dict[str, list[int]]
+    ready: int | None  # tokens lent so far (None: all)
+    digest: bytes
+    shares: tuple[bytes, ...]  # every share id a decode may claim (``share_lease``), while splittable
+    leases: list[bytes] = field(default_factory=list)
+    split: int = 0  # the shares it was split into (0: not split)
+
+
 class ProducerWorker:
-    """Prefill: lend blocks under the scheduler's lease ids (this worker's: one per decode worker reading
-    its heads), grow progressive lends; report a request back once all its leases ended."""
+    """Prefill: lend blocks under the scheduler's lease ids (this worker's: one per request, split into
+    shares when a decode with more workers claims one), grow progressive lends; report a request back
+    once all its leases ended."""
 
     def __init__(self, settings: WorkerSettings) -> None:
         self.settings = settings
         self.node: PrefillNode | None = None
         self.registry = None
-        self._lock = threading.Condition()  # notified as leases end
+        # Notified as leases end.  Held while lending, extending and releasing, so that a split on the
+        # node's thread and an extend on the engine's see the same leases.
+        self._lock = threading.Condition()
         self._open: dict[str, int] = {}  # request -> its leases not yet over
         self._requests: dict[bytes, str] = {}  # lease id -> request, while the lease lives
-        self._lent: dict[str, tuple[bytes, ...]] = {}  # request -> this worker's leases, until reported
+        self._loans: dict[str, _Loan] = {}  # request -> what this worker lent, until reported
+        self._shares: dict[bytes, tuple[str, int]] = {}  # share id -> (request, shares), while splittable
+        self._asked: OrderedDict[bytes, None] = OrderedDict()  # claimed before any lend: maybe shares
         self._ended: set[str] = set()  # requests whose leases are all over (done, aborted, expired, released)
         # Requests vLLM said finished (only those may be reported), the most recent ones: a lend
         # comes a step after its request finished, so this need not remember long.
@@ -123,7 +145,7 @@ class ProducerWorker:
         self.registry = _registry(s)
         self.node = PrefillNode(layout, _backend(s.credentials), s.credentials, host=s.host, port=s.port,
                                 advertise=s.advertise, config=s.config, on_release=self._on_release,
-                                registry=self.registry)
+                                on_claim_wait=self.claim_waits, registry=self.registry)
         self.node.start()
         _place(self.node)
         log.info("kvlend prefill %s listening on %s:%d (layout %s)", self.node.name, self.node.host,
@@ -143,54 +165,111 @@ class ProducerWorker:
             self._lock.notify_all()
 
     def start(self, plan: StepPlan) -> None:
-        for lend in plan.lends:
-            self._lend(lend)
-        for extend in plan.extends:
-            tables = {g: list(t) for g, t in extend.tables.items()}
-            for lease in self._lent.get(extend.request, ()):
-                try:
-                    self.node.extend(lease, extend.ready, tables)
-                except KvlendError as exc:  # the lease ended (expired unclaimed, say): its end is reported
-                    log.info("request %s: lease %s not extended (%s)", extend.request, lease.hex()[:8],
-                             printable(exc))
-        for request in plan.releases:
-            for lease in self._lent.get(request, ()):
-                self.node.release(lease)  # on_release once its reader is quiet
+        with self._lock:
+            for lend in plan.lends:
+                self._lend(lend)
+            for extend in plan.extends:
+                loan = self._loans.get(extend.request)
+                if loan is None:
+                    continue
+                loan.ready, loan.tables = extend.ready, {g: list(t) for g, t in extend.tables.items()}
+                for lease in loan.leases:
+                    try:
+                        self.node.extend(lease, extend.ready, loan.tables)
+                    except KvlendError as exc:  # the lease ended (expired unclaimed, say): its end is reported
+                        log.info("request %s: lease %s not extended (%s)", extend.request, lease.hex()[:8],
+                                 printable(exc))
+            for request in plan.releases:
+                loan = self._loans.get(request)
+                if loan is not None:
+                    self._unshare(loan)
+                    for lease in loan.leases:
+                        self.node.release(lease)  # on_release once its reader is quiet
 
     def _lend(self, lend) -> None:
-        leases = lend.leases[self.settings.tp_rank]
+        lease = lend.leases[self.settings.tp_rank]
+        if lease in self._requests:  # a router's (a client's) id: in use
+            log.warning("request %s: not lent (a lease id it names is another request's)", lend.request)
+            self._ended.add(lend.request)  # reported once vLLM says it finished, like a refused lend
+            return
+        shares = {share_lease(lease, i, count): (lend.request, count) for count in SHARE_COUNTS
+                  for i in range(count)}
+        loan = _Loan(lend.request, lease, lend.num_tokens, {g: list(t) for g, t in lend.tables.items()},
+                     lend.ready, lend.digest, tuple(shares), [lease])
+        self._loans[lend.request] = loan
+        self._open[lend.request] = 1
+        self._requests[lease] = lend.request
+        self._shares.update(shares)
+        self._lend_one(lend.request, lease, loan)
+        asked = next((shares[s] for s in shares if self._asked.pop(s, False) is None), None)
+        if asked is not None:  # a decode worker claimed its share before this lend
+            self._split(*asked)
+
+    def _lend_one(self, name: str, lease: bytes, loan: _Loan) -> None:
+        try:
+            self.node.lend(name, loan.num_tokens, loan.tables, self.node.layout.full_selection(), lease_id=lease,
+                           ready=loan.ready, prompt_digest=loan.digest)
+        except KvlendError as exc:  # not lent: a claim is refused after claim_wait
+            log.warning("request %s: not lent (%s)", name, printable(exc))
+            self._lease_over(lease)
+
+    def claim_waits(self, lease_id: bytes) -> None:
+        """A claim waits for a lease not lent (on the node's thread).  If it names a share of a lease this
+        worker lent, a decode with more workers reads it: split that lease into its shares now; else
+        remember it, in case its lease is lent next."""
         with self._lock:
-            if any(lease in self._requests for lease in leases):  # a router's (a client's) ids: one in use
-                log.warning("request %s: not lent (a lease id it names is another request's)", lend.request)
-                self._ended.add(lend.request)  # reported once vLLM says it finished, like a refused lend
+            found = self._shares.get(lease_id)
+            if found is not None:
+                self._split(*found)
                 return
-            self._open[lend.request] = len(leases)
-            self._requests.update(dict.fromkeys(leases, lend.request))
-            self._lent[lend.request] = leases
-        tables = {g: list(t) for g, t in lend.tables.items()}
-        for reader, lease in enumerate(leases):
-            # The node holds one live lease per name: each decode worker reading this one gets its own.
-            name = lend.request if len(leases) == 1 else f"{lend.request}#{reader}"
-            try:
-                self.node.lend(name, lend.num_tokens, tables, self.node.layout.full_selection(), lease_id=lease,
-                               ready=lend.ready, prompt_digest=lend.digest)
-            except KvlendError as exc:  # not lent: a claim is refused after claim_wait
-                log.warning("request %s: not lent (%s)", name, printable(exc))
-                self._lease_over(lease)
+            self._asked[lease_id] = None
+            while len(self._asked) > _ASKED_KEPT:
+                self._asked.popitem(last=False)
+
+    def _split(self, request: str, count: int) -> None:
+        """Lend ``request``'s lease as ``count`` shares, each read by one decode worker, then release the
+        lease itself: its ticket is read through the shares.  Under the lock."""
+        loan = self._loans.get(request)
+        if loan is None or loan.split or request not in self._open:  # already split, or over
+            return
+        loan.split = count
+        self._unshare(loan)
+        shares = [share_lease(loan.lease, i, count) for i in range(count)]
+        self._open[request] += count
+        self._requests.update(dict.fromkeys(shares, request))
+        loan.leases = shares
+        for i, share in enumerate(shares):
+            self._lend_one(f"{request}#{i}/{count}", share, loan)
+        self.node.release(loan.lease)
+        log.debug("request %s: lent as %d shares", request, count)
+
+    def _unshare(self, loan: _Loan) -> None:
+        """No decode may split this loan any more."""
+        for share in loan.shares:
+            self._shares.pop(share, None)
+        loan.shares = ()
+
+    def _forget(self, request: str) -> None:
+        loan = self._loans.pop(request, None)
+        if loan is not None:
+            self._unshare(loan)
 
     def preempt(self, requests: list[str]) -> None:
         """vLLM takes these progressively lent requests' blocks back in this step, and its forward may
         overwrite them: end their leases and wait until no read of them can still land (their readers
         are quiet, or the leases expired), so no reader's bound covers a reused block."""
-        leases = [lease for request in requests for lease in self._lent.get(request, ())]
-        for lease in leases:
-            self.node.release(lease)
         limit = 2 * self.settings.config.ttl  # a lease expires within its ttl; on_release follows at once
         with self._lock:
+            loans = [self._loans[r] for r in requests if r in self._loans]
+            leases = [lease for loan in loans for lease in loan.leases]
+            for loan in loans:
+                self._unshare(loan)
+            for lease in leases:
+                self.node.release(lease)
             quiet = self._lock.wait_for(lambda: not any(lease in self._requests for lease in leases), limit)
             for request in requests:  # vLLM frees these blocks itself: never reported as sent
                 self._ended.discard(request)
-                self._lent.pop(request, None)
+                self._forget(request)
         if not quiet:
             log.error("requests %s: a reader of their blocks was not quiet within %.0f s; vLLM reuses them now",
                       requests, limit)
@@ -204,7 +283,7 @@ class ProducerWorker:
             self._ended -= done
             for request in done:
                 del self._finished[request]
-                self._lent.pop(request, None)
+                self._forget(request)
         return done
 
     def close(self) -> None:
