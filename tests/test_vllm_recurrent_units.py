@@ -103,9 +103,9 @@ def test_a_token_major_conv_state_moves_whole_and_cannot_be_split_by_tensor_para
 
 def test_engines_storing_state_differently_are_refused_naming_the_difference():
     ds = scope_of(platform="cpu", kernel="k", dtype="float32", block_size=BS, cache_layout="d", model="m",
-                  state=state_scope(state(1), "float32", "float32"))
+                  state=state_scope(state(1), ("float32", "float32")))
     sd = scope_of(platform="cpu", kernel="k", dtype="float32", block_size=BS, cache_layout="d", model="m",
-                  state=state_scope(state(1, conv_first=False), "float32", "float32"))
+                  state=state_scope(state(1, conv_first=False), ("float32", "float32")))
     with pytest.raises(LayoutMismatch, match="state-DS-float32-float32' vs 'state-SD-float32-float32"):
         negotiate(layout_of(state(1), scope=ds)[0], layout_of(state(1), scope=sd)[0])
 
@@ -179,6 +179,39 @@ def test_tensor_parallel_ranks_read_exactly_their_x_b_c_and_ssm_heads(prefill_tp
         page = mine.regions[0].page_stride
         assert moved == d_shape.nbytes  # each state byte read once, the padding never
         assert torch.equal(flat[4 * page:4 * page + d_shape.nbytes], expect_flat[4 * page:4 * page + d_shape.nbytes])
+
+
+def short_conv(tp: int) -> StateShape:
+    """An LFM2 layer's state block per rank: 256 conv channels split evenly, 3 rows each (DS)."""
+    return StateShape((256 // tp, ROWS), None, 4, 0, True, 0)
+
+
+@pytest.mark.parametrize("prefill_tp, decode_tp", [(1, 2), (2, 1), (1, 1), (2, 4)])
+def test_a_short_conv_state_is_its_channels_and_each_rank_reads_its_own(prefill_tp, decode_tp):
+    lay, _ = layout_of(short_conv(1))
+    assert [(b.name, b.offset, b.page_bytes, b.identity.role, b.geometry.heads) for b in lay.buffers[:1]] == [
+        ("L0.conv", 0, 256 * ROWS * 4, Role.CONV, 256)]
+    page = PAGE
+
+    def fill(flat, tp: int, rank: int, block: int) -> None:
+        channels = np.arange(rank * 256 // tp, (rank + 1) * 256 // tp)
+        data = (channels[:, None] * 10 + np.arange(ROWS)[None, :]).astype(np.float32).view(np.int8).ravel()
+        flat[block * (page // tp):block * (page // tp) + data.size] = torch.from_numpy(data.copy())
+
+    prefills = [layout_of(short_conv(prefill_tp), prefill_tp, r) for r in range(prefill_tp)]
+    for r, (_, flat) in enumerate(prefills):
+        fill(flat, prefill_tp, r, 2)
+    for d_rank in range(decode_tp):
+        mine, flat = layout_of(short_conv(decode_tp), decode_tp, d_rank)
+        moved = 0
+        for p_lay, _ in prefills:
+            try:
+                moved += copy_plan(negotiate(mine, p_lay), 2, 4)
+            except LayoutMismatch as exc:
+                assert "reads only prefill ranks" in str(exc)
+        expect = torch.zeros_like(flat)
+        fill(expect, decode_tp, d_rank, 4)
+        assert moved == short_conv(decode_tp).nbytes and torch.equal(flat, expect)
 
 
 # ------------------------------------------------------------------ scheduler

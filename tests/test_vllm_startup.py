@@ -68,6 +68,9 @@ print(json.dumps({
     "align": refusal(cache_groups, groups(mamba(mamba_cache_mode="align"), full), granite),
     "speculative": refusal(cache_groups, groups(mamba(num_speculative_blocks=1), full), granite),
     "no_groups": refusal(cache_groups, groups(mamba(), full), {}),
+    "gdn": refusal(cache_groups, groups(mamba(mamba_type=MambaAttentionBackendEnum.GDN_ATTN), full), {}),
+    "short_conv": [[g.name, g.state is not None] for g, _ in cache_groups(
+        groups(mamba(shapes=((256, 2),), mamba_type=MambaAttentionBackendEnum.SHORT_CONV), full), {})],
     "shapes": refusal(cache_groups, groups(mamba(shapes=((544, 3),)), full), granite),
     "groups": [[g.name, g.window, list(layers)] for g, layers in cache_groups(groups(full, swa))],
     "one_group": [[g.name, g.window] for g, _ in cache_groups(groups(full))],
@@ -87,9 +90,11 @@ def test_the_connector_refuses_what_it_does_not_understand_before_the_workers_st
     assert got["one_group"] == got["no_config"] == [["full", None]]
     assert got["groups"] == [["g0", None, ["model.layers.0.attn"]], ["g1", 256, ["model.layers.1.attn"]]]
     assert "group 1 (ChunkedLocalAttentionSpec" in got["chunked"] and "not full attention, a sliding window or " \
-        "Mamba2 state" in got["chunked"]
+        "Mamba2 or short conv state" in got["chunked"]
     assert got["mamba2"] == [["g0", True], ["g1", False]]
-    assert "holds MAMBA1 state; only Mamba2 state is supported" in got["mamba1"]
+    assert "holds MAMBA1 state; only Mamba2 and short conv (LFM2) state are supported" in got["mamba1"]
+    assert "holds GDN_ATTN state" in got["gdn"]
+    assert got["short_conv"] == [["g0", True], ["g1", False]]
     assert "mamba_cache_mode 'align'" in got["align"] and "--no-enable-prefix-caching" in got["align"]
     assert "1 speculative state blocks" in got["speculative"]
     assert "names no SSM group count" in got["no_groups"]

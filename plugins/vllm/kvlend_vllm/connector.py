@@ -115,11 +115,12 @@ _GROUP_KEYS = ("mamba_n_groups", "n_groups", "mamba_ngroups")
 
 def state_shape(spec: MambaSpec, hf_config, where: str) -> StateShape:
     """A ``MambaSpec`` group's state block as kvlend describes it; ConfigError names what is not
-    supported (a Mamba1 or gated-delta-net state, prefix caching's align mode, speculative state blocks,
-    a shape that is not a conv plus an SSM state)."""
-    mamba_type = getattr(spec.mamba_type, "name", str(spec.mamba_type))
-    if spec.mamba_type is not MambaAttentionBackendEnum.MAMBA2:
-        raise ConfigError(f"KvlendConnector: {where} holds {mamba_type} state; only Mamba2 state is supported")
+    supported (a Mamba1, gated-delta-net or linear-attention state, prefix caching's align mode,
+    speculative state blocks, shapes that are not a Mamba2 or a short conv's)."""
+    kind = spec.mamba_type
+    if kind not in (MambaAttentionBackendEnum.MAMBA2, MambaAttentionBackendEnum.SHORT_CONV):
+        raise ConfigError(f"KvlendConnector: {where} holds {getattr(kind, 'name', kind)} state; only Mamba2 and "
+                          "short conv (LFM2) state are supported")
     if spec.mamba_cache_mode != "none":
         raise ConfigError(f"KvlendConnector: {where}: mamba_cache_mode {spec.mamba_cache_mode!r} (prefix caching "
                           "of recurrent state) is not supported; start the engine with --no-enable-prefix-caching")
@@ -127,6 +128,11 @@ def state_shape(spec: MambaSpec, hf_config, where: str) -> StateShape:
         raise ConfigError(f"KvlendConnector: {where}: {spec.num_speculative_blocks} speculative state blocks "
                           "per request (speculative decoding) are not supported")
     shapes = tuple(tuple(int(n) for n in shape) for shape in spec.shapes)
+    conv_first = is_conv_state_dim_first()
+    if kind is MambaAttentionBackendEnum.SHORT_CONV:
+        if len(shapes) != 1 or len(shapes[0]) != 2:
+            raise ConfigError(f"KvlendConnector: {where}: state shapes {shapes} are not a short conv's")
+        return StateShape(shapes[0], None, spec.dtypes[0].itemsize, 0, conv_first, 0)
     if len(shapes) != 2 or len(shapes[0]) != 2 or len(shapes[1]) != 3:
         raise ConfigError(f"KvlendConnector: {where}: state shapes {shapes} are not a Mamba2 conv state "
                           "and SSM state")
@@ -134,8 +140,7 @@ def state_shape(spec: MambaSpec, hf_config, where: str) -> StateShape:
     if groups is None:
         raise ConfigError(f"KvlendConnector: {where}: the model config names no SSM group count "
                           f"(looked for {list(_GROUP_KEYS)})")
-    state = StateShape(shapes[0], shapes[1], spec.dtypes[0].itemsize, spec.dtypes[1].itemsize,
-                       is_conv_state_dim_first(), groups)
+    state = StateShape(shapes[0], shapes[1], spec.dtypes[0].itemsize, spec.dtypes[1].itemsize, conv_first, groups)
     try:
         state.channels()
     except KvlendError as exc:
@@ -145,8 +150,8 @@ def state_shape(spec: MambaSpec, hf_config, where: str) -> StateShape:
 
 def cache_groups(kv_cache_config, hf_config: dict | None = None) -> tuple[tuple[CacheGroup, tuple[str, ...]], ...]:
     """vLLM's KV cache groups as kvlend groups, with their layers: full attention (or MLA) moves whole,
-    a sliding window (vLLM's hybrid allocator) only its window's blocks, a Mamba2 group its state block
-    (``hf_config``: the model's, for its SSM groups); any other kind is refused."""
+    a sliding window (vLLM's hybrid allocator) only its window's blocks, a Mamba2 or short conv group
+    its state block (``hf_config``: the model's, for its SSM groups); any other kind is refused."""
     groups = getattr(kv_cache_config, "kv_cache_groups", None)
     if groups is None:
         return ((CacheGroup(GROUP), ()),)
@@ -170,7 +175,7 @@ def cache_groups(kv_cache_config, hf_config: dict | None = None) -> tuple[tuple[
         else:
             raise ConfigError(f"KvlendConnector: KV cache group {i} ({type(spec).__name__}, layers "
                               f"{list(g.layer_names)[:3]}...) is not full attention, a sliding window "
-                              "or Mamba2 state")
+                              "or Mamba2 or short conv state")
     return tuple(out)
 
 
@@ -293,7 +298,7 @@ class KvlendConnector(KVConnectorBase_V1, SupportsHMA):
         scope = scope_of(platform=first.device.type, kernel=kernel, dtype=dtype, block_size=self.block_size,
                          cache_layout=str(getattr(self._kv_cache_config, "kv_cache_layout", "default")),
                          model=model_digest(config.model_config.hf_config.to_dict()),
-                         state="" if state is None else state_scope(state, *self._state_dtypes))
+                         state="" if state is None else state_scope(state, self._state_dtypes))
         tp = config.parallel_config.tensor_parallel_size
         model = config.model_config
         layout = layout_from_kv_caches(kv_caches, block_size=self.block_size, dtype=dtype, scope=scope,

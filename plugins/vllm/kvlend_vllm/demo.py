@@ -5,7 +5,7 @@ Why: the end-to-end check of a KV connector is what a user would run — two
 OpenAI client measuring TTFT and throughput.  `--check` also boots one plain
 server and compares greedy tokens, so a connector that moves wrong KV fails.
 
-    python -m kvlend_vllm.demo --connector kvlend|nixl [--size tiny|hybrid|mamba|large] [--check] ...
+    python -m kvlend_vllm.demo --connector kvlend|nixl [--size tiny|hybrid|mamba|lfm2|large] [--check] ...
     python -m kvlend_vllm.demo --router vllm-router --prefills 2 --decodes 1 [--policy power_of_two]
 
 ``--router vllm-router`` puts vLLM's own P/D router in front (it carries kvlend's
@@ -33,7 +33,8 @@ from kvlend.security.certs import Authority, save_rank
 from kvlend_vllm import launch, models
 
 HOST = "127.0.0.1"
-DEFAULT_TOKENS = {"tiny": "32,300,1000", "hybrid": "32,300,1000", "mamba": "32,300,1000", "large": "512,2048,8000"}
+DEFAULT_TOKENS = {"tiny": "32,300,1000", "hybrid": "32,300,1000", "mamba": "32,300,1000", "lfm2": "32,300,1000",
+                  "large": "512,2048,8000"}
 # Prometheus counters the server that transfers exports for each connector
 # (the decode, which reads; the prefill in push mode, which writes), summed
 # over label sets.  NixlConnector's are vLLM's; kvlend's are defined by

@@ -46,7 +46,8 @@ the strides.  So:
   (vLLM's ``DS`` layout), is three runs of channels sharded apart: x by heads
   (``CONV``), B and C by SSM groups, or held whole by every rank when the
   model has one group (``CONV_B``, ``CONV_C``).  Stored token-major (``SD``)
-  the conv state has no split and moves whole.
+  the conv state has no split and moves whole.  A short conv (LFM2) has a
+  conv state alone, its channels split evenly.
 """
 
 from __future__ import annotations
@@ -76,13 +77,14 @@ GROUP = "full"  # the group of a model with one KV cache group: vLLM's block tab
 
 @dataclass(frozen=True)
 class StateShape:
-    """A Mamba2 layer's state block, per rank: the conv state's shape (``conv_first``: ``(channels,
-    rows)``, vLLM's DS; else ``(rows, channels)``) and the SSM state's ``(heads, head_dim, d_state)``,
-    with element sizes; ``groups``: the model's SSM groups (B and C channels are split by them, or held
-    whole by every rank when there is one)."""
+    """A recurrent layer's state block, per rank: the conv state's shape (``conv_first``: ``(channels,
+    rows)``, vLLM's DS; else ``(rows, channels)``) and, for Mamba2, the SSM state's ``(heads, head_dim,
+    d_state)`` (None: a short conv, LFM2's, whose conv state is all there is), with element sizes;
+    ``groups``: a Mamba2 model's SSM groups (B and C channels are split by them, or held whole by every
+    rank when there is one)."""
 
     conv: tuple[int, int]
-    ssm: tuple[int, int, int]
+    ssm: tuple[int, int, int] | None
     conv_elt: int
     ssm_elt: int
     conv_first: bool
@@ -94,10 +96,10 @@ class StateShape:
 
     @property
     def nbytes(self) -> int:
-        return self.conv_bytes + self.ssm[0] * self.ssm[1] * self.ssm[2] * self.ssm_elt
+        return self.conv_bytes + (0 if self.ssm is None else self.ssm[0] * self.ssm[1] * self.ssm[2] * self.ssm_elt)
 
     def channels(self) -> tuple[int, int]:
-        """(x channels, B channels) per rank: the conv channels are x | B | C, x being heads x head_dim."""
+        """(x channels, B channels) per rank of a Mamba2 conv state: x | B | C, x being heads x head_dim."""
         channels = self.conv[0] if self.conv_first else self.conv[1]
         heads, head_dim, d_state = self.ssm
         x = heads * head_dim
@@ -215,16 +217,20 @@ def _state_pages(name: str, t: Any, state: StateShape) -> _Pages:
 
 
 def _state_buffers(layer: int, region: str, offset: int, group: CacheGroup) -> list[BufferDesc]:
-    """A Mamba2 layer's buffers in its state block: the conv state (whole, or x | B | C where stored
-    channel-major), then the SSM state split by heads."""
+    """A recurrent layer's buffers in its state block: the conv state (whole, or where stored
+    channel-major x | B | C for Mamba2, its channels for a short conv), then a Mamba2 SSM state split
+    by heads."""
     state = group.state
-    heads, head_dim, d_state = state.ssm
     rows = state.conv[1] if state.conv_first else state.conv[0]
 
     def buffer(suffix: str, at: int, nbytes: int, role: Role, geometry: HeadGeometry | None) -> BufferDesc:
         return BufferDesc(f"L{layer}.{suffix}", region, offset + at, nbytes,
                           LayerIdentity(layer, LayerKind.RECURRENT, role), group=group.name, geometry=geometry)
 
+    if state.ssm is None:  # a short conv: channels split evenly between tensor-parallel ranks
+        geometry = HeadGeometry(state.conv[0], rows * state.conv_elt) if state.conv_first else None
+        return [buffer("conv", 0, state.conv_bytes, Role.CONV, geometry)]
+    heads, head_dim, d_state = state.ssm
     if state.conv_first:
         x, b = state.channels()
         row = rows * state.conv_elt  # one channel's bytes
@@ -290,7 +296,7 @@ def scope_of(*, platform: str, kernel: str, dtype: str, block_size: int, cache_l
     return f"{scope}/{state}" if state else scope
 
 
-def state_scope(state: StateShape, conv_dtype: str, ssm_dtype: str) -> str:
+def state_scope(state: StateShape, dtypes: tuple[str, ...]) -> str:
     """The scope part of a recurrent model: the conv layout and the states' element types (their shapes,
     split by tensor parallelism, are the buffers')."""
-    return f"state-{'DS' if state.conv_first else 'SD'}-{conv_dtype}-{ssm_dtype}"
+    return "-".join(("state", "DS" if state.conv_first else "SD", *dtypes))

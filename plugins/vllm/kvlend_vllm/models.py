@@ -4,7 +4,7 @@ Why: tests and demos need a model vLLM loads offline, deterministically, with
 known KV geometry, and without a hub.  ``ensure_model`` builds one once per
 (size, seed) and caches it; a rebuild gives byte-identical files.
 
-    python -m kvlend_vllm.models --size tiny|large [--out DIR] [--seed N] [--force]
+    python -m kvlend_vllm.models --size tiny|large|hybrid|mamba|lfm2 [--out DIR] [--seed N] [--force]
 
 Sizes:
     tiny  : hidden 256, 2 layers, 4 heads, 2 KV heads, head_dim 64, vocab 1024,
@@ -17,6 +17,8 @@ Sizes:
             attention, Mamba2 (hidden 256, 8 Mamba heads of 64, one group, state 16,
             conv 4; attention 4 heads, 2 KV heads): two recurrent KV cache groups
             (one state block per request each) and one full-attention group
+    lfm2  : an LFM2 (short convolutions and attention): 3 layers, conv, attention,
+            conv (hidden 256, a 3-token conv cache; attention 4 heads, 2 KV heads)
 """
 
 from __future__ import annotations
@@ -44,21 +46,25 @@ SIZES = {
                   num_attention_heads=4, num_key_value_heads=2, mamba_n_heads=8, mamba_d_head=64,
                   mamba_n_groups=1, mamba_d_state=16, mamba_d_conv=4, num_local_experts=0,
                   shared_intermediate_size=512, max_position_embeddings=2048),
+    "lfm2": dict(hidden_size=256, intermediate_size=512, num_hidden_layers=3,
+                 layer_types=["conv", "full_attention", "conv"], num_attention_heads=4, num_key_value_heads=2,
+                 conv_L_cache=3, block_auto_adjust_ff_dim=False, max_position_embeddings=2048,
+                 conv_dim=256, block_dim=256),  # vLLM reads the conv and block widths under these names
 }
 # Which transformers class builds each size.
-FAMILY = {"tiny": "llama", "large": "llama", "hybrid": "llama", "mamba": "granite"}
+FAMILY = {"tiny": "llama", "large": "llama", "hybrid": "llama", "mamba": "granite", "lfm2": "lfm2"}
 # With the default 0.02 the 8-layer model's greedy output is one token repeated
 # (a weak check); 0.1 gives 16 distinct tokens out of 16.  Tiny keeps 0.02.
-INIT_RANGE = {"tiny": 0.02, "large": 0.1, "hybrid": 0.1, "mamba": 0.1}
+INIT_RANGE = {"tiny": 0.02, "large": 0.1, "hybrid": 0.1, "mamba": 0.1, "lfm2": 0.1}
 VOCAB = 1024
 SPECIALS = ["<unk>", "<s>", "</s>", "<pad>"]   # ids 0..3
 NEEDED = ("config.json", "model.safetensors", "tokenizer.json")
 
 
 def prefix_caching(size: str) -> bool:
-    """Whether an engine of this size may cache prefixes: vLLM's Mamba prefix caching (its align mode)
-    is not ready on CPU, and kvlend refuses it."""
-    return FAMILY[size] != "granite"
+    """Whether an engine of this size may cache prefixes: vLLM's prefix caching of recurrent state (its
+    Mamba align mode) is not ready on CPU, and kvlend refuses it."""
+    return FAMILY[size] == "llama"
 
 
 def default_root() -> str:
@@ -105,7 +111,8 @@ def _write_model(out: str, size: str, seed: int) -> None:
 
     torch.manual_seed(seed)
     config, model = {"llama": ("LlamaConfig", "LlamaForCausalLM"),
-                     "granite": ("GraniteMoeHybridConfig", "GraniteMoeHybridForCausalLM")}[FAMILY[size]]
+                     "granite": ("GraniteMoeHybridConfig", "GraniteMoeHybridForCausalLM"),
+                     "lfm2": ("Lfm2Config", "Lfm2ForCausalLM")}[FAMILY[size]]
     cfg = getattr(transformers, config)(
         vocab_size=VOCAB, rms_norm_eps=1e-5, rope_theta=10000.0,
         tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, pad_token_id=3,
