@@ -165,26 +165,30 @@ class ProducerWorker:
             self._lock.notify_all()
 
     def start(self, plan: StepPlan) -> None:
-        with self._lock:
-            for lend in plan.lends:
+        for lend in plan.lends:  # the lock one item at a time: the node's thread takes it as leases end
+            with self._lock:
                 self._lend(lend)
-            for extend in plan.extends:
-                loan = self._loans.get(extend.request)
-                if loan is None:
-                    continue
-                loan.ready, loan.tables = extend.ready, {g: list(t) for g, t in extend.tables.items()}
-                for lease in loan.leases:
-                    try:
-                        self.node.extend(lease, extend.ready, loan.tables)
-                    except KvlendError as exc:  # the lease ended (expired unclaimed, say): its end is reported
-                        log.info("request %s: lease %s not extended (%s)", extend.request, lease.hex()[:8],
-                                 printable(exc))
-            for request in plan.releases:
+        for extend in plan.extends:
+            with self._lock:
+                self._extend(extend)
+        for request in plan.releases:
+            with self._lock:
                 loan = self._loans.get(request)
                 if loan is not None:
                     self._unshare(loan)
                     for lease in loan.leases:
                         self.node.release(lease)  # on_release once its reader is quiet
+
+    def _extend(self, extend) -> None:
+        loan = self._loans.get(extend.request)
+        if loan is None:
+            return
+        loan.ready, loan.tables = extend.ready, {g: list(t) for g, t in extend.tables.items()}
+        for lease in loan.leases:
+            try:
+                self.node.extend(lease, extend.ready, loan.tables)
+            except KvlendError as exc:  # the lease ended (expired unclaimed, say): its end is reported
+                log.info("request %s: lease %s not extended (%s)", extend.request, lease.hex()[:8], printable(exc))
 
     def _lend(self, lend) -> None:
         lease = lend.leases[self.settings.tp_rank]
