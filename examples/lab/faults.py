@@ -18,8 +18,8 @@ def kill_prefill(lab: Lab, etcd: EtcdHost, logs: Logs, decodes, facts: dict, che
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline and not any(logs.fetching(d, dead) for d in decodes):
         time.sleep(0.005)  # kill while a fetch from p1 is under way
-    facts["killed_at"] = time.time()
-    facts["killed_pids"] = len(lab.kill_host("p1"))
+    pids, facts["killed_at"] = lab.kill_host("p1")  # a fetch started before the signal was in flight at it
+    facts["killed_pids"] = len(pids)
     checks["record_left_everywhere"] = wait_until(
         lambda: all(logs.registry(d, "LEFT", dead, facts["killed_at"]) for d in decodes), REGISTRY_TTL + 8, lab,
         decodes)

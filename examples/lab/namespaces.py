@@ -8,6 +8,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 
 from .commands import ROOT, sh
 from .topology import ADDR, HOSTS, RANKS
@@ -61,15 +62,17 @@ class Lab:
     def rx_bytes(self, host: str, counter: str = "rx_bytes") -> int:
         return int(sh("ip", "netns", "exec", self.ns(host), "cat", f"/sys/class/net/eth0/statistics/{counter}"))
 
-    def kill_host(self, host: str) -> list[int]:
-        """SIGKILL every process in ``host``'s namespace (the host dies); their pids."""
+    def kill_host(self, host: str) -> tuple[list[int], float]:
+        """SIGKILL every process in ``host``'s namespace (the host dies); their pids, and the wall-clock time
+        just before the first signal (listing the pids takes a subprocess: hundreds of ms on a busy host)."""
         pids = [int(p) for p in sh("ip", "netns", "pids", self.ns(host), check=False).split()]
+        at = time.time()
         for pid in pids:
             try:
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
-        return pids
+        return pids, at
 
     def launch(self, key: str, host: str, rank_args: list[str], limit: float, python: str,
                script: str = "multinode_rank.py") -> None:
