@@ -10,8 +10,7 @@ padded to the attention page), and the scheduler is fed objects with the attribu
 from __future__ import annotations
 
 import ctypes
-from dataclasses import dataclass, field
-from types import SimpleNamespace
+from dataclasses import dataclass
 
 import numpy as np
 import pytest
@@ -37,6 +36,7 @@ from kvlend_vllm.scheduler import (
     padded_tables,
     request_digest,
 )
+from tests.test_vllm_units import Req as BaseReq
 
 pytestmark = pytest.mark.unit
 
@@ -216,15 +216,10 @@ def test_a_short_conv_state_is_its_channels_and_each_rank_reads_its_own(prefill_
 
 # ------------------------------------------------------------------ scheduler
 @dataclass
-class Req:
-    request_id: str = "r1"
-    prompt_token_ids: list = field(default_factory=lambda: list(range(40)))
+class Req(BaseReq):
+    """vLLM's ``Request`` as the recurrent prefill's cut sees it: its token lists, counts and ``max_tokens``."""
+
     num_computed_tokens: int = 39
-    status: object = field(default_factory=lambda: SimpleNamespace(name="FINISHED_LENGTH_CAPPED"))
-    kv_transfer_params: dict | None = field(default_factory=lambda: {"do_remote_decode": True})
-    lora_request: object = None
-    mm_features: list = field(default_factory=list)
-    cache_salt: str | None = None
     max_tokens: int = 16
     skip_reading: bool = False
 
