@@ -24,6 +24,7 @@ import pytest
 
 from kvlend_vllm import launch
 from kvlend_vllm.demo import EXTERNAL_TOKENS, scrape
+from tests.support.nodes import wait_until
 from tests.support.vllm_rig import (
     Rig,
     decode_with,
@@ -172,9 +173,7 @@ def test_a_prefill_killed_with_leases_out_leaves_every_answer_right_and_nothing_
     flying = [threading.Thread(target=through_router, args=(i,), daemon=True) for i in range(4, len(asked))]
     for t in flying:
         t.start()
-    end = time.monotonic() + 60
-    while len(fetch_stats(env["stats"])) == before and time.monotonic() < end:  # the first fetches ended
-        time.sleep(0.05)
+    wait_until(lambda: len(fetch_stats(env["stats"])) > before, "a first fetch ended", 60)  # reads under way
     env["rig"].kill(env["prefill"])
     killed = time.monotonic()
     late = [decode_with(env["decode"], model, p, params, MAX_TOKENS, timeout=60) for p, params in held]
@@ -189,7 +188,4 @@ def test_a_prefill_killed_with_leases_out_leaves_every_answer_right_and_nothing_
     assert len(results) == len(flying)
     for i, r in results.items():
         assert r == expected[i] or "error" in r, (len(asked[i]), r)
-    end = time.monotonic() + 30
-    while kv_usage(env["decode"]) > 0 and time.monotonic() < end:
-        time.sleep(0.2)
-    assert kv_usage(env["decode"]) == 0
+    wait_until(lambda: kv_usage(env["decode"]) == 0, "the decode's blocks all freed", 30)

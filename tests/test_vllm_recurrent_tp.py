@@ -16,16 +16,15 @@ import os
 import pytest
 
 from kvlend_vllm import launch
-from tests.support.vllm_rig import Rig, ensure_model, generate, wait_for_stats
+from tests.support.vllm_rig import ensure_model, plain_answers
 from tests.test_vllm_recurrent import BLOCK, PAGE, STATE, STATE_LAYERS, prompts
+from tests.test_vllm_tp import run
 
 pytestmark = pytest.mark.system
 
 LENGTHS = [2, 3, 127, 129, 300, 700, 1000, 1500]
 MAX_TOKENS = 6
-TCP = {"UCX_TLS": "tcp"}
 STATE_TP2 = (288 * 3 + 4 * 64 * 16) * 4  # one worker's: x of 4 heads (256 channels), B and C (16 each); 4 SSM heads
-ENGINE = dict(dtype="float32", prefix_caching=False, env=TCP)
 
 
 @pytest.fixture(scope="module")
@@ -34,32 +33,14 @@ def plain(tmp_path_factory):
     assert os.path.exists(launch.VLLM_VENV_PYTHON), "no .venv-vllm: scripts/test runs scripts/vllm-setup first"
     model = ensure_model("mamba")
     asked = prompts(27, LENGTHS)
-    rig = Rig(model, str(tmp_path_factory.mktemp("vllm-recurrent-tp-plain")))
-    try:
-        server = rig.engine("plain", dtype="float32", prefix_caching=False)
-        rig.wait(server)
-        expected = generate(server, model, asked, MAX_TOKENS)
-    finally:
-        rig.close()
-    assert all("tokens" in e and len(e["tokens"]) == MAX_TOKENS for e in expected), expected
-    return model, asked, expected
+    logs = str(tmp_path_factory.mktemp("vllm-recurrent-tp-plain"))
+    return model, asked, plain_answers(model, asked, MAX_TOKENS, logs, dtype="float32", prefix_caching=False)
 
 
 def run_pair(tmp_path, model, asked, prefill_tp: int, decode_tp: int) -> tuple[list[dict], list[dict]]:
     """Answers through router -> prefill (TP prefill_tp) -> kvlend -> decode (TP decode_tp), and the decode
-    workers' stats lines (one per load and worker)."""
-    stats = str(tmp_path / "decode-stats.jsonl")
-    rig = Rig(model, str(tmp_path))
-    try:
-        prefill = rig.engine("prefill", launch.kvlend_transfer_config("kv_producer"), tp=prefill_tp, **ENGINE)
-        decode = rig.engine("decode", launch.kvlend_transfer_config("kv_consumer", {"stats_path": stats}),
-                            tp=decode_tp, **ENGINE)
-        router = rig.router("router", prefill, decode)
-        rig.wait(prefill, decode, router)
-        got = generate(router, model, asked, MAX_TOKENS)
-        lines = wait_for_stats(stats, decode_tp * len(asked))  # a load's line comes with its acks
-    finally:
-        rig.close()
+    workers' stats lines (one per load and worker); prefix caching off (``test_vllm_tp.run``)."""
+    ((got, lines),) = run(tmp_path, model, asked, prefill_tp, (decode_tp,), MAX_TOKENS, prefix_caching=False)
     return got, lines
 
 

@@ -54,7 +54,7 @@ def state(tp: int, conv_first: bool = True, groups: int = GROUPS) -> StateShape:
     local_groups = (groups + (0 if groups % tp == 0 else tp - groups)) // tp
     channels = HEADS * HEAD_DIM // tp + 2 * local_groups * D_STATE
     conv = (channels, ROWS) if conv_first else (ROWS, channels)
-    return StateShape(conv, (HEADS // tp, HEAD_DIM, D_STATE), 4, 4, conv_first, groups)
+    return StateShape(conv, (HEADS // tp, HEAD_DIM, D_STATE), 4, 4, conv_first, groups, ("float32", "float32"))
 
 
 def caches(shape: StateShape, tp: int = 1):
@@ -103,9 +103,9 @@ def test_a_token_major_conv_state_moves_whole_and_cannot_be_split_by_tensor_para
 
 def test_engines_storing_state_differently_are_refused_naming_the_difference():
     ds = scope_of(platform="cpu", kernel="k", dtype="float32", block_size=BS, cache_layout="d", model="m",
-                  state=state_scope(state(1), ("float32", "float32")))
+                  state=state_scope(state(1)))
     sd = scope_of(platform="cpu", kernel="k", dtype="float32", block_size=BS, cache_layout="d", model="m",
-                  state=state_scope(state(1, conv_first=False), ("float32", "float32")))
+                  state=state_scope(state(1, conv_first=False)))
     with pytest.raises(LayoutMismatch, match="state-DS-float32-float32' vs 'state-SD-float32-float32"):
         negotiate(layout_of(state(1), scope=ds)[0], layout_of(state(1), scope=sd)[0])
 

@@ -20,7 +20,7 @@ import random
 import pytest
 
 from kvlend_vllm import launch
-from tests.support.vllm_rig import Rig, ensure_model, generate, wait_for_stats
+from tests.support.vllm_rig import Rig, ensure_model, generate, plain_answers, wait_for_stats
 
 pytestmark = pytest.mark.system
 
@@ -38,25 +38,19 @@ def plain(tmp_path_factory):
     model = ensure_model("tiny")
     rng = random.Random(24)
     prompts = [[rng.randrange(4, 1000) for _ in range(n)] for n in LENGTHS]
-    rig = Rig(model, str(tmp_path_factory.mktemp("vllm-tp-plain")))
-    try:
-        server = rig.engine("plain", dtype="float32")
-        rig.wait(server)
-        expected = generate(server, model, prompts, MAX_TOKENS)
-    finally:
-        rig.close()
-    assert all("tokens" in e and len(e["tokens"]) == MAX_TOKENS for e in expected), expected
-    return model, prompts, expected
+    return model, prompts, plain_answers(model, prompts, MAX_TOKENS, str(tmp_path_factory.mktemp("vllm-tp-plain")),
+                                         dtype="float32")
 
 
-def run(tmp_path, model, prompts, prefill_tp: int, decode_tps: tuple[int, ...]) -> list[tuple[list, list]]:
-    """One prefill (TP prefill_tp, told nothing of its decodes) and a decode of each TP in ``decode_tps``,
-    each behind a router of its own: per decode, the answers through it and its workers' stats lines (one
-    per load and worker)."""
+def run(tmp_path, model, prompts, prefill_tp: int, decode_tps: tuple[int, ...], max_tokens: int = MAX_TOKENS,
+        prefix_caching: bool = True) -> list[tuple[list, list]]:
+    """One prefill (TP prefill_tp, told nothing of its decodes; ``prefix_caching`` on it) and a decode of
+    each TP in ``decode_tps``, each behind a router of its own: per decode, the answers through it and its
+    workers' stats lines (one per load and worker)."""
     rig = Rig(model, str(tmp_path))
     try:
         prefill = rig.engine("prefill", launch.kvlend_transfer_config("kv_producer"), tp=prefill_tp,
-                             dtype="float32", env=TCP)
+                             dtype="float32", env=TCP, prefix_caching=prefix_caching)
         decodes, routers, stats = [], [], []
         for i, tp in enumerate(decode_tps):
             stats.append(str(tmp_path / f"decode-{i}-stats.jsonl"))
@@ -67,7 +61,7 @@ def run(tmp_path, model, prompts, prefill_tp: int, decode_tps: tuple[int, ...]) 
         rig.wait(prefill, *decodes, *routers)
         out = []
         for router, path, tp in zip(routers, stats, decode_tps):
-            got = generate(router, model, prompts, MAX_TOKENS)
+            got = generate(router, model, prompts, max_tokens)
             out.append((got, wait_for_stats(path, tp * len(prompts))))  # a load's line comes with its acks
     finally:
         rig.close()

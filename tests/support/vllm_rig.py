@@ -133,6 +133,19 @@ def generate(server: launch.Server, model: str, prompts, max_tokens: int, *, con
         return list(pool.map(one, prompts))
 
 
+def plain_answers(model: str, prompts, max_tokens: int, logs: str, **engine) -> list[dict]:
+    """A plain server's greedy answers to ``prompts`` (the server is stopped after), each checked whole."""
+    rig = Rig(model, logs)
+    try:
+        server = rig.engine("plain", **engine)
+        rig.wait(server)
+        expected = generate(server, model, prompts, max_tokens)
+    finally:
+        rig.close()
+    assert all("tokens" in e and len(e["tokens"]) == max_tokens for e in expected), expected
+    return expected
+
+
 def prefill_only(server: launch.Server, model: str, prompt: list[int]) -> dict:
     """What a router's first leg gets: the prefill's ``kv_transfer_params`` (a kvlend ticket)."""
     answer = post(server.url + "/v1/completions",

@@ -129,10 +129,11 @@ def state_shape(spec: MambaSpec, hf_config, where: str) -> StateShape:
                           "per request (speculative decoding) are not supported")
     shapes = tuple(tuple(int(n) for n in shape) for shape in spec.shapes)
     conv_first = is_conv_state_dim_first()
+    dtypes = tuple(str(d).removeprefix("torch.") for d in spec.dtypes)
     if kind is MambaAttentionBackendEnum.SHORT_CONV:
         if len(shapes) != 1 or len(shapes[0]) != 2:
             raise ConfigError(f"KvlendConnector: {where}: state shapes {shapes} are not a short conv's")
-        return StateShape(shapes[0], None, spec.dtypes[0].itemsize, 0, conv_first, 0)
+        return StateShape(shapes[0], None, spec.dtypes[0].itemsize, 0, conv_first, 0, dtypes)
     if len(shapes) != 2 or len(shapes[0]) != 2 or len(shapes[1]) != 3:
         raise ConfigError(f"KvlendConnector: {where}: state shapes {shapes} are not a Mamba2 conv state "
                           "and SSM state")
@@ -140,7 +141,8 @@ def state_shape(spec: MambaSpec, hf_config, where: str) -> StateShape:
     if groups is None:
         raise ConfigError(f"KvlendConnector: {where}: the model config names no SSM group count "
                           f"(looked for {list(_GROUP_KEYS)})")
-    state = StateShape(shapes[0], shapes[1], spec.dtypes[0].itemsize, spec.dtypes[1].itemsize, conv_first, groups)
+    state = StateShape(shapes[0], shapes[1], spec.dtypes[0].itemsize, spec.dtypes[1].itemsize, conv_first, groups,
+                       dtypes)
     try:
         state.channels()
     except KvlendError as exc:
@@ -195,9 +197,6 @@ class KvlendConnector(KVConnectorBase_V1, SupportsHMA):
         _show_kvlend_logs()
         check_vllm(vllm.__version__, vllm_config)
         self.groups = cache_groups(kv_cache_config, vllm_config.model_config.hf_config.to_dict())
-        self._state_dtypes = next((tuple(str(d).removeprefix("torch.") for d in g.kv_cache_spec.dtypes)
-                                   for g in getattr(kv_cache_config, "kv_cache_groups", None) or ()
-                                   if type(g.kv_cache_spec) is MambaSpec), None)
         transfer = self._kv_transfer_config
         if transfer.kv_role not in ("kv_producer", "kv_consumer"):
             raise ConfigError(f"KvlendConnector: kv_role must be kv_producer or kv_consumer, got {transfer.kv_role!r}")
@@ -298,7 +297,7 @@ class KvlendConnector(KVConnectorBase_V1, SupportsHMA):
         scope = scope_of(platform=first.device.type, kernel=kernel, dtype=dtype, block_size=self.block_size,
                          cache_layout=str(getattr(self._kv_cache_config, "kv_cache_layout", "default")),
                          model=model_digest(config.model_config.hf_config.to_dict()),
-                         state="" if state is None else state_scope(state, self._state_dtypes))
+                         state="" if state is None else state_scope(state))
         tp = config.parallel_config.tensor_parallel_size
         model = config.model_config
         layout = layout_from_kv_caches(kv_caches, block_size=self.block_size, dtype=dtype, scope=scope,

@@ -81,7 +81,7 @@ class StateShape:
     rows)``, vLLM's DS; else ``(rows, channels)``) and, for Mamba2, the SSM state's ``(heads, head_dim,
     d_state)`` (None: a short conv, LFM2's, whose conv state is all there is), with element sizes;
     ``groups``: a Mamba2 model's SSM groups (B and C channels are split by them, or held whole by every
-    rank when there is one)."""
+    rank when there is one); ``dtypes``: the states' element types, by name."""
 
     conv: tuple[int, int]
     ssm: tuple[int, int, int] | None
@@ -89,6 +89,7 @@ class StateShape:
     ssm_elt: int
     conv_first: bool
     groups: int
+    dtypes: tuple[str, ...] = ()
 
     @property
     def conv_bytes(self) -> int:
@@ -296,7 +297,7 @@ def scope_of(*, platform: str, kernel: str, dtype: str, block_size: int, cache_l
     return f"{scope}/{state}" if state else scope
 
 
-def state_scope(state: StateShape, dtypes: tuple[str, ...]) -> str:
+def state_scope(state: StateShape) -> str:
     """The scope part of a recurrent model: the conv layout and the states' element types (their shapes,
     split by tensor parallelism, are the buffers')."""
-    return "-".join(("state", "DS" if state.conv_first else "SD", *dtypes))
+    return "-".join(("state", "DS" if state.conv_first else "SD", *state.dtypes))
