@@ -74,7 +74,7 @@ def main() -> int:
     p_layout = p_cache.layout()
     released: queue.Queue = queue.Queue()  # (lease, reason) from on_release, which runs on the node's thread
     prefill = PrefillNode(p_layout, load_backend("nixl", name=f"prefill-{os.getpid()}", timeout=TIMEOUT),
-                          cluster.issue("prefill"), config=node_config,
+                          cluster.issue("prefill", "prefill"), config=node_config,
                           on_release=lambda lease, reason: released.put((lease, reason)))
     prefill.start()
 
@@ -82,7 +82,7 @@ def main() -> int:
     # No start() here: the engine's step loop drives this node (finished() progresses it).
     d_cache = toy_engine.PagedKVCache(d_config, num_pages=256, seed=1, state_slots=REQUESTS)
     decode = DecodeNode(d_cache.layout(), load_backend("nixl", name=f"decode-{os.getpid()}", timeout=TIMEOUT),
-                        cluster.issue("decode"), config=node_config)
+                        cluster.issue("decode", "decode"), config=node_config)
 
     router: deque[tuple[str, str]] = deque()  # (request, ticket text): what kv_transfer_params would carry
     retries: deque[str] = deque()  # decode -> prefill: lend this request again

@@ -159,9 +159,9 @@ def rank_envs(args, directory: str) -> tuple[list[dict], dict]:
     ``$KVLEND_CERT`` and ``$KVLEND_KEY`` is the TP rank.
     """
     ca = Authority.create()  # in memory only: nobody can issue another rank for this cluster
-    prefills = [save_rank(ca.issue(f"prefill-{rank}"), directory) for rank in range(args.prefills)]
+    prefills = [save_rank(ca.issue(f"prefill-{rank}", "prefill"), directory) for rank in range(args.prefills)]
     for rank in range(args.decode_tp):
-        save_rank(ca.issue(f"decode-tp{rank}"), directory)
+        save_rank(ca.issue(f"decode-tp{rank}", "decode"), directory)
     decode = {CA_ENV: os.path.join(directory, "ca.pem"), CERT_ENV: os.path.join(directory, f"decode-tp{RANK}.pem"),
               KEY_ENV: os.path.join(directory, f"decode-tp{RANK}.key")}
     return prefills, decode

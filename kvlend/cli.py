@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Callable, Sequence
 
 from .core.layout import LayerGroup, PageLayout
+from .core.names import ROLES
 from .errors import KvlendError, LayoutError, LayoutMismatch
 
 EXIT_OK = 0
@@ -282,6 +283,9 @@ def _add_certs_issue(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--ca", required=True, metavar="DIR", help="the directory holding ca.pem and ca.key")
     parser.add_argument("--out", metavar="DIR", help="where to write IDENTITY.pem, IDENTITY.key and ca.pem, "
                         "never the CA's own directory (default: DIR/ranks under --ca)")
+    parser.add_argument("--role", required=True, choices=ROLES,
+                        help="what the rank is: a prefill accepts links only from decodes, a decode takes tickets "
+                        "and links only from prefills, a router only reads the registry")
     parser.add_argument("--days", type=int, default=365, help="validity in days")
 
 
@@ -291,7 +295,7 @@ def _run_certs_issue(args: argparse.Namespace) -> int:
     if args.days < 1:
         raise CliError(f"--days: must be >= 1, got {args.days}")
     out = args.out or os.path.join(args.ca, "ranks")  # apart from ca.key, which never goes to a rank
-    env = save_rank(Authority.load(args.ca).issue(args.identity, args.days), out)
+    env = save_rank(Authority.load(args.ca).issue(args.identity, args.role, args.days), out)
     print(f"# the rank {args.identity} loads its credentials from:")
     for name, path in env.items():
         print(f"export {name}={os.path.abspath(path)}")
@@ -306,7 +310,7 @@ def _run_certs_check(args: argparse.Namespace) -> int:
     from .security.credentials import Credentials
 
     creds = Credentials.from_env()  # loading checks issuer, validity and key
-    print(f"{creds.identity}: certificate issued by the CA in $KVLEND_CA, matches its key, "
+    print(f"{creds.identity} ({creds.role}): certificate issued by the CA in $KVLEND_CA, matches its key, "
           f"valid until {creds.expires:%Y-%m-%d %H:%M} UTC")
     return EXIT_OK
 

@@ -109,7 +109,8 @@ class Cluster:
 
         def build(registry):
             released: list[tuple[str, str]] = []
-            node = PrefillNode(make_layout(pools), nixl(identity), creds(identity), config=config, registry=registry,
+            node = PrefillNode(make_layout(pools), nixl(identity), creds(identity, "prefill"), config=config,
+                               registry=registry,
                                on_release=lambda lease, reason: released.append((lease.request, reason)))
             node.start()
             return Member(node, registry, pools, {}, released)
@@ -120,7 +121,7 @@ class Cluster:
         pools = make_pools(PAGES)
 
         def build(registry):
-            node = DecodeNode(make_layout(pools), nixl(identity), creds(identity), config=DECODE_CONFIG,
+            node = DecodeNode(make_layout(pools), nixl(identity), creds(identity, "decode"), config=DECODE_CONFIG,
                               registry=registry)
             node.start()
             return Member(node, registry, pools, {})

@@ -39,7 +39,7 @@ CONFIG = NodeConfig(handshake_timeout=5.0, transfer_timeout=DEADLINE)
 @contextlib.contextmanager
 def prefill_node():
     src = make_pools(PAGES)
-    node = PrefillNode(make_layout(src, windowed=False), nixl("prefill"), creds("prefill-0"))
+    node = PrefillNode(make_layout(src, windowed=False), nixl("prefill"), creds("prefill-0", "prefill"))
     try:
         node.start()
         yield node, src
@@ -89,13 +89,13 @@ def records(data: bytes) -> list[int]:
 
 def client_hello() -> bytes:
     """A real decode's first flight."""
-    channel = TlsChannel(creds("stalls").context(server=False), server=False)
+    channel = TlsChannel(creds("stalls", "decode").context(server=False), server=False, roles=("prefill",))
     channel.start()
     return channel.data_to_send()
 
 
 OTHER_CA = Authority.create()
-FOREIGN = OTHER_CA.issue("intruder")
+FOREIGN = OTHER_CA.issue("intruder", "decode")
 
 
 @pytest.mark.parametrize("credentials, why, errors", [
@@ -117,7 +117,7 @@ def test_a_decode_without_a_certificate_of_the_cluster_is_refused_and_the_prefil
             assert time.monotonic() - t0 < CONFIG.handshake_timeout
             assert intruder.links == []
         assert prefill.ready_peers() == []
-        with decode_node(creds("decode-0")) as (honest, dst):
+        with decode_node(creds("decode-0", "decode")) as (honest, dst):
             link = honest.connect(*prefill.address)
             assert link.peer == "prefill-0"
             assert prefill.wait_for_peer(DEADLINE) == "decode-0"
@@ -131,7 +131,7 @@ def test_a_silent_client_is_dropped_after_the_handshake_timeout_while_an_honest_
         t0 = time.monotonic()
         silent = socket.create_connection(prefill.address, timeout=DEADLINE)  # never sends a ClientHello
         try:
-            with decode_node(creds("decode-0")) as (honest, dst):
+            with decode_node(creds("decode-0", "decode")) as (honest, dst):
                 honest.connect(*prefill.address)
                 assert prefill.wait_for_peer(DEADLINE) == "decode-0"
                 if time.monotonic() - t0 < 0.8 * timeout:  # the honest decode got in while the silent one waited
@@ -179,10 +179,10 @@ def test_a_client_stalling_in_or_skipping_the_tls_handshake_is_dropped(monkeypat
 
 def test_a_second_decode_presenting_a_live_identity_is_refused_and_the_first_keeps_working():
     with prefill_node() as (prefill, src):
-        with decode_node(creds("decode-0")) as (first, dst):
+        with decode_node(creds("decode-0", "decode")) as (first, dst):
             first.connect(*prefill.address)
             assert prefill.wait_for_peer(DEADLINE) == "decode-0"
-            with decode_node(creds("decode-0")) as (impostor, _):
+            with decode_node(creds("decode-0", "decode")) as (impostor, _):
                 with pytest.raises(KvlendError, match="decode-0") as info:
                     impostor.connect(*prefill.address)
                 assert isinstance(info.value, ProtocolError) and not isinstance(info.value, TransferTimeout)
@@ -191,7 +191,7 @@ def test_a_second_decode_presenting_a_live_identity_is_refused_and_the_first_kee
             serve_one(prefill, src, first, dst, "decode-0", seed=3)
         # Once the live one is gone, a restarted decode may take the identity.
         wait_until(lambda: prefill.ready_peers() == [], "the first decode's link dropped")
-        with decode_node(creds("decode-0")) as (restarted, dst):
+        with decode_node(creds("decode-0", "decode")) as (restarted, dst):
             restarted.connect(*prefill.address)
             assert prefill.wait_for_peer(DEADLINE) == "decode-0"
             serve_one(prefill, src, restarted, dst, "decode-0", seed=4)

@@ -60,7 +60,7 @@ def test_a_silent_client_does_not_stall_the_prefill():
             while r.prefill.unauthenticated == 0:  # the prefill took it in, and waits on it
                 assert time.monotonic() < end, "the silent connection was never accepted"
                 time.sleep(0.005)
-            other = DecodeNode(r.decode.layout, nixl("second"), creds("second"), config=DECODE_CONFIG)
+            other = DecodeNode(r.decode.layout, nixl("second"), creds("second", "decode"), config=DECODE_CONFIG)
             try:
                 link = other.connect(*r.prefill.address)  # completes while the silent one is still pending
                 peer = "second"
@@ -125,7 +125,7 @@ def test_sigkill_decode_mid_transfer_frees_locks_within_ttl_and_a_new_decode_ser
                 src_free[name].release(table)
 
             # A new decode, connected after the kill: the next 100 requests verify byte for byte.
-            fresh = DecodeNode(r.decode.layout, nixl("fresh"), creds("fresh"), config=DECODE_CONFIG)
+            fresh = DecodeNode(r.decode.layout, nixl("fresh"), creds("fresh", "decode"), config=DECODE_CONFIG)
             try:
                 fresh.connect(*r.prefill.address)
                 end = time.monotonic() + DEADLINE
@@ -206,7 +206,7 @@ def test_sigkill_prefill_mid_transfer_resumes_from_the_bound_and_matches_the_ref
     args = ("--ttl", str(TTL), "--heartbeat", str(BEAT), "--prompt-len", str(prompt_len))
     first = Rank("toy-prefill", "toy-prefill", "--gen", "1", *args)
     second = None
-    node = DecodeNode(cache.layout(), nixl("decode"), creds("decode"), config=FAULT_CONFIG)
+    node = DecodeNode(cache.layout(), nixl("decode"), creds("decode", "decode"), config=FAULT_CONFIG)
     try:
         old_agent = node._agents[node.connect(*first.listening()).id]
         peer, offer = node.next_offer(DEADLINE)
@@ -260,7 +260,7 @@ def test_sigkill_prefill_mid_transfer_resumes_from_the_bound_and_matches_the_ref
 # ------------------------------------------------------------- refusals
 def record_session(r, identity: str) -> bytes:
     """The bytes a decode ``identity`` sends to ``r``'s prefill in a whole session (connect, then close)."""
-    node = DecodeNode(r.decode.layout, nixl(identity), creds(identity), config=DECODE_CONFIG)
+    node = DecodeNode(r.decode.layout, nixl(identity), creds(identity, "decode"), config=DECODE_CONFIG)
     sent = bytearray()
     send = node._sockets.send
 
@@ -304,7 +304,7 @@ def test_a_foreign_certificate_a_replayed_session_and_another_decodes_lease_are_
     caplog.set_level(logging.INFO)
     with rig(NodeConfig(ttl=30.0)) as r:
         # A certificate from another CA: no channel, no metadata, no peer.
-        intruder = DecodeNode(r.decode.layout, nixl("intruder"), Authority.create().issue("intruder"),
+        intruder = DecodeNode(r.decode.layout, nixl("intruder"), Authority.create().issue("intruder", "decode"),
                               config=NodeConfig(handshake_timeout=2.0))
         try:
             with pytest.raises(AuthError, match="CERTIFICATE_VERIFY_FAILED"):
@@ -331,7 +331,7 @@ def test_a_foreign_certificate_a_replayed_session_and_another_decodes_lease_are_
         assert "recorded" not in r.prefill.ready_peers() and logged(caplog, "TLS handshake failed")
 
         # Decode B, properly connected, sends Heartbeat and Done for A's lease.
-        with RawDecode(r.prefill.address, creds("decode-b")) as b:
+        with RawDecode(r.prefill.address, creds("decode-b", "decode")) as b:
             b.handshake(r.decode.layout)
             before = r.prefill.lender.get(lease.id, r.prefill.clock()).expires_at
             time.sleep(0.05)  # so a renewal would move the expiry
@@ -399,7 +399,7 @@ def test_without_a_done_ack_only_reads_made_while_the_lease_was_surely_valid_cou
     """
     offset = [0.0]
     with rig() as r:
-        decode = DecodeNode(r.decode.layout, nixl("slow"), creds("slow"),
+        decode = DecodeNode(r.decode.layout, nixl("slow"), creds("slow", "decode"),
                             config=NodeConfig(ttl=5.0, heartbeat=1.0, transfer_timeout=DEADLINE),
                             clock=lambda: time.monotonic() + offset[0])
         try:

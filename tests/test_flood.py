@@ -178,7 +178,7 @@ def test_one_maximum_frame_of_nested_containers_is_refused_before_it_is_built(ca
     payload = nested_empty_maps(65535)
     with rig() as r:
         peak, before = peak_rss_bytes(), rss_bytes()
-        with RawDecode(r.prefill.address, creds("decode-nested")) as raw:
+        with RawDecode(r.prefill.address, creds("decode-nested", "decode")) as raw:
             raw.handshake(r.decode.layout)
             start = time.monotonic()
             raw.send_bytes(struct.pack(">I", len(payload)) + payload)
@@ -209,7 +209,7 @@ def test_a_heartbeat_flood_of_ids_never_granted_drops_each_peer_and_stalls_no_le
             try:
                 while not stop.is_set():
                     outcomes["connections"] += 1
-                    with RawDecode(r.prefill.address, creds(f"flood-{outcomes['connections']}")) as raw:
+                    with RawDecode(r.prefill.address, creds(f"flood-{outcomes['connections']}", "decode")) as raw:
                         raw.handshake(r.decode.layout)
                         while not stop.is_set():
                             raw.send(Heartbeat(ids))

@@ -294,8 +294,8 @@ def _records(data: bytes) -> list[int]:
 
 def _handshake_flights() -> tuple[bytes, bytes, bytes]:
     """A real handshake in memory: the decode's ClientHello, the prefill's answer, the decode's Finished."""
-    client = TlsChannel(creds("decode").context(server=False), server=False)
-    server = TlsChannel(creds("prefill").context(server=True), server=True)
+    client = TlsChannel(creds("decode", "decode").context(server=False), server=False, roles=("prefill",))
+    server = TlsChannel(creds("prefill", "prefill").context(server=True), server=True, roles=("decode",))
     client.start()
     hello = client.data_to_send()
     assert server.receive(hello) == b""
@@ -416,17 +416,18 @@ def test_tls_channel_10k_garbage_before_the_handshake():
     never plaintext, never a completed handshake.  One in five plays a hostile listener to a decode."""
     rng = random.Random(0x7F05)
     sessions = [_handshake_flights() for _ in range(3)]
-    server_ctx, client_ctx = creds("prefill").context(server=True), creds("decode").context(server=False)
+    server_ctx, client_ctx = creds("prefill", "prefill").context(server=True), creds("decode",
+                                                                                     "decode").context(server=False)
     counts: Counter = Counter()
     with lf.hang_guard(GUARD_S):
         for i in range(10_000):
             if i % 5 == 4:
-                channel = TlsChannel(client_ctx, server=False)
+                channel = TlsChannel(client_ctx, server=False, roles=("prefill",))
                 channel.start()
                 channel.data_to_send()
                 data, want = hostile_server_flight(rng, sessions, i // 5)
             else:
-                channel = TlsChannel(server_ctx, server=True)
+                channel = TlsChannel(server_ctx, server=True, roles=("decode",))
                 data, want = tls_garbage(rng, sessions, i)
             try:
                 outcome = _tls_outcome(channel, data, rng)
@@ -463,7 +464,7 @@ def test_a_prefill_node_drops_50_garbage_connections_and_keeps_serving(monkeypat
         wait_until(lambda: r.prefill.unauthenticated == 0, "garbage connections dropped")
         assert r.prefill.ready_peers() == [r.peer]
         _serves_byte_exact(r, seed=21)
-        with RawDecode(r.prefill.address, creds("late-decode")) as late:  # and a new decode still gets in
+        with RawDecode(r.prefill.address, creds("late-decode", "decode")) as late:  # and a new decode still gets in
             assert late.peer == "prefill" and isinstance(late.handshake(r.decode.layout), Handshake)
     assert not [rec.getMessage() for rec in caplog.records if rec.levelno >= logging.ERROR]
 
@@ -518,7 +519,7 @@ def test_a_prefill_node_survives_400_hostile_frames_inside_tls(caplog):
         sent = n = 0
         while sent < 400:
             n += 1
-            with RawDecode(r.prefill.address, creds(f"fuzz-{n}")) as raw:
+            with RawDecode(r.prefill.address, creds(f"fuzz-{n}", "decode")) as raw:
                 ready = n % 2 == 0
                 if ready:
                     raw.handshake(layout)

@@ -36,12 +36,12 @@ def test_two_prefills_many_fetches_in_flight_tickets_and_offers_share_links():
     for rank in range(2):
         src = make_pools(PAGES)
         srcs.append(src)
-        node = PrefillNode(make_layout(src), nixl(f"prefill{rank}"), creds(f"prefill-{rank}"),
+        node = PrefillNode(make_layout(src), nixl(f"prefill{rank}"), creds(f"prefill-{rank}", "prefill"),
                            on_release=lambda lease, reason: released.append(reason))
         node.start()
         prefills.append(node)
     dst = make_pools(PAGES)
-    decode = DecodeNode(make_layout(dst), nixl("decode"), creds("decode"), config=NodeConfig(chunk_pages=2))
+    decode = DecodeNode(make_layout(dst), nixl("decode"), creds("decode", "decode"), config=NodeConfig(chunk_pages=2))
     try:  # no decode thread: the loop runs only inside next_offer and wait, so fetches pile up
         links = [decode.connect(*p.address) for p in prefills]
         peers = [p.wait_for_peer(DEADLINE) for p in prefills]

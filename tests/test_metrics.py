@@ -35,8 +35,9 @@ def test_metrics_move_and_are_scraped_over_http():
     port = METRICS.serve(0)
     before = scrape(port)
     src, dst = make_pools(128), make_pools(64)
-    prefill = PrefillNode(make_layout(src), nixl("prefill"), creds("metrics-prefill"))
-    decode = DecodeNode(make_layout(dst), nixl("decode"), creds("decode"), config=NodeConfig(transfer_timeout=DEADLINE))
+    prefill = PrefillNode(make_layout(src), nixl("prefill"), creds("metrics-prefill", "prefill"))
+    decode = DecodeNode(make_layout(dst), nixl("decode"), creds("decode", "decode"),
+                        config=NodeConfig(transfer_timeout=DEADLINE))
     try:
         prefill.start()
         link = decode.connect(*prefill.address)

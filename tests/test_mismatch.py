@@ -108,9 +108,9 @@ def test_handshake_refuses_unsupported_difference(case):
     named = [f for f, *_ in info.value.fields]
     for field in fields:
         assert any(n.endswith(field) for n in named), (field, named)
-    prefill = PrefillNode(remote, nixl("prefill"), creds("prefill"), config=FAST)
+    prefill = PrefillNode(remote, nixl("prefill"), creds("prefill", "prefill"), config=FAST)
     prefill.start()
-    decode = DecodeNode(local, nixl("decode"), creds("decode"), config=FAST)
+    decode = DecodeNode(local, nixl("decode"), creds("decode", "decode"), config=FAST)
     try:
         with pytest.raises(LayoutMismatch, match="|".join(fields)) as refused:
             decode.connect(*prefill.address)
@@ -135,10 +135,10 @@ def test_a_refused_decode_gives_its_tickets_leases_back_well_before_their_ttl():
     prefill_cache, decode_cache = te.PagedKVCache(TINY, 8), te.PagedKVCache(decode_config, 8)
     released: queue.SimpleQueue = queue.SimpleQueue()
     config = NodeConfig(ttl=30.0, handshake_timeout=5.0)
-    prefill = PrefillNode(prefill_cache.layout(), nixl("prefill"), creds("prefill"), config=config,
+    prefill = PrefillNode(prefill_cache.layout(), nixl("prefill"), creds("prefill", "prefill"), config=config,
                           on_release=lambda lease, reason: released.put((lease.request, reason)))
     prefill.start()
-    decode = DecodeNode(decode_cache.layout(), nixl("decode"), creds("decode"), config=config)
+    decode = DecodeNode(decode_cache.layout(), nixl("decode"), creds("decode", "decode"), config=config)
     decode.start()
     layout = prefill.layout
     try:

@@ -149,7 +149,7 @@ def test_windowed_group_lends_only_sinks_and_window():
 def test_handshake_refuses_a_mismatched_layout(field_name, mismatch):
     with rig() as r:
         other = DecodeNode(make_layout(make_pools(DST_PAGES, **mismatch)), nixl("odd-decode"),
-                           creds("odd-decode"), config=DECODE_CONFIG)
+                           creds("odd-decode", "decode"), config=DECODE_CONFIG)
         try:
             with pytest.raises(LayoutMismatch, match=field_name):
                 other.connect(*r.prefill.address)
@@ -170,8 +170,8 @@ def test_handshake_refuses_a_mismatched_layout(field_name, mismatch):
 
 @pytest.mark.nixl
 def test_a_certificate_from_another_ca_gets_no_channel():
-    prefill = PrefillNode(make_layout(make_pools(32)), nixl("prefill"), creds("prefill"))
-    decode = DecodeNode(make_layout(make_pools(32)), nixl("decode"), Authority.create().issue("decode"),
+    prefill = PrefillNode(make_layout(make_pools(32)), nixl("prefill"), creds("prefill", "prefill"))
+    decode = DecodeNode(make_layout(make_pools(32)), nixl("decode"), Authority.create().issue("decode", "decode"),
                         config=NodeConfig(handshake_timeout=2.0))
     try:
         prefill.start()
@@ -340,7 +340,7 @@ def test_two_processes_byte_exact(tmp_path):
     script = tmp_path / "prefill_child.py"
     script.write_text(CHILD)
     errors = (tmp_path / "stderr").open("w+")
-    env = child_env(**save_rank(creds("child-prefill"), str(tmp_path / "certs")))
+    env = child_env(**save_rank(creds("child-prefill", "prefill"), str(tmp_path / "certs")))
     proc = subprocess.Popen(
         [sys.executable, str(script), str(n_leases), str(MAX_TOKENS), "4", str(int(DEADLINE))],
         stdout=subprocess.PIPE, stderr=errors, text=True, env=env,
@@ -348,7 +348,7 @@ def test_two_processes_byte_exact(tmp_path):
     try:
         dst = make_pools(DST_PAGES)
         # while the child starts
-        decode = DecodeNode(make_layout(dst), nixl("decode"), creds("decode"), config=DECODE_CONFIG)
+        decode = DecodeNode(make_layout(dst), nixl("decode"), creds("decode", "decode"), config=DECODE_CONFIG)
         try:
             decode.connect(*_listening(proc, 30.0))
             free = free_lists(decode.layout, DST_PAGES, 12)
@@ -405,7 +405,7 @@ def test_bad_arguments_are_kvlend_errors_before_anything_happens():
         backend = nixl("second-prefill")
         try:
             with pytest.raises(ConfigError, match="cannot listen"):
-                PrefillNode(r.layout, backend, creds("prefill"), port=busy_port)
+                PrefillNode(r.layout, backend, creds("prefill", "prefill"), port=busy_port)
         finally:
             backend.close()
         gone = Link(999, "127.0.0.1", 1, "nobody", r.link.plan, 0.0)

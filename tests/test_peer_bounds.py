@@ -66,7 +66,7 @@ def test_a_peers_frame_or_layout_being_decoded_holds_up_no_lend(monkeypatch, hel
                 failed.append(exc)
             lent.set()
 
-        with RawDecode(r.prefill.address, creds("decode-slow")) as raw:
+        with RawDecode(r.prefill.address, creds("decode-slow", "decode")) as raw:
             try:
                 if held == "frame":
                     raw.handshake(r.decode.layout)
@@ -84,11 +84,11 @@ def test_a_peers_frame_or_layout_being_decoded_holds_up_no_lend(monkeypatch, hel
 
 def test_an_authenticated_peer_that_never_sends_its_layout_is_dropped_and_frees_its_identity():
     with rig(NodeConfig(handshake_timeout=1.0)) as r:
-        with RawDecode(r.prefill.address, creds("decode-silent")) as silent:
+        with RawDecode(r.prefill.address, creds("decode-silent", "decode")) as silent:
             bye = silent.recv(DEADLINE)
             assert isinstance(bye, Bye) and "no handshake within handshake_timeout 1 s" in bye.detail, bye
             with pytest.raises(PeerLost):
                 silent.recv(DEADLINE)
-        with RawDecode(r.prefill.address, creds("decode-silent")) as again:
+        with RawDecode(r.prefill.address, creds("decode-silent", "decode")) as again:
             again.handshake(r.decode.layout)
             wait_until(lambda: r.prefill.ready_peers() == sorted([r.peer, "decode-silent"]), "its slot came back")

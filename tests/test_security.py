@@ -91,7 +91,8 @@ class Relay:
 @contextlib.contextmanager
 def lone_prefill(credentials: Credentials | None = None, pools: list | None = None):
     """A started prefill that no decode has connected to yet."""
-    prefill = PrefillNode(make_layout(pools or make_pools(32)), nixl("prefill"), credentials or creds("prefill"))
+    credentials = credentials or creds("prefill", "prefill")
+    prefill = PrefillNode(make_layout(pools or make_pools(32)), nixl("prefill"), credentials)
     prefill.start()
     try:
         yield prefill
@@ -109,7 +110,7 @@ def test_a_capture_of_the_channel_holds_no_metadata_lease_id_or_request_data():
     src, dst = make_pools(SRC_PAGES), make_pools(DST_PAGES)
     with lone_prefill(pools=src) as prefill:
         relay = Relay(prefill.address)
-        decode = DecodeNode(make_layout(dst), nixl("decode"), creds("decode"), config=DECODE_CONFIG)
+        decode = DecodeNode(make_layout(dst), nixl("decode"), creds("decode", "decode"), config=DECODE_CONFIG)
         try:
             link = decode.connect(*relay.address)  # the decode's only way to the prefill is through the relay
             request, canary = "request-capture-7f3a", "meta-canary-c0ffee-91b2"
@@ -168,14 +169,14 @@ def test_a_client_without_a_certificate_is_refused_before_any_message(caplog):
 
 
 def test_a_certificate_from_another_ca_is_refused_by_the_prefill():
-    stranger = Authority.create("another cluster").issue("decode")
+    stranger = Authority.create("another cluster").issue("decode", "decode")
     with lone_prefill() as prefill:  # the stranger trusts our CA, but our CA did not issue its certificate
         _refused(prefill, Credentials(CA.cert_pem, stranger.cert_pem, stranger.key_pem), "UNKNOWN_CA|unknown ca")
 
 
 def test_an_expired_certificate_is_refused():
     then = datetime.datetime.now(datetime.timezone.utc) - datetime.timedelta(days=3)
-    expired = CA.issue("decode-expired", days=1, valid_from=then)
+    expired = CA.issue("decode-expired", "decode", days=1, valid_from=then)
     with pytest.raises(AuthError, match="valid from"):
         expired.check()  # a rank loading it fails at start; a peer presenting it anyway:
     with lone_prefill() as prefill:
@@ -183,13 +184,14 @@ def test_an_expired_certificate_is_refused():
 
 
 def test_a_decode_refuses_a_prefill_it_cannot_verify():
-    with lone_prefill(Authority.create("rogue").issue("prefill")) as prefill:
-        _refused(prefill, creds("decode"), "CERTIFICATE_VERIFY_FAILED")
+    with lone_prefill(Authority.create("rogue").issue("prefill", "prefill")) as prefill:
+        _refused(prefill, creds("decode", "decode"), "CERTIFICATE_VERIFY_FAILED")
 
 
 def test_a_second_connection_presenting_a_live_peers_identity_is_refused():
     with rig() as r:
-        twin = DecodeNode(make_layout(make_pools(DST_PAGES)), nixl("twin"), creds("decode"), config=DECODE_CONFIG)
+        twin = DecodeNode(make_layout(make_pools(DST_PAGES)), nixl("twin"), creds("decode", "decode"),
+                          config=DECODE_CONFIG)
         try:
             with pytest.raises(AuthError, match="already connected"):
                 twin.connect(*r.prefill.address)
@@ -204,8 +206,8 @@ def test_a_second_connection_presenting_a_live_peers_identity_is_refused():
 
 
 def test_identities_are_the_certificates_names_on_both_sides():
-    with lone_prefill(creds("prefill-7")) as prefill:
-        decode = DecodeNode(make_layout(make_pools(32)), nixl("decode"), creds("decode-3"), config=SHORT)
+    with lone_prefill(creds("prefill-7", "prefill")) as prefill:
+        decode = DecodeNode(make_layout(make_pools(32)), nixl("decode"), creds("decode-3", "decode"), config=SHORT)
         try:
             link = decode.connect(*prefill.address)
             assert link.peer == "prefill-7" and decode.name == "decode-3"
@@ -227,7 +229,7 @@ def test_handshakes_run_outside_the_serving_lock(monkeypatch):
 
     monkeypatch.setattr(kvlend.runtime.tls.TlsChannel, "receive", watched)
     with lone_prefill() as prefill:
-        decode = DecodeNode(make_layout(make_pools(32)), nixl("decode"), creds("decode"), config=SHORT)
+        decode = DecodeNode(make_layout(make_pools(32)), nixl("decode"), creds("decode", "decode"), config=SHORT)
         nodes += [prefill, decode]
         try:
             decode.connect(*prefill.address)
@@ -254,7 +256,7 @@ def test_a_ticket_is_read_only_from_the_prefill_it_names():
         with pytest.raises(AuthError, match="prefill-elsewhere"):  # the open link is "prefill": refused at once
             r.decode.start_fetch(forged, dst)
         assert r.decode.in_flight == 0
-        fresh = DecodeNode(make_layout(make_pools(DST_PAGES)), nixl("fresh"), creds("decode-fresh"),
+        fresh = DecodeNode(make_layout(make_pools(DST_PAGES)), nixl("fresh"), creds("decode-fresh", "decode"),
                            config=DECODE_CONFIG)
         try:  # no link yet: the link's certificate is checked against the ticket when it authenticates
             handle = fresh.start_fetch(forged, dst)
@@ -274,8 +276,9 @@ PATIENT = NodeConfig(chunk_pages=8, handshake_timeout=DEADLINE, transfer_timeout
 
 
 def brief(identity: str, seconds: float = LIFE) -> Credentials:
-    """A certificate of ``identity`` that expires ``seconds`` from now."""
-    return CA.issue(identity, expires=datetime.datetime.now(datetime.timezone.utc)
+    """A certificate of ``identity`` (a prefill if its name says so) that expires ``seconds`` from now."""
+    return CA.issue(identity, "prefill" if identity.startswith("prefill") else "decode",
+                    expires=datetime.datetime.now(datetime.timezone.utc)
                     + datetime.timedelta(seconds=seconds))
 
 
@@ -318,7 +321,7 @@ def test_a_link_closes_when_the_decodes_certificate_expires_and_its_read_fails()
 
 def test_a_decode_closes_its_link_when_the_prefills_certificate_expires():
     src = make_pools(SRC_PAGES)
-    decode = decode_node(creds("decode"))
+    decode = decode_node(creds("decode", "decode"))
     backend = nixl("prefill")
     prefill = PrefillNode(make_layout(src), backend, brief("prefill-brief"))
     prefill.start()
@@ -338,13 +341,13 @@ def test_a_decode_closes_its_link_when_the_prefills_certificate_expires():
 
 def test_reloaded_credentials_serve_new_links_while_old_links_run_out_with_their_certificate():
     src, dst = make_pools(SRC_PAGES), make_pools(DST_PAGES)
-    before, after = decode_node(creds("decode-before")), decode_node(creds("decode-after"), dst=dst)
+    before, after = decode_node(creds("decode-before", "decode")), decode_node(creds("decode-after", "decode"), dst=dst)
     backend = nixl("prefill")
     prefill = PrefillNode(make_layout(src), backend, brief("prefill-renewed"))
     prefill.start()
     try:
         old = before.connect(*prefill.address)
-        renewed = CA.issue("prefill-renewed")
+        renewed = CA.issue("prefill-renewed", "prefill")
         assert prefill.reload_credentials(renewed) is renewed and prefill.credentials is renewed
         new = after.connect(*prefill.address)
         with pytest.raises(AuthError, match="expired"):  # the link made before runs out with the old certificate
@@ -365,19 +368,19 @@ def test_reloaded_credentials_serve_new_links_while_old_links_run_out_with_their
 
 def test_a_reload_that_fails_its_checks_keeps_the_credentials_in_use():
     then = datetime.datetime.now(datetime.timezone.utc) - datetime.timedelta(days=3)
-    stranger = Authority.create("another cluster").issue("prefill")
-    with lone_prefill(creds("prefill")) as prefill:
+    stranger = Authority.create("another cluster").issue("prefill", "prefill")
+    with lone_prefill(creds("prefill", "prefill")) as prefill:
         before = prefill.credentials
         with pytest.raises(ConfigError, match="a node's identity cannot change"):
-            prefill.reload_credentials(creds("prefill-other"))
+            prefill.reload_credentials(creds("prefill-other", "prefill"))
         with pytest.raises(AuthError, match="valid from"):
-            prefill.reload_credentials(CA.issue("prefill", days=1, valid_from=then))
+            prefill.reload_credentials(CA.issue("prefill", "prefill", days=1, valid_from=then))
         with pytest.raises(AuthError, match="not issued by the CA"):
             prefill.reload_credentials(Credentials(CA.cert_pem, stranger.cert_pem, stranger.key_pem))
         with pytest.raises(ConfigError, match="not loaded from files"):
             prefill.reload_credentials()  # nothing to read again
         assert prefill.credentials is before
-        decode = decode_node(creds("decode"))
+        decode = decode_node(creds("decode", "decode"))
         try:
             assert decode.connect(*prefill.address).peer == "prefill"
         finally:
@@ -386,7 +389,7 @@ def test_a_reload_that_fails_its_checks_keeps_the_credentials_in_use():
 
 
 def test_sighup_makes_a_node_present_its_renewed_certificate_files(tmp_path):
-    decode = decode_node(creds("decode"))
+    decode = decode_node(creds("decode", "decode"))
     backend = nixl("prefill")
     env = save_rank(brief("prefill-hup", 3.0), str(tmp_path))
     old = Credentials.from_env(env)
@@ -395,7 +398,7 @@ def test_sighup_makes_a_node_present_its_renewed_certificate_files(tmp_path):
     previous = signal.getsignal(signal.SIGHUP)
     try:
         reload_on_sighup(prefill)
-        renewed = CA.issue("prefill-hup")
+        renewed = CA.issue("prefill-hup", "prefill")
         for name, data in ((CERT_ENV, renewed.cert_pem), (KEY_ENV, renewed.key_pem)):
             (tmp_path / "next").write_bytes(data)
             os.replace(tmp_path / "next", env[name])  # as a renewal job would: the files in place, then SIGHUP
@@ -437,7 +440,8 @@ def test_certificates_near_their_end_are_warned_of_once_and_measured(monkeypatch
         NodeConfig(cert_warning=-1.0)
 
     def in_hours(identity, hours):
-        return CA.issue(identity, expires=datetime.datetime.now(datetime.timezone.utc)
+        return CA.issue(identity, "prefill" if identity.startswith("prefill") else "decode",
+                        expires=datetime.datetime.now(datetime.timezone.utc)
                         + datetime.timedelta(hours=hours))
 
     decode = decode_node(in_hours("decode-soon", 1.5), config=warn)
@@ -502,7 +506,7 @@ def test_a_ticket_for_one_prompt_writes_no_byte_into_another_prompts_pages(read_
         pools = make_pools(DST_PAGES)
         for pool in pools:
             pool[...] = SENTINEL
-        decode = DecodeNode(make_layout(pools), nixl("thief"), creds("decode-thief"),
+        decode = DecodeNode(make_layout(pools), nixl("thief"), creds("decode-thief", "decode"),
                             config=dataclasses.replace(DECODE_CONFIG, read_ahead=read_ahead))
         try:
             free = free_lists(decode.layout, DST_PAGES, 9)

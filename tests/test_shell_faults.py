@@ -49,13 +49,13 @@ def nodes(prefills: int = 1, advertise=(), prefill_config: NodeConfig = CONFIG, 
     try:
         for rank in range(prefills):
             src = make_pools(PAGES)
-            node = PrefillNode(make_layout(src), nixl(f"prefill{rank}"), creds(f"prefill-{rank}"),
+            node = PrefillNode(make_layout(src), nixl(f"prefill{rank}"), creds(f"prefill-{rank}", "prefill"),
                                advertise=advertise[rank] if rank < len(advertise) else None, config=prefill_config)
             node.start()
             started.append(node)
             srcs.append(src)
         dst = make_pools(PAGES)
-        decode = DecodeNode(make_layout(dst), nixl("decode"), creds("decode"), config=decode_config)
+        decode = DecodeNode(make_layout(dst), nixl("decode"), creds("decode", "decode"), config=decode_config)
         decode.start()
         yield started, srcs, decode, dst
     finally:
@@ -159,7 +159,8 @@ def test_a_prefill_advertising_a_host_no_ticket_may_name_is_refused_at_construct
     backend = nixl("prefill")
     try:
         with pytest.raises(ConfigError, match="advertise: .*label 'b_c'"):
-            PrefillNode(make_layout(make_pools(PAGES)), backend, creds("prefill-0"), advertise="a.b_c.example")
+            PrefillNode(make_layout(make_pools(PAGES)), backend, creds("prefill-0", "prefill"),
+                        advertise="a.b_c.example")
     finally:
         backend.close()
 
@@ -223,7 +224,7 @@ def test_a_decode_that_never_reads_its_replies_is_paused_then_dropped_and_others
     with nodes(prefill_config=config) as (prefills, srcs, decode, dst):
         prefill = prefills[0]
         hung_up = threading.Event()
-        with RawDecode(prefill.address, creds("mute-decode")) as mute:
+        with RawDecode(prefill.address, creds("mute-decode", "decode")) as mute:
             mute.handshake(decode.layout)
             claims = Connection(time.monotonic())
             claims.authenticate(mute.peer)

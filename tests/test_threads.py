@@ -92,7 +92,7 @@ def test_engine_threads_lend_fetch_and_ask_can_evict_while_the_nodes_serve(caplo
             failures.add(f"lease of {lease.request} ended {reason}")
         released.put(lease.id)
 
-    prefill = PrefillNode(make_layout(src), nixl("prefill"), creds("prefill-0"), config=CONFIG,
+    prefill = PrefillNode(make_layout(src), nixl("prefill"), creds("prefill-0", "prefill"), config=CONFIG,
                           on_release=on_release)
     heard: dict[int, bool] = {}  # fetch id -> it was done when on_finished heard of it
 
@@ -102,7 +102,7 @@ def test_engine_threads_lend_fetch_and_ask_can_evict_while_the_nodes_serve(caplo
         heard[handle.id] = handle.done and handle.quiet
         assert decode.in_flight >= 0  # on the loop thread, outside the node's lock: no deadlock
 
-    decode = DecodeNode(make_layout(dst), nixl("decode"), creds("decode-0"), config=CONFIG,
+    decode = DecodeNode(make_layout(dst), nixl("decode"), creds("decode-0", "decode"), config=CONFIG,
                         on_finished=on_finished)
     router: queue.Queue = queue.Queue()  # ticket text, prefill engine -> decode engine
     cleared: queue.Queue = queue.Queue()  # requests whose pushed offer the prefill engine has checked

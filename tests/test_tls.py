@@ -35,8 +35,8 @@ def pump(a: TlsChannel, b: TlsChannel, rounds: int = 8) -> bytes:
 
 
 def pair(server_identity: str = "prefill", client_identity: str = "decode") -> tuple[TlsChannel, TlsChannel]:
-    server = TlsChannel(creds(server_identity).context(server=True), server=True)
-    client = TlsChannel(creds(client_identity).context(server=False), server=False)
+    server = TlsChannel(creds(server_identity, "prefill").context(server=True), server=True, roles=("decode",))
+    client = TlsChannel(creds(client_identity, "decode").context(server=False), server=False, roles=("prefill",))
     client.start()
     pump(client, server)
     return client, server
@@ -70,7 +70,7 @@ def test_a_byte_flipped_on_the_way_is_refused():
 
 
 def test_nothing_is_sent_before_the_handshake_completes():
-    client = TlsChannel(creds("decode").context(server=False), server=False)
+    client = TlsChannel(creds("decode", "decode").context(server=False), server=False, roles=("prefill",))
     with pytest.raises(ProtocolError, match="before the TLS handshake"):
         client.send(b"early")
     client.start()
@@ -87,12 +87,12 @@ def test_close_notify_ends_the_peer_in_order_after_its_last_words():
 
 
 def test_a_peer_that_speaks_no_tls_is_refused_at_once():
-    server = TlsChannel(creds("prefill").context(server=True), server=True)
+    server = TlsChannel(creds("prefill", "prefill").context(server=True), server=True, roles=("decode",))
     with pytest.raises(AuthError, match="TLS handshake failed"):
         server.receive(b"\x00\x00\x10\x00" + b"kvlend frame of old" * 4)
 
 
 def test_each_side_knows_when_its_peers_certificate_expires():
     client, server = pair("prefill-2", "decode-5")
-    assert client.expires == creds("prefill-2").expires.timestamp()
-    assert server.expires == creds("decode-5").expires.timestamp()
+    assert client.expires == creds("prefill-2", "prefill").expires.timestamp()
+    assert server.expires == creds("decode-5", "decode").expires.timestamp()

@@ -81,15 +81,15 @@ def short():
 @pytest.fixture
 def stranger(tmp_path):
     """A decode whose certificate is from another cluster's CA, writing its per-fetch lines."""
-    yield from make_pair(CONFIG, WorkerSettings(Authority.create().issue("d"), config=CONFIG,
+    yield from make_pair(CONFIG, WorkerSettings(Authority.create().issue("d", "decode"), config=CONFIG,
                                                 stats_path=str(tmp_path / "fetches.jsonl")))
 
 
 def make_pair(config: NodeConfig, decode: WorkerSettings | None = None):
     src, dst = caches(True), caches(False)
     scope = "test/cpu/bs16"
-    producer = ProducerWorker(WorkerSettings(creds("p"), config=config))
-    consumer = ConsumerWorker(decode or WorkerSettings(creds("d"), config=config), BS, Stats())
+    producer = ProducerWorker(WorkerSettings(creds("p", "prefill"), config=config))
+    consumer = ConsumerWorker(decode or WorkerSettings(creds("d", "decode"), config=config), BS, Stats())
     p_sched, d_sched = ProducerScheduler(BS), ConsumerScheduler(BS)
     p_sched.set_endpoints([producer.register(layout_from_kv_caches(src, block_size=BS, dtype="float32",
                                                                    scope=scope))])
@@ -315,9 +315,10 @@ def test_tensor_parallel_workers_each_land_exactly_their_heads(prefill_tp, decod
 
     src = [heads(whole, prefill_tp, r) for r in range(prefill_tp)]
     dst = [[heads(caches(False), tp, r) for r in range(tp)] for tp in decode_tps]
-    producers = [ProducerWorker(WorkerSettings(creds(f"p-{r}"), config=CONFIG, tp_size=prefill_tp, tp_rank=r))
+    producers = [ProducerWorker(WorkerSettings(creds(f"p-{r}", "prefill"), config=CONFIG, tp_size=prefill_tp,
+                                               tp_rank=r))
                  for r in range(prefill_tp)]
-    decodes = [[ConsumerWorker(WorkerSettings(creds(f"d{e}-{r}"), config=CONFIG, tp_size=tp, tp_rank=r), BS,
+    decodes = [[ConsumerWorker(WorkerSettings(creds(f"d{e}-{r}", "decode"), config=CONFIG, tp_size=tp, tp_rank=r), BS,
                                Stats()) for r in range(tp)] for e, tp in enumerate(decode_tps)]
     try:
         p_sched = ProducerScheduler(BS)
@@ -458,8 +459,8 @@ def recurrent_pair(decode: WorkerSettings | None = None):
     seeded = torch.Generator().manual_seed(3)
     src_flat.copy_(torch.randint(-128, 128, src_flat.shape, dtype=torch.int8, generator=seeded))
     order = (groups["model.layers.0.mixer"], groups["model.layers.1.self_attn.attn"])
-    producer = ProducerWorker(WorkerSettings(creds("p"), config=CONFIG))
-    consumer = ConsumerWorker(decode or WorkerSettings(creds("d"), config=CONFIG), RBS, Stats())
+    producer = ProducerWorker(WorkerSettings(creds("p", "prefill"), config=CONFIG))
+    consumer = ConsumerWorker(decode or WorkerSettings(creds("d", "decode"), config=CONFIG), RBS, Stats())
     p_sched, d_sched = ProducerScheduler(RBS, order), ConsumerScheduler(RBS, 1, order)
     layout = dict(block_size=RBS, dtype="float32", scope="test/mamba", groups=groups)
     p_sched.set_endpoints([producer.register(layout_from_kv_caches(src, **layout))])
@@ -477,7 +478,7 @@ def recurrent():
 
 @pytest.fixture
 def recurrent_stranger():
-    yield from recurrent_pair(WorkerSettings(Authority.create().issue("d"), config=CONFIG))
+    yield from recurrent_pair(WorkerSettings(Authority.create().issue("d", "decode"), config=CONFIG))
 
 
 def lend_recurrent(pair, prompt: int, state_block: int, blocks: list[int]) -> dict:

@@ -18,8 +18,8 @@ ISSUE = """
 import sys
 from kvlend.security.certs import Authority, save_rank
 ca = Authority.create()
-for identity in sys.argv[2:]:
-    save_rank(ca.issue(identity), sys.argv[1])
+for identity in sys.argv[2:]:  # the topology's names say the role: A-prefill, A-decode0, ...
+    save_rank(ca.issue(identity, "prefill" if "prefill" in identity else "decode"), sys.argv[1])
 """
 
 

@@ -1,4 +1,5 @@
-"""The rule for rank identities, shared by certificates (``security``) and registry records (``cluster``).
+"""The rule for rank identities and their roles, shared by certificates (``security``) and registry
+records (``cluster``).
 
 Pure: a rank's identity lands in logs, file names and etcd keys, so it is a short, plain name.
 """
@@ -9,6 +10,7 @@ import re
 
 from ..errors import ConfigError
 
+ROLES = ("prefill", "decode", "router")  # what a rank's certificate may say it is (and its registry record)
 _IDENTITY = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:@-]{0,63}")
 
 

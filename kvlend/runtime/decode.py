@@ -171,6 +171,9 @@ class DecodeNode(Shell):
     ``on_finished(handle)``: called once per fetch as it finishes (see the module's docstring).
     """
 
+    ROLE = "decode"
+    PEER_ROLES = ("prefill",)
+
     def __init__(self, layout, backend: TransferBackend, credentials: Credentials, *,
                  config: NodeConfig = NodeConfig(), clock: Callable[[], float] = lease_clock,
                  registry: Registry | None = None, capacity: int | None = None,

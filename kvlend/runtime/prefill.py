@@ -75,6 +75,9 @@ class PrefillNode(Shell):
     keeps serving known peers), they are released when that link drops instead.
     """
 
+    ROLE = "prefill"
+    PEER_ROLES = ("decode",)
+
     def __init__(self, layout: PageLayout, backend: TransferBackend, credentials: Credentials, *,
                  host: str = DEFAULT_HOST, port: int = 0, advertise: str | None = None,
                  config: NodeConfig = NodeConfig(),

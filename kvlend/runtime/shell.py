@@ -44,7 +44,13 @@ _BACKOFF = (20e-6, 1e-3)  # polling with reads in flight: from 20 us up to 1 ms 
 
 
 class Shell:
-    """The loop, the lock and the thread; subclasses feed their own session."""
+    """The loop, the lock and the thread; subclasses feed their own session.
+
+    ``ROLE``: the certificate role a node of the subclass must hold; ``PEER_ROLES``: those its peers may.
+    """
+
+    ROLE: str
+    PEER_ROLES: tuple[str, ...]
 
     def __init__(self, session, backend: TransferBackend, credentials: Credentials,
                  clock: Callable[[], float], config: NodeConfig) -> None:
@@ -54,6 +60,7 @@ class Shell:
         self.backend = backend
         self.credentials = credentials
         self.name = credentials.identity  # who this rank is: what its certificate names
+        _check_own_role(credentials, self.ROLE)
         self._contexts = (credentials.context(server=True), credentials.context(server=False))  # bad PEM fails here
         self.clock = clock
         self.config = config
@@ -250,6 +257,7 @@ class Shell:
         if credentials.identity != self.name:
             raise ConfigError(f"new credentials name {credentials.identity!r}, but this node is {self.name!r}: "
                               "a node's identity cannot change")
+        _check_own_role(credentials, self.ROLE)
         credentials.check()
         self._contexts = (credentials.context(server=True), credentials.context(server=False))  # one swap
         self.credentials = credentials
@@ -261,7 +269,7 @@ class Shell:
     def _adopt(self, conn: int, sock) -> None:
         """Serve an accepted socket as connection ``conn``: the TLS server side."""
         self._sockets.adopt(conn, sock)
-        self._channels[conn] = TlsChannel(self._contexts[0], server=True)
+        self._channels[conn] = TlsChannel(self._contexts[0], server=True, roles=self.PEER_ROLES)
 
     def _push(self, conn: int, channel: TlsChannel) -> None:
         out = channel.data_to_send()
@@ -294,7 +302,7 @@ class Shell:
             if error is not None:
                 self._report_closed(action.conn, error)
             else:
-                self._channels[action.conn] = TlsChannel(self._contexts[1], server=False)
+                self._channels[action.conn] = TlsChannel(self._contexts[1], server=False, roles=self.PEER_ROLES)
         elif isinstance(action, AddPeer):
             try:
                 self._agents[action.conn] = self.backend.add_peer(action.metadata)
@@ -436,3 +444,11 @@ def _detached(error: KvlendError) -> KvlendError:
     """
     error.__context__ = error.__cause__ = None
     return error.with_traceback(None)
+
+
+def _check_own_role(credentials: Credentials, role: str) -> None:
+    """A node runs only as what its certificate says it is (``ConfigError`` naming how to reissue it)."""
+    if credentials.role != role:
+        raise ConfigError(f"the certificate of {credentials.identity!r} is a {credentials.role}'s, and a {role} "
+                          f"node needs a {role}'s: reissue it with `kvlend certs issue {credentials.identity} "
+                          f"--role {role}`")

@@ -3,7 +3,9 @@
 ``ssl.SSLObject`` on a pair of ``MemoryBIO``: the shell's loop feeds it what
 the socket read and sends what it produced, outside the session's lock, so
 handshakes never hold up serving.  The channel reports the peer's verified
-identity once the handshake is done, and when its certificate expires; until
+identity once the handshake is done and its certificate's role is one this
+side serves (a decode-role certificate never reaches a decode's session as a
+prefill), and when its certificate expires; until
 then nothing reaches the session.
 """
 
@@ -12,7 +14,7 @@ from __future__ import annotations
 import ssl
 
 from ..errors import AuthError, UsageError
-from ..security.credentials import peer_identity
+from ..security.credentials import check_role, peer_identity, peer_role
 
 READ_CHUNK = 1 << 16
 
@@ -20,8 +22,9 @@ READ_CHUNK = 1 << 16
 class TlsChannel:
     """One side of a mutually authenticated TLS 1.3 connection."""
 
-    def __init__(self, context: ssl.SSLContext, server: bool) -> None:
+    def __init__(self, context: ssl.SSLContext, server: bool, roles: tuple[str, ...]) -> None:
         self._in, self._out = ssl.MemoryBIO(), ssl.MemoryBIO()
+        self._roles = roles  # the certificate roles a peer may hold
         self._tls = context.wrap_bio(self._in, self._out, server_side=server)
         self.identity: str | None = None  # the peer's, once the handshake completed
         self.expires: float | None = None  # when the peer's certificate expires (wall clock, epoch seconds)
@@ -83,7 +86,9 @@ class TlsChannel:
         except ssl.SSLError as exc:
             raise AuthError(f"TLS handshake failed: {_reason(exc)}") from None
         cert = self._tls.getpeercert()
-        self.identity = peer_identity(cert)
+        identity = peer_identity(cert)
+        check_role(identity, peer_role(cert), self._roles, "connect here")
+        self.identity = identity
         self.expires = ssl.cert_time_to_seconds(cert["notAfter"])
         return True
 

@@ -2,9 +2,9 @@
 
 Keys are EC P-256: a TLS 1.3 handshake then costs each side one signature
 and one verification, microseconds.  A rank certificate names the rank's
-identity in its subject's common name; that name, and never a name a peer
-claims, is who the peer is.  ``Authority.create()`` with ``issue()`` is also
-how the demo and the tests get throwaway ("ephemeral") credentials.
+identity in its subject's common name and its role in the one organizational
+unit; that name and role, and never what a peer claims, are who the peer is.
+``Authority.create()`` with ``issue()`` is also how the demo and the tests get throwaway ("ephemeral") credentials.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
-from ..core.names import check_identity
+from ..core.names import ROLES, check_identity
 from ..errors import ConfigError
 from .credentials import CA_ENV, CERT_ENV, KEY_ENV, Credentials
 
@@ -62,11 +62,14 @@ class Authority:
         """The CA saved in ``directory`` (``ca.pem``, ``ca.key``)."""
         return cls(_read(os.path.join(directory, "ca.pem")), _read(os.path.join(directory, "ca.key")))
 
-    def issue(self, identity: str, days: float = RANK_DAYS, *, valid_from: datetime.datetime | None = None,
-              expires: datetime.datetime | None = None) -> Credentials:
-        """A certificate for rank ``identity``, valid ``days`` from ``valid_from`` (default now), or
-        until ``expires`` exactly (short-lived certificates: the tests' expiring links)."""
+    def issue(self, identity: str, role: str, days: float = RANK_DAYS, *,
+              valid_from: datetime.datetime | None = None, expires: datetime.datetime | None = None) -> Credentials:
+        """A certificate for rank ``identity`` in ``role`` (one of ``ROLES``), valid ``days`` from
+        ``valid_from`` (default now), or until ``expires`` exactly (short-lived certificates: the tests'
+        expiring links)."""
         check_identity(identity)
+        if role not in ROLES:
+            raise ConfigError(f"role {role!r}: a rank is one of {', '.join(ROLES)}")
         try:
             ca_cert = x509.load_pem_x509_certificate(self.cert_pem)
             ca_key = serialization.load_pem_private_key(self.key_pem, password=None)
@@ -75,7 +78,8 @@ class Authority:
         key = ec.generate_private_key(ec.SECP256R1())
         start = (valid_from or _now()) - datetime.timedelta(minutes=5)
         cert = (x509.CertificateBuilder()
-                .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, identity)]))
+                .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, identity),
+                                         x509.NameAttribute(NameOID.ORGANIZATIONAL_UNIT_NAME, role)]))
                 .issuer_name(ca_cert.subject).public_key(key.public_key())
                 .serial_number(x509.random_serial_number())
                 .not_valid_before(start).not_valid_after(expires or start + datetime.timedelta(days=days))

@@ -2,7 +2,9 @@
 
 Both sides present a certificate and require one from the cluster CA
 (mutual TLS); the peer's identity is the common name of the certificate it
-proved it holds.  A rank loads its files from ``$KVLEND_CA``,
+proved it holds, and its role (``prefill``, ``decode``, ``router``) the
+certificate's one organizational unit: what a peer may do depends on the
+role the CA gave it, never on what it says.  A rank loads its files from ``$KVLEND_CA``,
 ``$KVLEND_CERT`` and ``$KVLEND_KEY`` (``kvlend certs`` writes them), with
 ``{rank}`` in the last two when several ranks share an environment.
 """
@@ -22,6 +24,7 @@ from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives import serialization
 from cryptography.x509.oid import NameOID
 
+from ..core.names import ROLES
 from ..errors import AuthError, ConfigError
 
 CA_ENV = "KVLEND_CA"  # the cluster CA certificate (PEM file)
@@ -57,6 +60,14 @@ class Credentials:
         if len(names) != 1:
             raise ConfigError(f"rank certificate must name exactly one common name, has {len(names)}")
         return str(names[0].value)
+
+    @property
+    def role(self) -> str:
+        """What this rank is allowed to be: its certificate's role (``ConfigError`` if it has none)."""
+        try:
+            return certificate_role(self._cert)
+        except AuthError as exc:
+            raise ConfigError(str(exc)) from None
 
     @property
     def expires(self) -> datetime.datetime:
@@ -161,6 +172,34 @@ def peer_identity(cert: dict) -> str:
     if len(names) != 1:
         raise AuthError(f"peer certificate names {len(names)} common names, not one")
     return names[0]
+
+
+def peer_role(cert: dict) -> str:
+    """The role in a verified peer certificate (``getpeercert()``): its one organizational unit."""
+    units = [value for rdn in cert.get("subject", ()) for key, value in rdn if key == "organizationalUnitName"]
+    return _role(units, peer_identity(cert))
+
+
+def certificate_role(cert: x509.Certificate) -> str:
+    """The role a certificate was issued for (``AuthError`` if it names none, or another)."""
+    units = [str(a.value) for a in cert.subject.get_attributes_for_oid(NameOID.ORGANIZATIONAL_UNIT_NAME)]
+    names = cert.subject.get_attributes_for_oid(NameOID.COMMON_NAME)
+    return _role(units, str(names[0].value) if len(names) == 1 else "?")
+
+
+def check_role(identity: str, role: str, allowed: tuple[str, ...], where: str) -> None:
+    """``AuthError`` unless a peer's certificate role is one of ``allowed``."""
+    if role not in allowed:
+        raise AuthError(f"{identity!r} holds a {role} certificate, and only {' or '.join(allowed)} ranks may "
+                        f"{where}")
+
+
+def _role(units: list[str], identity: str) -> str:
+    if len(units) != 1 or units[0] not in ROLES:
+        found = ", ".join(units) or "no organizational unit"
+        raise AuthError(f"the certificate of {identity!r} names no role ({found}), and a rank's certificate must "
+                        f"say one of {', '.join(ROLES)}: reissue it with `kvlend certs issue {identity} --role ROLE`")
+    return units[0]
 
 
 def _read(path: str, what: str) -> bytes:

@@ -14,6 +14,7 @@ CA = Authority.create()
 
 
 @functools.cache
-def creds(identity: str) -> Credentials:
-    """A rank certificate for ``identity`` from the tests' cluster CA (cached: issuing costs milliseconds)."""
-    return CA.issue(identity)
+def creds(identity: str, role: str) -> Credentials:
+    """A ``role`` rank certificate for ``identity`` from the tests' cluster CA (cached: issuing costs
+    milliseconds)."""
+    return CA.issue(identity, role)

@@ -52,12 +52,12 @@ def rig(prefill_config: NodeConfig = NodeConfig(), clock=lease_clock, on_release
         if on_release is not None:
             on_release(lease, reason)
 
-    prefill = PrefillNode(make_layout(src), nixl("prefill"), creds("prefill"), config=prefill_config,
+    prefill = PrefillNode(make_layout(src), nixl("prefill"), creds("prefill", "prefill"), config=prefill_config,
                           clock=clock, on_release=record)
     decode = None
     try:
         prefill.start()
-        decode = DecodeNode(make_layout(dst), nixl("decode"), creds("decode"), config=DECODE_CONFIG)
+        decode = DecodeNode(make_layout(dst), nixl("decode"), creds("decode", "decode"), config=DECODE_CONFIG)
         link = decode.connect(*prefill.address)
         yield Rig(prefill, decode, prefill.wait_for_peer(DEADLINE), link, src, dst, released)
     finally:

@@ -115,7 +115,7 @@ class Prefill:
         ctx = multiprocessing.get_context("spawn")
         self.conn, child = ctx.Pipe()
         with tempfile.TemporaryDirectory(prefix="kvlend-quiet-") as certs:  # read by the time it sends its address
-            credentials = save_rank(ca.issue(f"prefill-{gen}"), certs)
+            credentials = save_rank(ca.issue(f"prefill-{gen}", "prefill"), certs)
             self.proc = ctx.Process(target=prefill_main, args=(child, credentials, gen), daemon=True)
             self.proc.start()
             child.close()
@@ -180,7 +180,7 @@ def _scenarios() -> dict:
     expected = page_words(np.arange(PAGES), view.shape[1])
     table = np.random.default_rng(99).permutation(PAGES)  # decode slot of token page t
     node = DecodeNode(layout(dst), load_backend("nixl", name=f"quiet-decode-{os.getpid()}", timeout=60.0),
-                      ca.issue("decode"), config=NodeConfig(chunk_pages=256, transfer_timeout=30.0))
+                      ca.issue("decode", "decode"), config=NodeConfig(chunk_pages=256, transfer_timeout=30.0))
     node.start()
     reports, prefills = {}, []
     try:

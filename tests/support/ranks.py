@@ -31,7 +31,7 @@ class Rank:
             support_module(module, mode, *args),
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, bufsize=0,
             stderr=None if os.environ.get("KVLEND_RANK_STDERR") else subprocess.DEVNULL,
-            env=child_env(**save_rank(creds(identity), self._certs.name)),
+            env=child_env(**save_rank(creds(identity, "prefill" if "prefill" in mode else "decode"), self._certs.name)),
         )
         self.address: tuple[str, int] | None = None
         self._buf = b""

@@ -49,10 +49,10 @@ class Rig:
                                       dtype=dtype, prefix_caching=prefix_caching, extra=[*parallel, *extra])
         tls = {}
         if config and tp == 1:
-            tls = save_rank(self._authority.issue(name), self._certs)
+            tls = save_rank(self._authority.issue(name, launch.role_of(config)), self._certs)
         elif config:
             for rank in range(tp):
-                tls = save_rank(self._authority.issue(f"{name}-{rank}"), self._certs)
+                tls = save_rank(self._authority.issue(f"{name}-{rank}", launch.role_of(config)), self._certs)
             tls = {k: v.replace(f"{name}-{tp - 1}.", f"{name}-{{rank}}.") for k, v in tls.items()}
         return self._start(name, port, argv, launch.vllm_env(1, {**tls, **(env or {})}))
 

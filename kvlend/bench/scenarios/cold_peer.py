@@ -28,11 +28,12 @@ def run(lender: LenderProcess, backend, sizes: Sizes, progress) -> dict:
     n = sizes.s3_pages
     ca = Authority.create()  # a throwaway cluster: the lender loads its rank's files, then they go
     with tempfile.TemporaryDirectory(prefix="kvlend-bench-") as certs:
-        host, port = lender.call("prefill", {"pages": n, "credentials": save_rank(ca.issue("bench-prefill"), certs)})
+        host, port = lender.call("prefill", {"pages": n, "credentials": save_rank(ca.issue("bench-prefill",
+                                                                                           "prefill"), certs)})
     arrays, layout = make_pools(n, 1, False, fill=False)
     progress("scenario 4: cold decode -> PrefillNode (TCP and TLS handshakes, negotiate, add_peer, first read)")
     cold_backend = NixlBackend(f"cold-decode-{os.getpid()}")
-    decode = DecodeNode(layout, cold_backend, ca.issue("bench-decode"))
+    decode = DecodeNode(layout, cold_backend, ca.issue("bench-decode", "decode"))
     try:
         start = time.perf_counter()
         link = decode.connect(host, port)

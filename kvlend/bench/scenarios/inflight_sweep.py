@@ -43,7 +43,7 @@ def run(lender: LenderProcess, backend, sizes: Sizes, progress) -> dict:
                      f"{S7_PAGES}-page requests ({sum(counts.values())} in all)")
             work = _lend(lenders, peers, [peers] + list(counts.values()), ca)
             node_backend = NixlBackend(f"bench-sweep-{peers}-{os.getpid()}", timeout=XFER_TIMEOUT)
-            decode = DecodeNode(local, node_backend, ca.issue(f"bench-sweep-decode-{peers}"))
+            decode = DecodeNode(local, node_backend, ca.issue(f"bench-sweep-decode-{peers}", "decode"))
             try:
                 keep_in_flight(decode, work[0], arrays, peers, "scenario 7")  # links up: TLS and NIXL metadata
                 points = {f"{k} in flight": keep_in_flight(decode, todo, arrays, k, "scenario 7")
@@ -75,7 +75,8 @@ def _lend(lenders: list[LenderProcess], peers: int, counts: list[int], ca) -> li
         for j in range(peers):
             mine = [src for batch in batches for node, src in batch if node == j]
             tickets.append(iter(lenders[j % 2].call("node_tickets", {
-                "credentials": save_rank(ca.issue(f"bench-sweep-prefill-{peers}-{j}"), certs), "requests": mine})))
+                "credentials": save_rank(ca.issue(f"bench-sweep-prefill-{peers}-{j}", "prefill"),
+                                         certs), "requests": mine})))
     return [[(node, src, next(tickets[node])) for node, src in batch] for batch in batches]
 
 

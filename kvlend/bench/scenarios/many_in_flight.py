@@ -47,7 +47,7 @@ def run(lender: LenderProcess, backend, sizes: Sizes, progress) -> dict:
         with tempfile.TemporaryDirectory(prefix="kvlend-bench-") as certs:
             for side, lend in enumerate(lenders):  # each request twice: once per kvlend run
                 tickets[side] = lend.call("tickets", {
-                    "credentials": save_rank(ca.issue(f"bench-prefill-{side}"), certs),
+                    "credentials": save_rank(ca.issue(f"bench-prefill-{side}", "prefill"), certs),
                     "requests": [src for s_, src in requests if s_ == side] * 2})
         order = [iter(t) for t in tickets]
         work = [(side, src, next(order[side])) for side, src in requests]
@@ -59,7 +59,8 @@ def run(lender: LenderProcess, backend, sizes: Sizes, progress) -> dict:
         for name, todo, config in (("kvlend", work, NodeConfig()), ("kvlend_read_ahead", work_ahead,
                                                                      NodeConfig(read_ahead=True))):
             node_backend = NixlBackend(f"bench-many-{name}-{os.getpid()}", timeout=XFER_TIMEOUT)
-            decode = DecodeNode(local, node_backend, ca.issue(f"bench-decode-{name.replace('_', '-')}"), config=config)
+            decode = DecodeNode(local, node_backend, ca.issue(f"bench-decode-{name.replace('_', '-')}", "decode"),
+                                config=config)
             try:
                 runs[name] = keep_in_flight(decode, todo, arrays, sizes.s5_inflight, "scenario 5")
             finally:

@@ -39,10 +39,10 @@ def run(lender: LenderProcess, backend, sizes: Sizes, progress) -> dict:
              f"tokens ({sizes.s6_compute_s * 1e3:g} ms of simulated compute each), lent progressively or at the "
              f"end, {sizes.s6_rounds} rounds each")
     node_backend = NixlBackend(f"bench-stream-decode-{os.getpid()}", timeout=XFER_TIMEOUT)
-    decode = DecodeNode(reader.local, node_backend, ca.issue("bench-stream-decode"))
+    decode = DecodeNode(reader.local, node_backend, ca.issue("bench-stream-decode", "decode"))
     try:
         with tempfile.TemporaryDirectory(prefix="kvlend-bench-") as certs:
-            credentials = save_rank(ca.issue("bench-stream-prefill"), certs)
+            credentials = save_rank(ca.issue("bench-stream-prefill", "prefill"), certs)
             for i in range(2 * (sizes.s6_rounds + 1)):  # the first round of each mode warms up
                 mode = ("on", "off")[i % 2]
                 for a in reader.arrays:

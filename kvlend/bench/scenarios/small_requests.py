@@ -91,10 +91,11 @@ def _node_path(lender: LenderProcess, reader: Reader, src: np.ndarray, dst: np.n
     warmup = 5  # the first wires UCX up and does the TLS handshake
     ca = Authority.create()
     with tempfile.TemporaryDirectory(prefix="kvlend-bench-") as certs:
-        tickets = lender.call("tickets", {"credentials": save_rank(ca.issue("bench-node-prefill"), certs),
+        tickets = lender.call("tickets", {"credentials": save_rank(ca.issue("bench-node-prefill", "prefill"), certs),
                                           "requests": [src] * (warmup + reps + 1)})
     backend = NixlBackend(f"bench-node-decode-{os.getpid()}", timeout=XFER_TIMEOUT)
-    decode = DecodeNode(reader.local, backend, ca.issue("bench-node-decode"), config=NodeConfig(read_ahead=read_ahead))
+    decode = DecodeNode(reader.local, backend, ca.issue("bench-node-decode", "decode"),
+                        config=NodeConfig(read_ahead=read_ahead))
     try:
         times = []
         for i, ticket in enumerate(tickets[:-1]):

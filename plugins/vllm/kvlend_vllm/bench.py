@@ -318,7 +318,8 @@ def main(argv: list[str] | None = None) -> int:
     max_len = models.SIZES[args.size]["max_position_embeddings"]
     signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
     log_dir = tempfile.mkdtemp(prefix="kvlend-vllm-bench-")
-    certs = write_certs(log_dir, "prefill", "decode")  # one pair at a time: the rounds share them
+    certs = write_certs(log_dir, {"prefill": "prefill",
+                                  "decode": "decode"})  # one pair at a time: the rounds share them
     model = models.ensure_model(args.size)
     print(f"bench: model {model}, logs (and kvlend's per-fetch timelines, CONNECTOR-fetches.jsonl) in {log_dir}",
           flush=True)

@@ -27,6 +27,7 @@ import tempfile
 import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
+from typing import Mapping
 
 from kvlend.ports import spare_port
 from kvlend.security.certs import Authority, save_rank
@@ -135,13 +136,13 @@ def group_rss_gib(servers: list[launch.Server]) -> dict[str, float]:
     return {k: round(v / 2**30, 2) for k, v in rss.items()}
 
 
-def write_certs(log_dir: str, *identities: str) -> dict[str, dict[str, str]]:
+def write_certs(log_dir: str, roles: Mapping[str, str]) -> dict[str, dict[str, str]]:
     """A throwaway cluster for one run: a fresh CA whose key is never written, and a certificate per
-    identity in a new private directory under ``log_dir`` (keys 0600).  Each identity's environment
-    (``KVLEND_CA``, ``KVLEND_CERT``, ``KVLEND_KEY``)."""
+    identity (``roles``: identity to its role) in a new private directory under ``log_dir`` (keys 0600).
+    Each identity's environment (``KVLEND_CA``, ``KVLEND_CERT``, ``KVLEND_KEY``)."""
     authority = Authority.create()
     directory = tempfile.mkdtemp(prefix="certs-", dir=log_dir)  # 0700, and never a previous run's
-    return {identity: save_rank(authority.issue(identity), directory) for identity in identities}
+    return {identity: save_rank(authority.issue(identity, role), directory) for identity, role in roles.items()}
 
 
 def start_engine(name: str, connector: str | None, role: str | None, model: str, max_len: int, kv_gib: int,
@@ -357,7 +358,8 @@ def main(argv: list[str] | None = None) -> int:
     # SIGTERM as well as Ctrl-C must reach the finally below, which kills groups.
     signal.signal(signal.SIGTERM, _interrupt)
     names = {"kv_producer": _names("prefill", args.prefills), "kv_consumer": _names("decode", args.decodes)}
-    certs = write_certs(log_dir, *names["kv_producer"], *names["kv_consumer"])
+    certs = write_certs(log_dir, {**dict.fromkeys(names["kv_producer"], "prefill"),
+                                  **dict.fromkeys(names["kv_consumer"], "decode")})
     model = models.ensure_model(args.size)
     print(f"demo: model {model}, logs in {log_dir}", flush=True)
 

@@ -71,6 +71,11 @@ def kvlend_transfer_config(role: str, extra: Mapping | None = None) -> dict:
             "kv_connector_extra_config": dict(extra or {})}
 
 
+def role_of(kv_transfer_config: Mapping) -> str:
+    """The certificate role of an engine with this kv_transfer_config: a producer lends as a prefill."""
+    return "prefill" if kv_transfer_config["kv_role"] == "kv_producer" else "decode"
+
+
 def nixl_transfer_config(role: str, num_threads: int | None = None, *, push: bool = False,
                          engine_id: str | None = None) -> dict:
     """kv_transfer_config of vLLM's own NixlConnector, host memory; ``num_threads``: its NIXL progress
