@@ -110,7 +110,7 @@ class HybridDecode(DecodeEnd):
         for pool in self.pools:
             slots(pool)[:] = SENTINEL
         self.memory = Memory(self.pools)
-        self.session = DecodeSession(self.layout, KIND, self.metadata, name=name, config=config)
+        self.session = DecodeSession(self.layout, KIND, name=name, config=config)
         self.backend = MemoryBackend(world, self)
         self.free = {g: FreeList(pages, world.np_rng) for g in self.layout.groups}
 

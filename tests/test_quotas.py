@@ -274,7 +274,7 @@ def test_a_layout_claiming_an_enormous_page_ratio_is_refused_before_any_work():
         world = World(run)
         p = world.add_prefill(config=CFG)
         d = world.add_decode(config=CFG)
-        d.session = DecodeSession(scaled(d.layout, 1 << 20), "memory", d.metadata, name="decode", config=CFG)
+        d.session = DecodeSession(scaled(d.layout, 1 << 20), "memory", name="decode", config=CFG)
         peaks = []
         receive = p.session.receive
 

@@ -31,8 +31,10 @@ import pytest
 import kvlend.runtime.certificates
 import kvlend.runtime.tls
 from kvlend import prompt_digest
-from kvlend.errors import AuthError, ConfigError, PeerLost, PromptMismatch
+from kvlend.errors import AuthError, ConfigError, KvlendError, PeerLost, PromptMismatch
 from kvlend.metrics import METRICS
+from kvlend.protocol.ticket import Ticket
+from kvlend.protocol.wire import Handshake
 from kvlend.runtime import DecodeNode, NodeConfig, PrefillNode, reload_on_sighup
 from kvlend.runtime.certificates import CertWatch
 from kvlend.security.certs import Authority, save_rank
@@ -50,6 +52,7 @@ from tests.support.nodes import (
     rig,
     wait_until,
 )
+from tests.support.wire import decode_all
 
 pytestmark = pytest.mark.nixl
 
@@ -268,6 +271,146 @@ def test_a_ticket_is_read_only_from_the_prefill_it_names():
             fresh.backend.close()
         handle = r.decode.start_fetch(good, dst)  # the real ticket still reads
         assert handle.wait(DEADLINE).bound == 16
+
+
+# ---------------------------------------------------------------------- roles
+class TlsEndpoint:
+    """A bare TLS 1.3 server holding ``credentials`` (any role): it completes the handshake with the one
+    client that connects and keeps every plaintext byte it is sent, as a rank posing as a prefill would."""
+
+    def __init__(self, credentials: Credentials) -> None:
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.address = self.listener.getsockname()[:2]
+        self._context = credentials.context(server=True)
+        self.received = bytearray()
+        self.handshaken = threading.Event()
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        self.listener.settimeout(DEADLINE)
+        try:
+            raw, _ = self.listener.accept()
+            with self._context.wrap_socket(raw, server_side=True) as tls:
+                self.handshaken.set()
+                tls.settimeout(DEADLINE)
+                while chunk := tls.recv(1 << 16):
+                    self.received += chunk
+        except (OSError, ssl.SSLError):
+            pass  # the client hung up: what it sent before is in ``received``
+        finally:
+            self._done.set()
+
+    def finished(self) -> bytes:
+        """What the client sent, once it hung up."""
+        assert self._done.wait(DEADLINE), "the client never hung up"
+        return bytes(self.received)
+
+    def close(self) -> None:
+        self.listener.close()
+        self._thread.join(DEADLINE)
+
+
+def test_a_decode_certificate_posing_as_a_prefill_gets_no_handshake_and_no_node():
+    """A rank holding a decode's certificate mints a ticket naming itself: the decode's TLS refuses the
+    certificate's role before a byte of kvlend's protocol crosses, and no node runs on the wrong role."""
+    poser = creds("decode-poser", "decode")
+    _refuses_to_run(PrefillNode, poser, "--role prefill")
+    endpoint = TlsEndpoint(poser)
+    decode = decode_node(creds("decode-victim", "decode"), config=SHORT)
+    try:
+        ticket = Ticket(os.urandom(16), *endpoint.address, "decode-poser", 16, decode.layout.layout_id)
+        handle = decode.start_fetch(ticket, {name: np.arange(4) for name in decode.layout.groups})
+        with pytest.raises(AuthError, match="holds a decode certificate"):
+            handle.wait(DEADLINE)
+        assert endpoint.finished() == b"", "the decode sent a kvlend frame to a decode posing as a prefill"
+        assert decode.links == []
+    finally:
+        decode.close()
+        decode.backend.close()
+        endpoint.close()
+
+
+def test_a_prefill_certificate_cannot_connect_as_a_decode():
+    _refuses_to_run(DecodeNode, creds("prefill-as-decode", "prefill"), "--role decode")
+    with lone_prefill() as prefill:
+        ctx = creds("prefill-as-decode", "prefill").context(server=False)  # and its raw TLS is refused
+        with socket.create_connection(prefill.address, timeout=DEADLINE) as raw:
+            with ctx.wrap_socket(raw) as tls:
+                tls.settimeout(DEADLINE)
+                with contextlib.suppress(ssl.SSLError, ConnectionError):
+                    tls.sendall(b"x")  # whatever it sends, it only ever reads its end
+                assert _closed(tls)
+        assert prefill.ready_peers() == []
+
+
+def _refuses_to_run(node_type, credentials: Credentials, match: str) -> None:
+    backend = nixl("wrong-role")
+    try:
+        with pytest.raises(ConfigError, match=match):
+            node_type(make_layout(make_pools(8)), backend, credentials)
+    finally:
+        backend.close()
+
+
+def _closed(tls: ssl.SSLSocket) -> bool:
+    try:
+        return tls.recv(1024) == b""
+    except (ssl.SSLError, ConnectionError):
+        return True
+
+
+def test_a_certificate_without_a_role_is_refused_with_how_to_reissue_it():
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    ca_cert = x509.load_pem_x509_certificate(CA.cert_pem)
+    ca_key = serialization.load_pem_private_key(CA.key_pem, password=None)
+    key = ec.generate_private_key(ec.SECP256R1())
+    now = datetime.datetime.now(datetime.timezone.utc)
+    cert = (x509.CertificateBuilder().subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "old-rank")]))
+            .issuer_name(ca_cert.subject).public_key(key.public_key()).serial_number(x509.random_serial_number())
+            .not_valid_before(now - datetime.timedelta(minutes=5)).not_valid_after(now + datetime.timedelta(days=1))
+            .sign(ca_key, hashes.SHA256()))
+    old = Credentials(CA.cert_pem, cert.public_bytes(serialization.Encoding.PEM),
+                      key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                        serialization.NoEncryption()))
+    old.check()  # a valid certificate of the CA's, from before roles
+    _refuses_to_run(PrefillNode, old, r"names no role .*kvlend certs issue old-rank --role ROLE")
+    with lone_prefill() as prefill:  # presented by a peer: refused at its TLS handshake
+        ctx = old.context(server=False)
+        with socket.create_connection(prefill.address, timeout=DEADLINE) as raw:
+            with ctx.wrap_socket(raw) as tls:
+                tls.settimeout(DEADLINE)
+                assert _closed(tls)
+        assert prefill.ready_peers() == []
+
+
+def test_the_decodes_handshake_carries_no_agent_metadata_nor_addresses():
+    """What a prefill (or anyone holding a prefill's certificate) learns of a decode: its layout to negotiate
+    with, never its NIXL agent metadata nor where its pools are."""
+    endpoint = TlsEndpoint(creds("prefill-listening", "prefill"))
+    decode = decode_node(creds("decode-speaking", "decode"), config=SHORT)
+    try:
+        with pytest.raises(KvlendError):
+            decode.connect(*endpoint.address)  # it never answers: the handshake times out
+        decode.close()  # hang up, so the endpoint sees the end of what was sent
+        messages = decode_all(endpoint.finished())
+        hello = [m for m in messages if isinstance(m, Handshake)]
+        assert len(hello) == 1 and hello[0].metadata == b""
+        sent = hello[0].page_layout()
+        assert sent.layout_id == decode.layout.layout_id
+        assert [r.address for r in sent.regions] == [0] * len(sent.regions)
+        assert all(r.address for r in decode.layout.regions), "the decode's own layout has its addresses"
+        agent = decode.backend.metadata()
+        assert agent and agent not in endpoint.received
+    finally:
+        decode.close()
+        decode.backend.close()
+        endpoint.close()
 
 
 # ------------------------------------------------- certificates over a link's life

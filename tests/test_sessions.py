@@ -446,7 +446,7 @@ def test_a_ticket_of_a_layout_this_rank_cannot_read_is_given_back_at_once():
     p = world.add_prefill(config=LONG)
     d = world.add_decode(config=LONG)
     d.layout = dataclasses.replace(d.layout, dtype="bfloat16")
-    d.session = DecodeSession(d.layout, KIND, d.metadata, name=d.name, config=LONG)
+    d.session = DecodeSession(d.layout, KIND, name=d.name, config=LONG)
     first, second = p.ticket(20, seed=1), p.ticket(12, seed=2)
     r = d.fetch_ticket(first, seed=1)
     assert r.fetch.state is FetchState.FAILED and isinstance(r.fetch.error, LayoutMismatch)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import hashlib
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import cached_property
 from typing import Any, Iterable, Mapping, Sequence
 
@@ -256,6 +256,11 @@ class PageLayout:
 
     def encode(self) -> bytes:
         return msgpack.packb(self.to_dict(), use_bin_type=True)
+
+    def without_addresses(self) -> PageLayout:
+        """This layout with every region's address 0 (same ``layout_id``): what a peer that never reads
+        our memory may see of it."""
+        return replace(self, regions=tuple(replace(r, address=0) for r in self.regions))
 
     @classmethod
     def decode(cls, data: bytes) -> PageLayout:

@@ -70,14 +70,16 @@ _BEATS_KEPT = 64  # unanswered heartbeats remembered per link (a prefill that st
 class DecodeSession(TicketClaims, PrefillMessages, Outbox):
     """Reads leases from any number of prefill ranks into ``layout``'s pages."""
 
-    def __init__(self, layout: PageLayout, backend_kind: str, metadata: bytes, *,
+    def __init__(self, layout: PageLayout, backend_kind: str, *,
                  name: str = "decode", config: NodeConfig = NodeConfig()) -> None:
         self.layout = layout
         self.name = name
         self.config = config
         self.tracker = DeliveryTracker(layout)
         self._kind = backend_kind
-        self._metadata = metadata
+        # What a prefill learns of us: the layout to negotiate with, never where our memory is nor how to
+        # reach it (a prefill only answers reads; a peer posing as one gets nothing to read or write with).
+        self._hello = Handshake(layout.without_addresses().encode(), backend_kind, b"")
         self._links: dict[int, PrefillLink] = {}
         self._by_endpoint: dict[tuple[str, int], int] = {}
         self._fetches: dict[int, Fetch] = {}  # every fetch not forgotten, by id
@@ -133,7 +135,7 @@ class DecodeSession(TicketClaims, PrefillMessages, Outbox):
                                             f"but its tickets name the prefill {link.expect!r}"), now)
             return
         link.peer = identity
-        link.conn.send(Handshake(self.layout.encode(), self._kind, self._metadata))
+        link.conn.send(self._hello)
         self._link_to(link, LinkEvent.AUTHENTICATED)
 
     def receive(self, conn: int, data: bytes, now: float) -> None:

@@ -24,7 +24,7 @@ a layout that would cost too much to negotiate is refused with a ``Bye``.  A pee
 must send its layout within ``handshake_timeout`` of authenticating; one naming
 in a heartbeat a lease it never claimed nor was offered is dropped; only the
 lease's holder renews or ends it (a ticket's lease, once it claimed it).
-A decode whose layout we cannot serve gets ours (without backend metadata, so
+A decode whose layout we cannot serve gets ours (without backend metadata or addresses, so
 it names every difference itself) and ``AUTH_TIMEOUT`` to decline the leases
 it came for and say ``Bye``: its ``Claim`` of a lease it may claim ends that
 lease at once (``aborted``), rather than at its TTL.
@@ -443,9 +443,9 @@ class PrefillSession(Outbox):
         except QuotaExceeded:
             raise  # only the Bye: the decode's own caps may differ, so our layout would not tell it why
         except LayoutMismatch as exc:
-            # Our layout without backend metadata: the decode negotiates too, names every field and
+            # Our layout without backend metadata or addresses: the decode negotiates too, names every field and
             # declines the leases it came for; its identity is free for another connection meanwhile.
-            peer.conn.send(Handshake(self.layout.encode(), self._kind, b""))
+            peer.conn.send(Handshake(self.layout.without_addresses().encode(), self._kind, b""))
             peer.refused_until = now + AUTH_TIMEOUT
             self._peer_to(peer, PeerEvent.REFUSE)
             del self._by_name[peer.name]

@@ -185,7 +185,7 @@ class DecodeNode(Shell):
             "decode", (socket.gethostname() or "localhost")[:255], 0, layout, config, capacity, meta)
         backend.register(layout.regions)
         self.layout = layout
-        self.session = DecodeSession(layout, backend.kind, backend.metadata(), name=self.name, config=config)
+        self.session = DecodeSession(layout, backend.kind, name=self.name, config=config)
         self.tracker = self.session.tracker
         self._handles: dict[int, FetchHandle] = {}
         self._finished: list[FetchHandle] = []

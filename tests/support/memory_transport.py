@@ -436,7 +436,7 @@ class DecodeEnd:
         self.layout = make_layout(self.pools)
         self.memory = Memory(self.pools)
         self.metadata = f"memory:{name}:{next(_uid)}".encode()
-        self.session = DecodeSession(self.layout, KIND, self.metadata, name=name, config=config)
+        self.session = DecodeSession(self.layout, KIND, name=name, config=config)
         self.backend = MemoryBackend(world, self)
         self.free = {g: FreeList(pages, world.np_rng) for g in self.layout.groups}
         self.records: dict[int, Record] = {}
