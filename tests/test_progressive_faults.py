@@ -64,7 +64,7 @@ class Rank:
         self.name = identity
         self._certs = tempfile.mkdtemp(prefix=f"certs-{identity}-", dir=workdir)
         self.stderr_path = os.path.join(workdir, f"{identity}.stderr")
-        env = child_env(**save_rank(creds(identity, "decode"), self._certs))
+        env = child_env(**save_rank(creds(identity, mode), self._certs))  # the mode is the role
         env["UCX_TLS"] = TCP["UCX_TLS"]  # whatever this process has: the reads must really be in flight
         env.setdefault("UCX_NET_DEVICES", TCP["UCX_NET_DEVICES"])
         with open(self.stderr_path, "wb") as err:
