@@ -673,6 +673,23 @@ def test_a_claim_past_the_lifetime_changes_nothing():
     assert lender.claim(t.id, "d0", 2) == claimed  # a repeated claim by its peer is harmless
 
 
+def test_a_short_ttl_ticket_lease_waits_for_its_claim_then_lives_its_ttl_from_it():
+    """``wait``: a ticket's lease outlives its ttl until claimed; the claim sets the expiry from then, even
+    earlier; renewals from there on never shorten it; a lease pushed to a peer never waits."""
+    lender = Lender(hybrid(host=False), new_id=ids())
+    t = lender.lend("t", 161, tables(), ALL, 0, 1.0, wait=30.0, ready=0)
+    assert (t.ttl, t.expires_at) == (1.0, 30.0)
+    assert lender.expire(20.0) == []
+    claimed = lender.claim(t.id, "d0", 2.0)
+    assert claimed.expires_at == 3.0 and lender.next_expiry() == 3.0
+    assert lender.renew(t.id, 2.5).expires_at == 3.5
+    assert [x.id for x in lender.expire(3.6)] == [t.id]
+    pushed = lender.lend("p", 10, tables(10), ALL, 0, 1.0, peer="d1", wait=30.0)
+    assert pushed.expires_at == 1.0
+    with pytest.raises(QuotaExceeded):  # what it may wait counts against the lifetime cap like a ttl
+        lender.lend("q", 10, tables(10), ALL, 0, 1.0, wait=30.0, limits=LeaseLimits(max_lease_lifetime=12))
+
+
 def test_a_lease_lent_for_a_prompt_is_claimed_only_with_its_digest_and_a_refusal_changes_nothing():
     lender = Lender(hybrid(host=False), new_id=ids())
     mine = prompt_digest(range(161))

@@ -24,6 +24,7 @@ waiting; malformed extensions; and random interleavings (hypothesis stateful).
 from __future__ import annotations
 
 import dataclasses
+import logging
 
 import numpy as np
 import pytest
@@ -1019,3 +1020,61 @@ class Progressive(RuleBasedStateMachine):
 Progressive.TestCase.settings = settings(max_examples=examples(150), stateful_step_count=40, deadline=None,
                                          suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
 test_progressive_stateful = Progressive.TestCase
+
+
+# ------------------------------------------------- a short ttl against a reader that ignores the end
+SHORT = dataclasses.replace(CFG, progressive_ttl=1.0)  # the decode's heartbeat (1 s) is no shorter
+
+
+def test_a_progressive_lease_has_its_short_ttl_and_the_decode_heartbeats_it_at_its_pace():
+    """Lent with ``ready``, a lease lives ``progressive_ttl`` from its claim, a ticket's waits ``ttl`` for it;
+    a reader whose own heartbeat is as long as that ttl still keeps it alive, counting its reads all along."""
+    world, p, d, conn = rig(SHORT)
+    t = p.ticket(60, 3, ready=10)
+    assert p.lender.get(t.lease, p.now).expires_at == p.now + SHORT.ttl  # unclaimed: waits for its reader
+    world.advance(2.0)  # past a progressive ttl, unclaimed
+    r = d.fetch_ticket(t, seed=3)
+    lease = p.lender.get(t.lease, p.now)
+    assert lease.ttl == r.fetch.offer.ttl == SHORT.progressive_ttl and lease.expires_at == p.now + 1.0
+    assert d.session._links[conn].beat == SHORT.beat_for(1.0) == 0.25
+    finish_all(world, d)
+    for ready in (23, 37):
+        world.advance(3.0)  # three of its ttls
+        p.extend(t, ready)  # live: the extension is lent (an expired lease would raise)
+        finish_all(world, d)
+        assert r.fetch.state is FetchState.READING and r.fetch.bound == complete(ready, 60) * TPP
+        assert r.fetch.sure_until > world.now  # the heartbeats' answers keep its reads counting
+    assert p.lender.get(p.ticket(8, 5).lease, p.now).ttl == SHORT.ttl  # a lease lent whole keeps ttl
+
+
+def test_a_reader_ignoring_the_end_of_a_short_lease_loses_it_within_its_ttl_and_counts_no_later_read(caplog):
+    """The engine ends a progressive lease under a reader that never answers (vLLM's preemption): the pages
+    are the engine's again at most ``progressive_ttl`` later and the reader is dropped; what it reads from
+    then on (the engine's new bytes) never enters its bound."""
+    world, p, d, conn = rig(SHORT)
+    t = p.ticket(60, 3, ready=10)
+    r = d.fetch_ticket(t, seed=3)
+    finish_all(world, d)
+    world.advance(2.0)
+    p.extend(t, 37)  # these reads are in flight when the engine takes the pages back
+    assert d.backend.in_flight()
+    wire = world.wire(d, conn)
+    wire.hold_to_decode = True  # the reader hears nothing more: not the Abort, not a renewal
+    released = p.now
+    p.session.release(t.lease)
+    world.pump()
+    assert not p.ended and locked(p) > 0  # held for its reader
+    caplog.set_level(logging.WARNING, logger="kvlend.session")
+    world.advance(SHORT.progressive_ttl, step=0.05)
+    assert p.ended == [(t.lease, "released")] and locked(p) == 0  # the pages went (and were scribbled)
+    assert p.now - released <= SHORT.progressive_ttl + 0.05
+    assert not wire.prefill_open and p.session.peers == []  # dropped
+    assert any("never said it was quiet" in rec.getMessage() for rec in caplog.records)
+    assert r.fetch.sure_until < world.now
+    for read in d.backend.in_flight():
+        d.backend.late(read.tag)  # lands the reused pages' bytes
+    world.pump()  # the transport checks that the bound names only the lent bytes
+    assert r.fetch.bound == complete(10, 60) * TPP  # what landed before the release, nothing after
+    wire.hold_to_decode = False
+    world.pump()
+    assert r.fetch.state is FetchState.FAILED and r.fetch.error.bound <= complete(10, 60) * TPP

@@ -10,9 +10,11 @@ load, a lend refused, a prefill gone before the claim.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
+import secrets
 import threading
 import time
 from types import SimpleNamespace
@@ -34,6 +36,7 @@ from kvlend_vllm.scheduler import (
 )
 from kvlend_vllm.worker import ConsumerWorker, ProducerWorker, WorkerSettings
 from tests.support.certs import creds
+from tests.support.nodes import wait_until
 
 pytestmark = pytest.mark.nixl
 
@@ -435,6 +438,57 @@ def test_a_preempted_progressive_lend_ends_before_vllm_reuses_its_blocks(pair):
     grow.req.num_computed_tokens, grow.req.status = 64, SimpleNamespace(name="FINISHED_LENGTH_CAPPED")
     assert pair.p.request_finished(grow.req, ([4, 6, 8, 10],)) == (False, None)  # not lent again
     assert pair.producer.finished_sending({"r1"}) == set()  # vLLM freed its blocks itself
+
+
+SLACK = 0.5  # seconds past the bound a busy host may take to wake preempt's wait
+
+
+@pytest.fixture
+def progressive_short():
+    """Progressive leases of one second (the connector's default), other leases of five."""
+    yield from make_pair(dataclasses.replace(CONFIG, progressive_ttl=1.0))
+
+
+def preempted_mid_read(pair, rid: str, blocks: list[int], dst: list[int]):
+    """A progressive lend read up to its first two blocks, then preempted: how long ``preempt`` took, and
+    the prefill's blocks as the decode read them."""
+    grow = Growing(pair, rid, 64, lease=secrets.token_hex(16))
+    grow.step()
+    load(pair, "d" + rid, grow.decode_params, 64, dst)
+    grow.compute(32, blocks[:3])
+    wait_for(lambda: same_blocks(pair, blocks[:2], dst[:2]), pair)
+    before = {name: t.clone() for name, t in pair.src.items()}
+    grow.req.num_computed_tokens = 0
+    plan = grow.step(preempted={rid})
+    assert plan.preempts == [rid]
+    started = time.monotonic()
+    pair.producer.preempt(plan.preempts)
+    took = time.monotonic() - started
+    for t in pair.src.values():  # vLLM gives the blocks to another request, whose forward writes them
+        t[blocks[:3]] = -1.0
+    return took, before
+
+
+def test_a_reader_ignoring_the_end_of_its_lease_holds_preempt_at_most_the_progressive_ttl(progressive_short,
+                                                                                           monkeypatch):
+    """Issue 34, 4: a decode that ignores the prefill's Abort held vLLM's step for a whole TTL (30 s by
+    default).  Now ``preempt`` returns within ``progressive_ttl`` (measured against an honest reader in the
+    same run), the reader is dropped, and no block it reports loaded holds a byte written after it."""
+    pair = progressive_short
+    bound = pair.producer.settings.config.progressive_ttl
+    honest, _ = preempted_mid_read(pair, "r0", [5, 2, 9], [7, 1, 30, 12])
+    steps(pair, lambda r, s: "dr0" in r)
+    pair.consumer.load_errors()
+    session = pair.consumer.node.session
+    monkeypatch.setattr(session, "_withdrawn", lambda *args: None)  # hears the Abort, does nothing about it
+    took, before = preempted_mid_read(pair, "r1", [4, 6, 8], [3, 10, 11, 13])
+    assert honest < took <= bound + SLACK < CONFIG.ttl, (honest, took)
+    wait_until(lambda: not pair.producer.node.ready_peers(), "the reader dropped", 5.0)
+    steps(pair, lambda r, s: "dr1" in r)
+    bad = pair.consumer.load_errors()
+    assert bad and bad <= {3, 10, 11, 13}
+    kept = [(s, d) for s, d in ((4, 3), (6, 10), (8, 11)) if d not in bad]
+    assert kept and all(torch.equal(before[n][s], pair.dst[n][d]) for n in before for s, d in kept)
 
 
 def test_a_progressive_lend_naming_a_live_lease_is_refused_and_that_lease_still_ends_cleanly(pair):

@@ -133,6 +133,7 @@ class Lender:
         lease_id: bytes | None = None,
         ready: int | None = None,
         prompt_digest: bytes | None = None,
+        wait: float | None = None,
     ) -> Lease:
         """Lend what a decoder at ``num_tokens`` reads; validates everything first.
 
@@ -146,6 +147,9 @@ class Lender:
         pages wholly below ``ready`` tokens are lent (recurrent state only at ``num_tokens``); rows
         past it may hold -1, and ``extend`` lends the rest as chunks are committed.
         ``prompt_digest``: ``core.prompt.prompt_digest`` of the request's prompt; a claim must then carry it.
+        ``wait`` (default ``ttl``): how long a lease lent to any peer lives until a claim binds it, which
+        renews it for ``ttl`` from then, shorter or not: a short ``ttl`` bounds how long a reader that
+        ignores the lease's end holds its pages (the engine's wait), not how long a ticket waits.
         """
         if not isinstance(request, str) or not request:
             raise LeaseError(f"request: must be a non-empty str, got {request!r}")
@@ -165,8 +169,11 @@ class Lender:
         ttl = check_time("ttl", ttl)
         if ttl <= 0 or not math.isfinite(now + ttl):
             raise LeaseError(f"ttl: must be > 0 with a finite now + ttl, got now={now} ttl={ttl}")
-        if ttl > limits.max_lease_lifetime:
-            raise QuotaExceeded("max_lease_lifetime", ttl, limits.max_lease_lifetime, "a lease ttl of")
+        wait = ttl if wait is None else check_time("wait", wait)
+        if wait <= 0 or not math.isfinite(now + wait):
+            raise LeaseError(f"wait: must be > 0 with a finite now + wait, got now={now} wait={wait}")
+        if max(ttl, wait) > limits.max_lease_lifetime:
+            raise QuotaExceeded("max_lease_lifetime", max(ttl, wait), limits.max_lease_lifetime, "a lease ttl of")
         peer = check_peer(peer)
         prompt_digest = check_digest(prompt_digest)
         ready = check_ready(ready, num_tokens, 0)
@@ -190,7 +197,7 @@ class Lender:
         self.locks.lock_slots(slots)
         lease = Lease(
             id=lease_id, request=request, num_tokens=num_tokens, pages=MappingProxyType(lent),
-            selection=selection, peer=peer, ttl=ttl, expires_at=now + ttl,
+            selection=selection, peer=peer, ttl=ttl, expires_at=now + (ttl if peer is not None else wait),
             lent_at=now, ends_by=now + limits.max_lease_lifetime, ready=ready, prompt_digest=prompt_digest,
         )
         self._live[lease_id] = _Loan(lease, (slots,))
@@ -413,7 +420,7 @@ class Lender:
             raise PromptMismatch(f"lease {lease.hex} is bound to its prompt and the claim carries no prompt digest"
                                  if not prompt_digest else
                                  f"lease {lease.hex} holds the KV of another prompt than the claim's (digests differ)")
-        expires_at = self._renewal(lease, now)
+        expires_at = self._renewal(lease, now, binds=lease.peer is None)
         if lease.peer != peer:
             self._check_bind(lease, peer, now, limits)
             lease = self._bind(lease, peer)
@@ -451,15 +458,18 @@ class Lender:
         lease = self.get(lease_id, now)
         return self._renew_to(lease, self._renewal(lease, now))
 
-    def _renewal(self, lease: Lease, now: float) -> float:
-        """The expiry a renewal at ``now`` gives ``lease``, or ``LeaseLifetimeExceeded``."""
+    def _renewal(self, lease: Lease, now: float, binds: bool = False) -> float:
+        """The expiry a renewal at ``now`` gives ``lease``, or ``LeaseLifetimeExceeded``.
+
+        ``binds``: the first claim of a lease lent to any peer, which ends its ``wait``: ``now + ttl`` even
+        if that is earlier (nobody could read it before, so nobody counted on the wait)."""
         want = float(now) + lease.ttl
         if want > lease.ends_by:
             cap = lease.ends_by - lease.lent_at
             raise LeaseLifetimeExceeded(
                 "max_lease_lifetime", want - lease.lent_at, cap,
                 f"lease {lease.hex} lent at {lease.lent_at} would live until {want}, a lifetime of")
-        return max(lease.expires_at, want)
+        return want if binds else max(lease.expires_at, want)
 
     def _renew_to(self, lease: Lease, expires_at: float) -> Lease:
         if expires_at == lease.expires_at:

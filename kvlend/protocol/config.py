@@ -9,6 +9,9 @@ from ..core.lender import LeaseLimits
 from ..core.negotiate import MAX_PAGE_RATIO, MAX_PIECES
 from ..errors import ConfigError
 
+BEATS_PER_TTL = 4  # heartbeats a decode sends per lease ttl at least, when its own heartbeat is slower
+MIN_BEAT = 0.01  # seconds: no lease, however short a prefill makes it, is heartbeated more often
+
 
 @dataclass(frozen=True)
 class Quotas:
@@ -72,7 +75,13 @@ class NodeConfig:
     """Timeouts (seconds) and sizes shared by both ends."""
 
     ttl: float = 30.0  # lease lifetime without a heartbeat
-    heartbeat: float = 1.0  # decode renews leases this often while reading
+    heartbeat: float = 1.0  # decode renews leases this often while reading (and a shorter lease's ttl / 4)
+    # Prefill: the TTL of a lease lent progressively (``ready``), None: ``ttl``.  An engine that takes such a
+    # lease's pages back mid-prefill (vLLM's preemption) waits for its reader to be quiet or for the lease to
+    # expire: this bounds that wait against a reader that ignores the end of the lease.  Its reader counts
+    # reads only within it of a renewal and heartbeats it every quarter of it (``beat_for``).  Until claimed,
+    # a ticket's lease waits ``ttl`` for its reader.
+    progressive_ttl: float | None = None
     # Connect, TLS handshake and layout exchange; a prefill drops a decode that authenticated but sent no
     # layout by then (it would hold its identity's slot).
     handshake_timeout: float = 10.0
@@ -107,6 +116,11 @@ class NodeConfig:
         wait = self.claim_wait
         if isinstance(wait, bool) or not isinstance(wait, (int, float)) or not 0 <= wait < self.ttl:
             raise ConfigError(f"NodeConfig.claim_wait must be a number of seconds in [0, ttl), got {wait!r}")
+        short = self.progressive_ttl
+        if short is not None and (isinstance(short, bool) or not isinstance(short, (int, float))
+                                  or not 0 < short <= self.ttl):
+            raise ConfigError(f"NodeConfig.progressive_ttl must be None or a number of seconds in (0, ttl], "
+                              f"got {short!r}")
         if self.heartbeat >= self.ttl:
             raise ConfigError(f"NodeConfig.heartbeat {self.heartbeat} must be shorter than ttl {self.ttl}")
         if isinstance(self.chunk_pages, bool) or not isinstance(self.chunk_pages, int) or self.chunk_pages < 1:
@@ -128,3 +142,14 @@ class NodeConfig:
         if self.quotas.max_lease_lifetime < self.ttl:
             raise ConfigError(f"NodeConfig.quotas.max_lease_lifetime {self.quotas.max_lease_lifetime} must be at "
                               f"least ttl {self.ttl}")
+
+    def lease_ttl(self, progressive: bool) -> float:
+        """The TTL a prefill lends a lease with (``progressive``: lent with ``ready``)."""
+        return self.progressive_ttl if progressive and self.progressive_ttl is not None else self.ttl
+
+    def beat_for(self, ttl: float) -> float:
+        """How often a decode renews a lease of ``ttl`` (the prefill's, from its offer): ``heartbeat``, or
+        ``BEATS_PER_TTL`` times per ``ttl`` if that is more often, never more often than ``MIN_BEAT``.  A read
+        counts for the bound without the done ack only if it landed ``ttl - beat_for(ttl)`` after a renewal
+        was asked for: the lease's own ttl, so a short one shortens that window too."""
+        return max(min(self.heartbeat, ttl / BEATS_PER_TTL), MIN_BEAT)

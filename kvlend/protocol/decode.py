@@ -14,8 +14,11 @@ cancels the reads still in flight and waits until the backend reports each
 one terminal: only then is the fetch ``failed``, its destination quiet and
 ``Abort`` sent, so neither side reuses pages a late read could still write.
 The safe-resume bound counts a read only if it landed while the lease was
-surely valid (before the conservative cutoff: TTL minus one heartbeat after
-the lease was surely renewed), unless the prefill's done ack confirms it.
+surely valid (before the conservative cutoff: the lease's own TTL, from its
+offer, minus one of its heartbeats after the lease was surely renewed), unless
+the prefill's done ack confirms it.  A link is heartbeated at the pace its
+shortest lease needs (``NodeConfig.beat_for``): a progressive lease's TTL may
+be far shorter than ours.
 
 A prefill whose layout this rank cannot read (negotiation refused the pair)
 is remembered by its layout id: a ticket naming that layout fails at once
@@ -312,7 +315,7 @@ class DecodeSession(TicketClaims, PrefillMessages, Outbox):
                         link.blind += 1  # its answer will confirm nothing
                     else:
                         link.beats.append((now, frozenset(leases)))
-                link.next_beat = now + self.config.heartbeat
+                link.next_beat = now + link.beat
 
     def next_deadline(self) -> float | None:
         """When ``tick`` next has work (None: nothing pending)."""

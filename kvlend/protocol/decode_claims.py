@@ -212,6 +212,6 @@ class TicketClaims:
                                             "its ticket; what was read from the ticket's is discarded"), now)
             return
         fetch.offer, fetch.request, fetch.confirmed = offer, offer.request, True
-        fetch.sure_until = fetch.claimed_at + offer.ttl - self.config.heartbeat
+        fetch.sure_until = fetch.claimed_at + offer.ttl - self.config.beat_for(offer.ttl)
         if fetch.state is FetchState.READING and now < fetch.sure_until:
             fetch.bound = max(fetch.resume_from, self.tracker.bound(fetch.key))

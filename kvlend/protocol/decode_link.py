@@ -61,6 +61,7 @@ class PrefillLink:
     beats: deque = field(default_factory=deque)  # (sent at, lease ids) of heartbeats not yet answered
     blind: int = 0  # unanswered heartbeats sent after ``beats`` was full (answered after those in it)
     next_beat: float = 0.0
+    beat: float = 0.0  # heartbeat interval: ``heartbeat``, lowered to the shortest offer's ``beat_for(ttl)`` seen
 
     def state_of(self, lease: bytes) -> LeaseState | None:
         record = self.leases.get(lease)

@@ -67,7 +67,8 @@ class PrefillMessages:
         link.plan = plan
         self._link_to(link, LinkEvent.LAYOUT)
         link.handshake_ms = (now - link.started) * 1e3
-        link.next_beat = now + self.config.heartbeat
+        link.beat = self.config.heartbeat
+        link.next_beat = now + link.beat
         link.backend_peer = True
         self._actions.append(AddPeer(conn, message.metadata))
         self._events.append(PeerReady(conn, link.peer))
@@ -109,6 +110,9 @@ class PrefillMessages:
             raise PeerProtocolError(f"prefill {link.peer} offered lease {offer.id.hex()} with unknown groups "
                                 f"[{', '.join(unknown)}]")
         check_committed(link, offer.id, offer.pages, offer.ready, offer.num_tokens)
+        beat = self.config.beat_for(offer.ttl)  # a lease shorter than our heartbeat allows: beat more often
+        if beat < link.beat:
+            link.beat, link.next_beat = beat, min(link.next_beat, now + beat)
         fetch = self._fetch_of(conn, offer.id, FetchState.CLAIMING)
         if fetch is None:
             ahead = self._live.get(offer.id)
@@ -119,7 +123,8 @@ class PrefillMessages:
         if fetch is None and state is LeaseState.CLAIMED:  # claimed ahead: held (and heartbeated) for its fetch
             sent = link.leases[offer.id].sent
             held = link.lease_to(offer.id, LeaseEvent.OFFER)
-            held.offer, held.sure = offer, sent + offer.ttl - self.config.heartbeat  # renewed when our claim came
+            held.offer = offer
+            held.sure = sent + offer.ttl - self.config.beat_for(offer.ttl)  # renewed when our claim came
             return
         if fetch is None:  # pushed: trusted once a heartbeat renewal confirms it, which we ask for now
             try:
@@ -138,7 +143,7 @@ class PrefillMessages:
             return
         fetch.request = offer.request
         # The prefill renewed the lease when the claim arrived, which was after we sent it.
-        fetch.sure_until = fetch.claimed_at + offer.ttl - self.config.heartbeat
+        fetch.sure_until = fetch.claimed_at + offer.ttl - self.config.beat_for(offer.ttl)
         try:
             work = self._work(link.plan, offer, fetch.dst, fetch.resume_from)
             self._move(fetch, FetchEvent.POST)
@@ -189,12 +194,12 @@ class PrefillMessages:
         for lease in message.leases:
             known = link.leases.get(lease)
             if known is not None and known.offer is not None:
-                sure = sent + known.offer.ttl - self.config.heartbeat
+                sure = sent + known.offer.ttl - self.config.beat_for(known.offer.ttl)
                 known.sure = sure if known.sure is None else max(known.sure, sure)
         for lease in set(message.leases):
             fetch = self._live.get(lease)
             if fetch is not None and fetch.link == conn and fetch.offer is not None and fetch.confirmed:
-                fetch.sure_until = max(fetch.sure_until, sent + fetch.offer.ttl - self.config.heartbeat)
+                fetch.sure_until = max(fetch.sure_until, sent + fetch.offer.ttl - self.config.beat_for(fetch.offer.ttl))
 
     def _withdrawn(self, conn: int, link: PrefillLink, message: Abort, now: float) -> None:
         """The prefill refused a claim or ended the lease: nothing read under it may be used.

@@ -15,7 +15,8 @@ one-sided reads: its pages stay locked (``Lender.release(hold=True)``) until
 that reader is quiet (its ``Abort`` or ``Done`` for the lease, or its ``Bye``:
 a decode fails every fetch of a link before saying goodbye) or the lease
 expires, and only then does ``LeaseEnded`` tell the engine, so no read a
-reader still counts sees a reused page.
+reader still counts sees a reused page.  A reader still connected when such a lease expires ignored
+its end for a whole TTL: it is dropped.
 
 Each peer is held to ``config.quotas`` (see ``Quotas``): a lend or offer over
 one raises ``QuotaExceeded`` to the engine, a claim over one is answered with an
@@ -205,13 +206,15 @@ class PrefillSession(Outbox):
         """Lend ``request``'s pages; with ``peer`` None any decode may claim it through a ticket.
 
         ``lease_id``: the id of a ticket minted before the lend (a claim already waiting is answered now).
-        ``ready``: lend progressively (see ``Lender.lend``); ``extend`` lends the rest.
+        ``ready``: lend progressively (see ``Lender.lend``); ``extend`` lends the rest.  Such a lease has
+        ``config.progressive_ttl`` once claimed or offered (``NodeConfig.lease_ttl``).
         ``prompt_digest``: ``prompt_digest`` of the request's prompt: only a claim for the same prompt reads it.
         ``QuotaExceeded`` (nothing lent) past ``max_num_tokens``, or past ``peer``'s lease or page quota.
         """
         meta = check_offer(request, meta or {})  # what the decode would refuse must not take locks
-        lease = self.lender.lend(request, num_tokens, pages, selection, now, self.config.ttl, peer=peer,
-                                 limits=self._limits, lease_id=lease_id, ready=ready, prompt_digest=prompt_digest)
+        lease = self.lender.lend(request, num_tokens, pages, selection, now, self.config.lease_ttl(ready is not None),
+                                 peer=peer, limits=self._limits, lease_id=lease_id, ready=ready,
+                                 prompt_digest=prompt_digest, wait=self.config.ttl)
         waiting = self._waiting.get(lease.id)
         conn, digest = (None, b"") if waiting is None else (waiting.reader, waiting.digest)
         self._loans.to(lease.id, LoanEvent.LEND, meta=meta)
@@ -315,13 +318,18 @@ class PrefillSession(Outbox):
             self._peers[conn].conn.send(Abort.of(lease_id, LeaseUnknown(
                 f"lease {lease_id.hex()} was not lent within claim_wait {self.config.claim_wait:.3g} s")))
         for lease in self.lender.expire(now):
-            state = self._loans.state_of(lease.id)
+            loan = self._loans.get(lease.id)
+            state, reader = (None, None) if loan is None else (loan.state, loan.reader)
             if state in (LoanState.LENT, LoanState.OFFERED, LoanState.HELD):
                 self._loans.to(lease.id, LoanEvent.EXPIRE)
             if state is LoanState.HELD:
-                log.info("lease %s of request %s released: its pages go at its expiry, its reader %s never "
-                         "said it was quiet", lease.hex, printable(lease.request), printable(lease.peer))
                 self._events.append(LeaseEnded(lease, "released"))
+                if reader in self._peers:  # told the lease ended, it kept silent for a whole ttl
+                    self._drop(reader, f"it never said it was quiet after lease {lease.hex} of request "
+                               f"{printable(lease.request)} ended; its pages went at the lease's expiry")
+                else:
+                    log.info("lease %s of request %s released: its pages go at its expiry, its reader %s never "
+                             "said it was quiet", lease.hex, printable(lease.request), printable(lease.peer))
                 continue
             log.warning("lease %s of request %s expired (peer %s, lent %.3g s ago, not renewed for %.3g s)",
                         lease.hex, printable(lease.request), printable(lease.peer), now - lease.lent_at,

@@ -55,7 +55,7 @@ def _show_kvlend_logs() -> None:
         root.setLevel(os.environ.get("KVLEND_LOG", "INFO"))
 
 # kv_connector_extra_config keys and defaults (seconds): docs/vllm.md.
-DEFAULTS = {"host": "127.0.0.1", "port": 0, "advertise": None, "ttl": 30.0, "heartbeat": 1.0,
+DEFAULTS = {"host": "127.0.0.1", "port": 0, "advertise": None, "ttl": 30.0, "heartbeat": 1.0, "progressive_ttl": 1.0,
             "claim_wait": 5.0, "transfer_timeout": 30.0, "stats_path": None,
             "etcd": None, "cluster_prefix": "/kvlend/default", "huge_pages": True}
 
@@ -214,7 +214,9 @@ class KvlendConnector(KVConnectorBase_V1, SupportsHMA):
             self.scheduler = (ProducerScheduler(self.block_size, groups) if self.producer
                               else ConsumerScheduler(self.block_size, tp, groups))
         else:
+            # progressive_ttl bounds how long a preemption waits for a reader that ignores the lease's end.
             config = NodeConfig(ttl=_number(extra, "ttl"), heartbeat=_number(extra, "heartbeat"),
+                                progressive_ttl=_number(extra, "progressive_ttl"),
                                 claim_wait=_number(extra, "claim_wait") if self.producer else 0.0,
                                 transfer_timeout=_number(extra, "transfer_timeout"))
             # Each TP worker runs a node of its own: {rank} in $KVLEND_CERT/$KVLEND_KEY names its certificate.

@@ -24,6 +24,10 @@ and the decode with tickets for them; the prefill lends each chunk as vLLM
 computes it (chunked prefill) and the decode reads while the rest computes.
 A prefill that answers no template is used in the default (serial) mode.
 
+A request body is a JSON object of at most ``--max-body-bytes`` (32 MiB) nested at most 64 deep
+(``bodies``): an oversized one is answered 413, refused before it is read whole; a malformed one
+(not JSON, not an object, too deep) 400, each with a message saying why.
+
 Each response carries ``x-kvlend-prefill-ms`` (time in the prefill call) and
 ``x-kvlend-prefill``/``x-kvlend-decode`` (the upstreams used), for measurement.
 """
@@ -49,6 +53,7 @@ from kvlend.core.lender import LEASE_ID_BYTES
 from kvlend.errors import KvlendError
 from kvlend.protocol.ticket import Ticket
 
+from .bodies import MAX_BODY_BYTES, BodyRefused, parse_body, read_body
 from .pd_requests import prefill_request, progressive_requests, push_requests, template_request
 from .scheduler import TEMPLATE_KEY, TICKET_KEY
 
@@ -57,8 +62,11 @@ log = logging.getLogger("kvlend_vllm.router")
 
 def build_app(prefill: list[str], decode: list[str], *, timeout_s: float = 600.0,
               connect_timeout_s: float = 10.0, push_params: dict | None = None,
-              progressive: bool = False) -> FastAPI:
-    """The router app; round-robins over the prefill and the decode URLs."""
+              progressive: bool = False, max_body_bytes: int = MAX_BODY_BYTES) -> FastAPI:
+    """The router app; round-robins over the prefill and the decode URLs.  ``max_body_bytes``: the
+    largest request body it reads (413 past it)."""
+    if max_body_bytes < 1:
+        raise ValueError(f"max_body_bytes must be at least 1, got {max_body_bytes}")
     if not prefill or not decode:
         raise ValueError("need at least one prefill and one decode URL")
     if push_params is not None and len(prefill) != 1:
@@ -87,7 +95,12 @@ def build_app(prefill: list[str], decode: list[str], *, timeout_s: float = 600.0
         return {"status": "ok"}
 
     async def route(api: str, request: Request):
-        body = await request.json()
+        try:
+            body = parse_body(await read_body(request.headers, request.stream(), max_body_bytes))
+        except BodyRefused as e:
+            log.info("refused a request body (%d): %s", e.status, e.message)
+            return JSONResponse({"error": {"message": e.message, "type": "invalid_request_error"}},
+                                status_code=e.status)
         client = state["client"]
         rid = request.headers.get("x-request-id") or str(uuid.uuid4())
         headers = {"X-Request-Id": rid}
@@ -238,12 +251,14 @@ def main(argv: list[str] | None = None) -> None:
                     help="push mode: the decode's kv_transfer_params (JSON), the prefill's coordinates")
     ap.add_argument("--progressive", action="store_true",
                     help="kvlend progressive lending: prefill and decode at once, the decode reading as chunks compute")
+    ap.add_argument("--max-body-bytes", type=int, default=MAX_BODY_BYTES,
+                    help="largest request body read, bytes (larger: HTTP 413)")
     ap.add_argument("--log-level", default="info")
     a = ap.parse_args(argv)
     logging.basicConfig(level=a.log_level.upper(), format="%(asctime)s router %(message)s")
     import uvicorn
     app = build_app(a.prefill, a.decode, timeout_s=a.timeout, push_params=a.push_params,
-                    progressive=a.progressive)
+                    progressive=a.progressive, max_body_bytes=a.max_body_bytes)
     uvicorn.run(app, host=a.host, port=a.port, log_level=a.log_level, access_log=False)
 
 

@@ -157,7 +157,9 @@ class ProducerWorker:
 
     def _lease_over(self, lease: bytes) -> None:
         with self._lock:
-            request = self._requests.pop(lease)
+            request = self._requests.pop(lease, None)
+            if request is None:  # preempted, and vLLM reused its blocks at the lease's ttl (``preempt``)
+                return
             self._open[request] -= 1
             if not self._open[request]:
                 del self._open[request]
@@ -260,23 +262,31 @@ class ProducerWorker:
 
     def preempt(self, requests: list[str]) -> None:
         """vLLM takes these progressively lent requests' blocks back in this step, and its forward may
-        overwrite them: end their leases and wait until no read of them can still land (their readers
-        are quiet, or the leases expired), so no reader's bound covers a reused block."""
-        limit = 2 * self.settings.config.ttl  # a lease expires within its ttl; on_release follows at once
+        overwrite them: end their leases and wait until no read of them can still land, so no reader's
+        bound covers a reused block.  That is once their readers are quiet, and never later than the
+        leases' TTL (``NodeConfig.progressive_ttl``, 1 s in the connector) after ending them: an ended
+        lease is never renewed, and a reader counts no read that lands a TTL after its last renewal.
+        A reader that ignores the end holds vLLM's step that long; the node drops it as the lease expires."""
+        node = self.node
         with self._lock:
             loans = [self._loans[r] for r in requests if r in self._loans]
             leases = [lease for loan in loans for lease in loan.leases]
             for loan in loans:
                 self._unshare(loan)
             for lease in leases:
-                self.node.release(lease)
-            quiet = self._lock.wait_for(lambda: not any(lease in self._requests for lease in leases), limit)
+                node.release(lease)
+            deadline = node.clock() + self.settings.config.lease_ttl(progressive=True)  # on the leases' clock
+            while any(lease in self._requests for lease in leases) and node.clock() < deadline:
+                self._lock.wait(deadline - node.clock())
+            late = [lease for lease in leases if self._requests.pop(lease, None) is not None]
             for request in requests:  # vLLM frees these blocks itself: never reported as sent
+                self._open.pop(request, None)
                 self._ended.discard(request)
                 self._forget(request)
-        if not quiet:
-            log.error("requests %s: a reader of their blocks was not quiet within %.0f s; vLLM reuses them now",
-                      requests, limit)
+        if late:
+            log.warning("requests %s: a reader of their blocks ignored the end of its lease for its whole ttl "
+                        "(%.3g s); no read of them counts any more, vLLM reuses them now", requests,
+                        self.settings.config.lease_ttl(progressive=True))
 
     def finished_sending(self, finished_req_ids: set[str]) -> set[str]:
         with self._lock:
