@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import json
 import os
 import secrets
 import select
@@ -909,3 +910,39 @@ def test_etcd_members_leader_is_alive_and_moves_when_killed():
         assert new != lead and members.alive(new)
         assert not members.alive(lead)
     assert all(_pid_gone(pid) for pid in pids)
+
+
+def test_64_forged_records_naming_distinct_large_layouts_cost_a_reader_nothing_it_fetches(etcd1, prefix,
+                                                                                          registries):
+    """The filer's 64 records, each naming its own ~1 MiB layout (+269 MiB and 7.3 s per reader before):
+    unsigned, none is fetched; the reader's layout memory stays within ``MAX_LAYOUT_CACHE_BYTES`` whatever
+    is written (here: 0 bytes), and its Python heap grows by far less than one layout."""
+    import tracemalloc
+
+    from kvlend.cluster.view import MAX_LAYOUT_CACHE_BYTES
+
+    raw = Raw(etcd1)
+    blob = os.urandom(1000 << 10)
+
+    async def write(client):
+        for i in range(64):
+            data = blob[:-8] + i.to_bytes(8, "big")  # distinct: each its own digest
+            digest = layout_digest(data)
+            await client.put(layout_key(prefix, digest).encode(), data)
+            forged = signed(prefill("real")).replace(b'"identity":"real"', f'"identity":"f{i}"'.encode())
+            body = {**json.loads(forged), "layout": digest, "capacity": 65536}  # a real rank's cert, not its record
+            await client.put(record_key(prefix, f"f{i}").encode(), json.dumps(body).encode())
+    raw.run(write, timeout=60)
+    tracemalloc.start()
+    try:
+        watcher = registries(etcd1, prefix).start()
+        assert watcher.ready(WAIT)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    rejected = watcher.view.rejected
+    assert len(rejected) == 64 and all("signed by the prefill certificate of 'real'" in why
+                                       for why in rejected.values()), list(rejected.values())[:2]
+    assert watcher.view.layouts == {} and watcher.view.layout_bytes == 0 <= MAX_LAYOUT_CACHE_BYTES
+    assert peak < len(blob), f"the reader's heap peaked at {peak} bytes"
+    print(f"64 forged records, ~1 MiB layouts each: reader fetched 0 layouts, heap peak {peak / 2**20:.2f} MiB")
