@@ -39,13 +39,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from fractions import Fraction  # exact: floats tie loads near 2**40 apart
-from typing import Iterable, Mapping
+from typing import TYPE_CHECKING, Iterable, Mapping
 
 from ..core.layout import PageLayout
 from ..core.negotiate import negotiate
 from ..errors import KvlendError, RegistryError
 from .records import MAX_LAYOUT_BYTES, RankRecord, layout_digest, ranks_prefix, wanted_layout
-from .signing import RecordVerifier
+
+if TYPE_CHECKING:  # the verifier is handed in: the view itself imports no crypto or TLS
+    from .signing import RecordVerifier
 
 JOINED, LEFT, UPDATED = "joined", "left", "updated"
 MAX_LAYOUTS = 256  # layouts remembered (each rank's differs: its addresses), live ones first
