@@ -262,6 +262,8 @@ class Shell:
         self._contexts = (credentials.context(server=True), credentials.context(server=False))  # one swap
         self.credentials = credentials
         self._certs.renewed(credentials)
+        if self.registry is not None and self.registry.published is not None:  # its record: signed anew
+            self.registry.publish(self.registry.published, credentials)
         log.info("%s: credentials reloaded: new links present a certificate valid until %s", self.name,
                  f"{credentials.expires:%Y-%m-%d %H:%M} UTC")
         return credentials
@@ -350,8 +352,9 @@ class Shell:
                           capacity if capacity is not None else config.quotas.max_leases_per_peer, 0, meta or {})
 
     def _join(self, registry: Registry, record: RankRecord) -> None:
-        """Publish ``record`` (refused if the registry publishes another rank) and follow the changes."""
-        registry.publish(record)
+        """Publish ``record``, signed with this rank's certificate (refused if the registry publishes another
+        rank), and follow the changes."""
+        registry.publish(record, self.credentials)
         self.registry = registry
         registry.add_listener(self._on_cluster)
 
@@ -384,7 +387,8 @@ class Shell:
             self._flush()
 
     def _watches(self, change: Change) -> bool:
-        raise NotImplementedError
+        """Whether this node acts on ``change`` (``_cluster_change``); none by default."""
+        return False
 
     def _cluster_change(self, change: Change) -> bool:
         """Act on one registry change (on the loop's turn); whether the session has actions to perform."""

@@ -77,12 +77,14 @@ def _request_amx() -> None:
 
 
 def _registry(settings: WorkerSettings):
-    """The rank's ``Registry`` in etcd, started, or None without ``etcd`` (its record goes up with the node)."""
+    """The rank's ``Registry`` in etcd, started, or None without ``etcd`` (its record goes up with the node,
+    signed with the rank's certificate; records are checked against its cluster CA)."""
     if not settings.etcd:
         return None
     from kvlend.cluster.registry import Registry, etcd_security_from_env
 
-    return Registry(list(settings.etcd), settings.cluster_prefix, **etcd_security_from_env()).start()
+    return Registry(list(settings.etcd), settings.cluster_prefix, cluster_ca=settings.credentials.ca_pem,
+                    **etcd_security_from_env()).start()
 
 
 def _close(node, registry) -> None:
