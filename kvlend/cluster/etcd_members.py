@@ -15,8 +15,7 @@ for a certificate from the cluster CA (``--client-cert-auth
 ``self.authority``) signs the members' server certificate, a rank connects
 with its own rank certificate (``Registry(etcd_credentials=...)``), and
 ``client_tls`` names the files of a ``router``-role client certificate for
-tools.  A client without a certificate from that CA is refused.  ``tls=False``
-serves plaintext to anyone (the network-namespace lab only).
+tools.  A client without a certificate from that CA is refused.
 """
 
 from __future__ import annotations
@@ -52,7 +51,7 @@ def etcd_binary() -> str:
 class EtcdMembers:
     """``n`` etcd members of one fresh cluster on 127.0.0.1; ``endpoints`` are their client URLs' host:port."""
 
-    def __init__(self, n: int = 1, workdir: str | None = None, host: str = "127.0.0.1", tls: bool = True,
+    def __init__(self, n: int = 1, workdir: str | None = None, host: str = "127.0.0.1",
                  authority: Authority | None = None) -> None:
         if not 1 <= n <= 7:
             raise RegistryError(f"etcd members: expected 1..7, got {n}")
@@ -67,12 +66,11 @@ class EtcdMembers:
         self.procs: list[subprocess.Popen | None] = [None] * n
         self._started = [False] * n
         atexit.register(self.close)
-        self.client_tls: dict[str, str] | None = None  # ca_file, cert_file, key_file for a client
+        self.client_tls: dict[str, str] = {}  # ca_file, cert_file, key_file for a client
         self._server_tls: list[str] = []
         self.authority = authority
         try:
-            if tls:
-                self._make_tls()
+            self._make_tls()
             for i in range(n):
                 self.start(i)
             self.wait_healthy(range(n))
@@ -89,10 +87,9 @@ class EtcdMembers:
         if self.procs[i] is not None and self.procs[i].poll() is None:
             return
         name, client, peer = self.names[i], self.client_ports[i], self.peer_ports[i]
-        scheme = "https" if self.client_tls else "http"
         cmd = [self.binary, "--name", name, "--data-dir", os.path.join(self.workdir, name),
-               "--listen-client-urls", f"{scheme}://{self.host}:{client}",
-               "--advertise-client-urls", f"{scheme}://{self.host}:{client}", *self._server_tls,
+               "--listen-client-urls", f"https://{self.host}:{client}",
+               "--advertise-client-urls", f"https://{self.host}:{client}", *self._server_tls,
                "--listen-peer-urls", f"http://{self.host}:{peer}",
                "--initial-advertise-peer-urls", f"http://{self.host}:{peer}",
                "--initial-cluster", self.cluster,
@@ -117,11 +114,9 @@ class EtcdMembers:
         return proc is not None and proc.poll() is None
 
     def _get(self, i: int, path: str, body: dict | None = None, timeout: float = 1.0) -> dict:
-        context = None
-        if self.client_tls:
-            context = ssl.create_default_context(cafile=self.client_tls["ca_file"])
-            context.load_cert_chain(self.client_tls["cert_file"], self.client_tls["key_file"])
-        url = f"{'https' if context else 'http'}://{self.host}:{self.client_ports[i]}{path}"
+        context = ssl.create_default_context(cafile=self.client_tls["ca_file"])
+        context.load_cert_chain(self.client_tls["cert_file"], self.client_tls["key_file"])
+        url = f"https://{self.host}:{self.client_ports[i]}{path}"
         data = None if body is None else json.dumps(body).encode()
         with urllib.request.urlopen(urllib.request.Request(url, data=data), timeout=timeout, context=context) as r:
             return json.loads(r.read())
@@ -284,6 +279,8 @@ def main(argv=None) -> int:
     p.add_argument("--members", type=int, default=1, help="members of the cluster, 1..7 (default 1)")
     p.add_argument("--host", default="127.0.0.1", help="address every member listens on (default 127.0.0.1)")
     p.add_argument("--workdir", help="data and log directory (default: a fresh temporary one, removed at exit)")
+    p.add_argument("--ca", required=True, metavar="DIR", help="the cluster CA (ca.pem, ca.key): it issues the "
+                   "members' server certificate, and clients must present one of its certificates")
     args = p.parse_args(argv)
 
     def stop(signum, frame):
@@ -294,7 +291,7 @@ def main(argv=None) -> int:
     try:
         if args.workdir:
             os.makedirs(args.workdir, exist_ok=True)
-        members = EtcdMembers(args.members, workdir=args.workdir, host=args.host, tls=False)  # the lab's
+        members = EtcdMembers(args.members, workdir=args.workdir, host=args.host, authority=Authority.load(args.ca))
     except (RegistryError, OSError) as exc:
         print(json.dumps({"error": str(exc)}), flush=True)
         return 1

@@ -21,7 +21,7 @@ class Raw:
 
     def __init__(self, etcd: EtcdMembers | str, member: int = 0) -> None:
         endpoint = etcd if isinstance(etcd, str) else etcd.endpoints[member]
-        tls = None if isinstance(etcd, str) or etcd.client_tls is None else etcd.client_tls
+        tls = None if isinstance(etcd, str) else etcd.client_tls
         self.tls = None if tls is None else read_pem(tls["ca_file"], tls["cert_file"], tls["key_file"])
         host, _, port = endpoint.rpartition(":")
         self.host, self.port = host, int(port)
