@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from ..core.lender import LeaseLimits
 from ..core.negotiate import MAX_PAGE_RATIO, MAX_PIECES
 from ..errors import ConfigError
+from .budget import Share
 
 
 @dataclass(frozen=True)
@@ -40,6 +41,26 @@ class Quotas:
     - ``max_pieces`` (1 << 18 = 262,144): byte runs per page a negotiation may generate
       (before merging); 128 layers x K and V x ratio 64 x 16 heads per rank.  Estimated from
       the layouts and refused before any is built.
+
+    What one decode may cost per loop turn and in wasted messages (``kvlend.protocol.budget``):
+
+    - ``messages_per_turn`` (64) and ``work_per_turn`` (4096): a peer's share of each loop
+      turn, in messages and in lookups (a heartbeat costs one per lease id it names; its turn
+      ends after the message that reaches it).  What it sent beyond waits, unread, for the
+      next turn: nothing is lost, and one peer cannot hold the node's lock for long.
+    - ``max_strikes`` (32) and ``strike_forgiven`` (1 s): a claim of a lease id nobody lent
+      that cannot wait (``NodeConfig.claim_wait`` off, or ``max_leases_per_peer`` claims
+      waiting already) or an empty heartbeat is a *strike*: no honest decode sends one
+      (a claim of a lease that expired or was released is none).  One strike is forgiven per
+      ``strike_forgiven`` s; a peer holding any is throttled to ``throttled_messages`` (4)
+      messages a turn, and one past ``max_strikes`` is dropped (``QuotaExceeded``).
+    - ``handshake_backoff`` (1 s) and ``max_handshake_backoff`` (60 s): a decode identity
+      dropped for cause (strikes, a protocol error, a refused layout, a quota) is refused at
+      its next authentication until its backoff passes, and one whose handshake needs a
+      negotiation not cached (by the layout's digest) may not ask for another before it
+      either.  Each backoff doubles up to the maximum and starts over once the identity
+      kept quiet that long.  A decode reconnecting with a layout already negotiated costs
+      a lookup and is never held back.
     """
 
     max_leases_per_peer: int = 4096
@@ -49,22 +70,44 @@ class Quotas:
     max_num_tokens: int = 1 << 24
     max_page_ratio: int = MAX_PAGE_RATIO
     max_pieces: int = MAX_PIECES
+    messages_per_turn: int = 64
+    work_per_turn: int = 4096
+    throttled_messages: int = 4
+    max_strikes: int = 32
+    strike_forgiven: float = 1.0
+    handshake_backoff: float = 1.0
+    max_handshake_backoff: float = 60.0
 
     def __post_init__(self) -> None:
         for name in ("max_leases_per_peer", "max_locked_pages_per_peer", "max_heartbeat_ids", "max_num_tokens",
-                     "max_page_ratio", "max_pieces"):
+                     "max_page_ratio", "max_pieces", "messages_per_turn", "work_per_turn", "throttled_messages",
+                     "max_strikes"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ConfigError(f"Quotas.{name} must be an int >= 1, got {value!r}")
-        value = self.max_lease_lifetime
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
-            raise ConfigError(f"Quotas.max_lease_lifetime must be a positive number of seconds, got {value!r}")
+        for name in ("max_lease_lifetime", "strike_forgiven", "handshake_backoff", "max_handshake_backoff"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
+                raise ConfigError(f"Quotas.{name} must be a positive number of seconds, got {value!r}")
+        if self.max_handshake_backoff < self.handshake_backoff:
+            raise ConfigError(f"Quotas.max_handshake_backoff {self.max_handshake_backoff} must be at least "
+                              f"handshake_backoff {self.handshake_backoff}")
 
     @property
     def lease_limits(self) -> LeaseLimits:
         """What the lender enforces."""
         return LeaseLimits(self.max_leases_per_peer, self.max_locked_pages_per_peer, float(self.max_lease_lifetime),
                            self.max_num_tokens)
+
+    @property
+    def share(self) -> Share:
+        """A peer's share of a loop turn."""
+        return Share(self.messages_per_turn, self.work_per_turn)
+
+    @property
+    def throttled_share(self) -> Share:
+        """... while strikes are held against it."""
+        return Share(min(self.throttled_messages, self.messages_per_turn), self.work_per_turn)
 
 
 @dataclass(frozen=True)

@@ -41,7 +41,6 @@ from typing import Any, Mapping
 
 from ..core.layout import PageLayout, RowSelection
 from ..core.lender import Lease, Lender
-from ..core.negotiate import negotiate
 from ..core.text import printable
 from ..errors import (
     AuthError,
@@ -56,9 +55,11 @@ from ..errors import (
 )
 from . import states
 from .actions import ClaimWaits, Close, LeaseEnded, Outbox, PeerGone, PeerReady, Send
+from .budget import Handshakes, Share, Strikes
 from .codes import Code, code_of, detail_of
 from .config import NodeConfig
 from .connection import AUTH_TIMEOUT, Connection
+from .negotiations import Negotiations
 from .prefill_loans import Loans
 from .states import LoanEvent, LoanState, PeerEvent, PeerState
 from .ticket import Ticket
@@ -83,6 +84,7 @@ _REASON = 4000  # characters of a reason sent to a peer
 MAX_PENDING = 256  # connections not yet authenticated, in all
 MAX_PENDING_PER_SOURCE = 32  # ... from one address
 LOG_EVERY = 10.0  # seconds between a peer's summary lines about its heartbeats
+REFUSED_KEPT = 64  # a peer's latest claims of ids nobody lent, that a heartbeat racing their refusal may name
 
 
 @dataclass(eq=False)
@@ -95,6 +97,8 @@ class _Peer:
     log_after: float = -math.inf  # its next heartbeat summary line, no earlier
     unlogged: int = 0  # heartbeats with something to say since its last line
     refused_until: float | None = None  # its layout was refused: it may decline leases until then
+    strikes: Strikes | None = None  # its wasted messages (``budget``), once authenticated
+    refused: dict[bytes, None] = field(default_factory=dict)  # ids nobody lent it claimed lately (capped)
     state: PeerState | None = None  # changed only by ``PrefillSession._peer_to``
 
     @property
@@ -118,6 +122,9 @@ class PrefillSession(Outbox):
         self._by_name: dict[str, int] = {}  # ready peers
         self._loans = Loans()  # what we know of each lease beside the lender: one state each (``Loans.to``)
         self._waiting = self._loans.waiting  # claims of leases not yet lent, in deadline order
+        quotas = config.quotas
+        self._handshakes = Handshakes(quotas.handshake_backoff, quotas.max_handshake_backoff)
+        self.negotiations = Negotiations(layout, quotas, self._handshakes)  # by the decode layout's digest
         super().__init__()
 
     # ----------------------------------------------------------- connections
@@ -151,13 +158,18 @@ class PrefillSession(Outbox):
             peer.conn.authenticate(identity)
             if identity in self._by_name:
                 raise AuthError(f"a decode rank with identity {identity!r} is already connected")
+            self._handshakes.admit(identity, now)
+        except QuotaExceeded as exc:  # an identity in its backoff: the line that started it said so
+            self._drop(conn, detail_of(exc), logging.DEBUG, code=code_of(exc))
+            return
         except KvlendError as exc:
             self._drop(conn, detail_of(exc), code=code_of(exc))  # the bye's code: the decode raises the same
             return
         self._by_name[identity] = conn
         self._peer_to(peer, PeerEvent.AUTHENTICATED)
         peer.layout_by = now + self.config.handshake_timeout  # or it holds its identity's slot for nothing
-        log.info("control: connection %d authenticated as %s", conn, printable(identity))
+        peer.strikes = Strikes(self.config.quotas.max_strikes, self.config.quotas.strike_forgiven)
+        log.debug("control: connection %d authenticated as %s", conn, printable(identity))
 
     def receive(self, conn: int, data: bytes, now: float) -> None:
         """Received (decrypted) bytes, decoded here; the shell decodes them off its lock and calls ``deliver``."""
@@ -182,8 +194,15 @@ class PrefillSession(Outbox):
                 raise error
         except _Goodbye as bye:
             self._drop(conn, f"said bye: {bye}", logging.INFO, quiet=True)
-        except KvlendError as exc:
-            self._drop(conn, detail_of(exc), code=code_of(exc))
+        except KvlendError as exc:  # for cause: its identity waits before it may connect again
+            backoff = self._handshakes.dropped(peer.name, now) if peer.name is not None else 0.0
+            self._drop(conn, f"{detail_of(exc)} (it may connect again in {backoff:.3g} s)", code=code_of(exc))
+
+    def throttled(self, now: float) -> dict[int, Share]:
+        """The connections whose share of a loop turn is cut (strikes held against them), and that share."""
+        share = self.config.quotas.throttled_share
+        return {conn: share for conn, peer in self._peers.items()
+                if peer.strikes is not None and peer.strikes.throttled(now)}
 
     def closed(self, conn: int, now: float, why: str = "connection closed", refused: bool = False) -> None:
         """The shell saw the connection end (``refused``: its TLS authentication failed); its leases
@@ -234,7 +253,7 @@ class PrefillSession(Outbox):
             self._end(lease.id, "aborted")
             raise
         self._loans.to(lease.id, LoanEvent.OFFER, reader=conn)
-        _remember(self._peers[conn], lease.id, self.config.quotas.max_heartbeat_ids)
+        _remember(self._peers[conn].named, lease.id, self.config.quotas.max_heartbeat_ids)
         return lease
 
     def extend(self, lease_id: bytes, ready: int, pages: Mapping[str, Any], now: float, *,
@@ -354,7 +373,8 @@ class PrefillSession(Outbox):
         elif isinstance(message, Heartbeat):
             peer.conn.send(Renewed(self._heartbeat(peer, message.leases, now)))
         elif isinstance(message, Claim):
-            self._claim(peer, message.lease, message.digest, now, conn)
+            if not self._claim(peer, message.lease, message.digest, now, conn):
+                self._strike(peer, now, f"claimed lease {message.lease.hex()}, which nobody lent")
         elif isinstance(message, Done):
             self._settle(message.lease, conn)  # a held lease's reader is done reading it
             try:
@@ -387,14 +407,20 @@ class PrefillSession(Outbox):
         """
         name = peer.name
         cap = self.config.quotas.max_heartbeat_ids
+        if not leases:
+            self._strike(peer, now, "sent an empty heartbeat")
+            return ()
         if len(leases) > cap:
             exc = QuotaExceeded("max_heartbeat_ids", len(leases), cap, "a heartbeat naming lease ids:")
             self._summary(peer, now, logging.WARNING, f"refused, nothing renewed: {exc}")
             return ()
         for lease_id in leases:
             if lease_id not in peer.named and not self._holds(lease_id, name, now):
-                raise LeaseDenied(f"a heartbeat named lease {lease_id.hex()}, which {name!r} never claimed nor "
-                                  "was offered")
+                if lease_id not in peer.refused:
+                    raise LeaseDenied(f"a heartbeat named lease {lease_id.hex()}, which {name!r} never claimed nor "
+                                      "was offered")
+                self._strike(peer, now, f"named lease {lease_id.hex()}, which nobody lent, in a heartbeat")
+                return ()  # one racing its claim's refusal; a stream of them is a flood
         renewed, refused = [], []
         for lease_id in leases:
             try:
@@ -425,21 +451,30 @@ class PrefillSession(Outbox):
             raise LeaseDenied(f"lease {lease.hex} is a ticket's that no decode claimed yet: claim it first")
         return lease
 
-    def _summary(self, peer: _Peer, now: float, level: int, text: str) -> None:
-        """One line about ``peer``'s heartbeats, unless it had one less than ``LOG_EVERY`` s ago."""
+    def _summary(self, peer: _Peer, now: float, level: int, text: str, what: str = "heartbeat from",
+                 counted: str = "heartbeats with something to say") -> None:
+        """One line about ``peer``'s refused messages, unless it had one less than ``LOG_EVERY`` s ago."""
         if now < peer.log_after:
             peer.unlogged += 1
             return
-        more = f" ({peer.unlogged} more heartbeats with something to say since the last line)" if peer.unlogged else ""
-        log.log(level, "heartbeat from %s: %s%s", printable(peer.name), printable(text, 1000), more)
+        more = f" ({peer.unlogged} more {counted} since the last line)" if peer.unlogged else ""
+        log.log(level, "%s %s: %s%s", what, printable(peer.name), printable(text, 1000), more)
         peer.log_after, peer.unlogged = now + LOG_EVERY, 0
+
+    def _strike(self, peer: _Peer, now: float, what: str) -> None:
+        """``peer`` sent what no honest decode sends: throttled, and past ``max_strikes`` dropped."""
+        if peer.strikes.strike(now):
+            quotas = self.config.quotas
+            raise QuotaExceeded("max_strikes", math.ceil(peer.strikes.count), quotas.max_strikes,
+                                f"it {what}; messages no decode needs (one forgiven every "
+                                f"{quotas.strike_forgiven:.3g} s):")
 
     def _handshake(self, conn: int, peer: _Peer, message: Message, now: float) -> None:
         layout = peer_layout(message, self._kind)
-        quotas = self.config.quotas
         try:
-            # Refuse a decode we cannot serve before it sees a lease; what it costs is capped (we hold the lock).
-            plan = negotiate(layout, self.layout, max_page_ratio=quotas.max_page_ratio, max_pieces=quotas.max_pieces)
+            # Refuse a decode we cannot serve before it sees a lease: computed once per layout (the shell may have
+            # done it off the lock), at most one new one per identity's backoff, its cost capped by the quotas.
+            plan = self.negotiations.result(peer.name, message, now)
         except QuotaExceeded:
             raise  # only the Bye: the decode's own caps may differ, so our layout would not tell it why
         except LayoutMismatch as exc:
@@ -479,25 +514,34 @@ class PrefillSession(Outbox):
 
         A lease never lent (yet) waits up to ``claim_wait`` for the lend when ``conn`` is given,
         one waiting claim per lease id and at most ``max_leases_per_peer`` per connection.
+        Returns False for a claim refused of an id nobody lent (a strike), True otherwise.  Only an id granted
+        or waiting becomes one the peer may name in its heartbeats: a refused one never does.
         """
-        _remember(peer, lease_id, self.config.quotas.max_heartbeat_ids)
-        if conn is not None and self.config.claim_wait > 0 and not self.lender.known(lease_id):
+        cap = self.config.quotas.max_heartbeat_ids
+        known = self.lender.known(lease_id)
+        if conn is not None and self.config.claim_wait > 0 and not known:
             if (lease_id not in self._waiting
                     and self._loans.waiting_count(conn) < self.config.quotas.max_leases_per_peer):
                 self._loans.to(lease_id, LoanEvent.WAIT, reader=conn, deadline=now + self.config.claim_wait,
                               digest=digest)
+                _remember(peer.named, lease_id, cap)
                 self._events.append(ClaimWaits(lease_id))
-                return
+                return True
         try:
             # LeaseExpired, LeaseUnknown, LeaseDenied (PromptMismatch), or QuotaExceeded (the peer's, or the lifetime)
             lease = self.lender.claim(lease_id, peer.name, now, self._limits, prompt_digest=digest or None)
         except KvlendError as exc:
-            log.info("claim of lease %s by %s refused: %s", lease_id.hex(), printable(peer.name), printable(exc))
+            self._summary(peer, now, logging.INFO, f"claim of lease {lease_id.hex()} refused: {exc}", "claims from",
+                          "refused claims or heartbeats")
             peer.conn.send(Abort.of(lease_id, exc))
-            return
+            if not known:  # a heartbeat racing this refusal may name it (a strike); its id is never nameable
+                _remember(peer.refused, lease_id, REFUSED_KEPT)
+            return known
+        _remember(peer.named, lease_id, cap)
         peer.conn.send(Offer(self._offer_of(lease)))
         if self._loans.lent(lease_id) is not None:
             self._loans.to(lease_id, LoanEvent.OFFER, reader=self._by_name.get(peer.name))
+        return True
 
     def _offer_of(self, lease: Lease) -> LeaseOffer:
         loaned = self._loans.get(lease.id)  # a lease lent through a shared lender has no meta of ours
@@ -557,13 +601,13 @@ class PrefillSession(Outbox):
         self._events.append(PeerGone(conn, name, why))
 
 
-def _remember(peer: _Peer, lease_id: bytes, cap: int) -> None:
-    """``peer`` may name ``lease_id`` in its heartbeats (the oldest of more than ``cap`` is forgotten: a lease
-    it still holds stays nameable through the lender)."""
-    peer.named.pop(lease_id, None)
-    peer.named[lease_id] = None
-    if len(peer.named) > cap:
-        del peer.named[next(iter(peer.named))]
+def _remember(ids: dict[bytes, None], lease_id: bytes, cap: int) -> None:
+    """Keep ``lease_id`` in ``ids``, newest last (the oldest of more than ``cap`` is forgotten): in a peer's
+    ``named``, it may name it in its heartbeats (a lease it still holds stays nameable through the lender)."""
+    ids.pop(lease_id, None)
+    ids[lease_id] = None
+    if len(ids) > cap:
+        del ids[next(iter(ids))]
 
 
 class _Goodbye(KvlendError):

@@ -26,6 +26,7 @@ from ..cluster.view import Change
 from ..core.text import printable
 from ..errors import AuthError, BackendError, ConfigError, KvlendError, TransferTimeout
 from ..protocol.actions import AddPeer, Cancel, Close, Connect, Post, RemovePeer, Send
+from ..protocol.budget import Share
 from ..protocol.config import NodeConfig
 from ..protocol.connection import FrameReader
 from ..security.credentials import Credentials
@@ -66,6 +67,9 @@ class Shell:
         self._readers: weakref.WeakKeyDictionary[TlsChannel, FrameReader] = weakref.WeakKeyDictionary()  # its frames
         self._agents: dict[int, str] = {}  # connection -> backend peer
         self._tags: set[bytes] = set()  # posted, not yet reported
+        self._share = config.quotas.share  # what a peer's turn may take (``protocol.budget``) ...
+        self._shares: dict[int, Share] = {}  # ... unless the session said less for it (loop's turn only)
+        self._backlog: set[int] = set()  # connections whose reader holds whole frames for their next turn
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
         self._idle = 0.0
@@ -127,6 +131,7 @@ class Shell:
         completions = self._progress() if not self._closed else []
         authenticated, data, gone = self._secure(up, data, gone)
         gone += self._expired_links()
+        self._prepare(data)
         with self._lock:
             now = self.clock()
             for c in completions:  # first: a read that landed before its link died still counts
@@ -134,6 +139,7 @@ class Shell:
                 self._read_done(c.tag, c.error, now)
             self._feed(accepted, up, authenticated, data, gone, now)
             self.session.tick(now)
+            self._shares = self._throttled(now)
         self._idle = 0.0 if (completions or data) else min(max(self._idle * 2, _BACKOFF[0]), _BACKOFF[1])
         self._flush()
         if self.registry is not None:
@@ -179,7 +185,7 @@ class Shell:
         busy = self._busy()
         if busy is not None:
             limit = min(limit, busy)
-        return limit
+        return 0.0 if self._backlog else limit
 
     def _busy(self) -> float | None:
         """How often the backend must be progressed now (None: only on deadlines)."""
@@ -197,19 +203,24 @@ class Shell:
         gone = [(conn, why, False) for conn, why in gone]
         for conn, _, _ in gone:
             self._channels.pop(conn, None)
+            self._backlog.discard(conn)
         for conn in up:
             channel = self._channels.get(conn)
             if channel is not None:
                 channel.start()
                 self._push(conn, channel)
         authenticated, plain = [], []
-        for conn, chunk in data:
+        chunks = dict(data)
+        for conn in [c for c in self._backlog if c not in chunks]:
+            chunks[conn] = b""  # what it sent before waits in its reader: its turn again
+        self._backlog.clear()
+        for conn, chunk in chunks.items():
             channel = self._channels.get(conn)
             if channel is None:
                 continue  # closed meanwhile
             was = channel.authenticated
             try:
-                text = channel.receive(chunk)
+                text = channel.receive(chunk) if chunk else b""
             except KvlendError as exc:
                 self._push(conn, channel)  # the alert that tells the peer why
                 self._channels.pop(conn)
@@ -220,11 +231,19 @@ class Shell:
             if channel.authenticated and not was:
                 self._sockets.authenticated(conn)
                 authenticated.append((conn, channel.identity))
-            if text:
-                plain.append((conn, *self._readers.setdefault(channel, FrameReader()).read(text)))
+            reader = self._readers.get(channel)
+            if text or reader is not None:
+                reader = self._readers.setdefault(channel, FrameReader())
+                messages, error = reader.read(text, self._shares.get(conn, self._share))
+                if messages or error is not None:
+                    plain.append((conn, messages, error))
+                if reader.backlog:  # the rest of what it sent waits for its next turn; the kernel keeps the rest
+                    self._backlog.add(conn)
+                self._sockets.hold(conn, reader.backlog)
             if channel.peer_closed:  # after its last plaintext (a bye) is fed
                 self._channels.pop(conn)
                 self._sockets.close(conn)
+                self._backlog.discard(conn)
                 gone.append((conn, "closed by the peer", False))
         return authenticated, plain, gone
 
@@ -406,6 +425,13 @@ class Shell:
             self.step(min(remaining, IDLE_WAIT))
 
     # ---------------------------------------------------------- subclasses
+    def _prepare(self, data: list) -> None:
+        """Work on what arrived that the session will want, done before its lock is taken (a negotiation)."""
+
+    def _throttled(self, now: float) -> dict:
+        """Connections whose next turns read less than ``Quotas.share`` (under the lock): the session's say."""
+        return {}
+
     def _feed(self, accepted, up, authenticated, data, gone, now: float) -> None:
         raise NotImplementedError
 
