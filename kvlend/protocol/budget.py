@@ -108,6 +108,11 @@ class Handshakes:
         while len(self._connects) > self._remember:
             self._connects.popitem(last=False)
 
+    def left(self, identity: str, now: float) -> float:
+        """Seconds before ``identity`` may connect again (0: it may now)."""
+        ban = self._dropped.get(identity)
+        return 0.0 if ban is None else max(0.0, ban.until - now)
+
     def dropped(self, identity: str, now: float) -> float:
         """``identity`` was dropped for cause: its next backoff starts now; its length."""
         return self._push(self._dropped, identity, now)

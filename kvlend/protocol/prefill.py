@@ -84,6 +84,7 @@ _REASON = 4000  # characters of a reason sent to a peer
 MAX_PENDING = 256  # connections not yet authenticated, in all
 MAX_PENDING_PER_SOURCE = 32  # ... from one address
 LOG_EVERY = 10.0  # seconds between a peer's summary lines about its heartbeats
+_NOTHING = Share(0, 0)  # a held connection's share of a turn
 REFUSED_KEPT = 64  # a peer's latest claims of ids nobody lent, that a heartbeat racing their refusal may name
 
 
@@ -97,6 +98,7 @@ class _Peer:
     log_after: float = -math.inf  # its next heartbeat summary line, no earlier
     unlogged: int = 0  # heartbeats with something to say since its last line
     refused_until: float | None = None  # its layout was refused: it may decline leases until then
+    banned: str | None = None  # refused: its identity is in its backoff; its bye waits until refused_until
     strikes: Strikes | None = None  # its wasted messages (``budget``), once authenticated
     refused: dict[bytes, None] = field(default_factory=dict)  # ids nobody lent it claimed lately (capped)
     state: PeerState | None = None  # changed only by ``PrefillSession._peer_to``
@@ -159,8 +161,8 @@ class PrefillSession(Outbox):
             if identity in self._by_name:
                 raise AuthError(f"a decode rank with identity {identity!r} is already connected")
             self._handshakes.admit(identity, now)
-        except QuotaExceeded as exc:  # an identity in its backoff: the line that started it said so
-            self._drop(conn, detail_of(exc), logging.DEBUG, code=code_of(exc))
+        except QuotaExceeded as exc:  # an identity in its backoff: held unread, then told why (``tick``)
+            self._hold(peer, detail_of(exc), now)
             return
         except KvlendError as exc:
             self._drop(conn, detail_of(exc), code=code_of(exc))  # the bye's code: the decode raises the same
@@ -199,10 +201,22 @@ class PrefillSession(Outbox):
             self._drop(conn, f"{detail_of(exc)} (it may connect again in {backoff:.3g} s)", code=code_of(exc))
 
     def throttled(self, now: float) -> dict[int, Share]:
-        """The connections whose share of a loop turn is cut (strikes held against them), and that share."""
+        """The connections whose share of a loop turn is cut, and that share: none for one held in its
+        identity's backoff, a few messages while strikes are held against it."""
         share = self.config.quotas.throttled_share
-        return {conn: share for conn, peer in self._peers.items()
-                if peer.strikes is not None and peer.strikes.throttled(now)}
+        cut = {conn: share for conn, peer in self._peers.items()
+               if peer.strikes is not None and peer.strikes.throttled(now)}
+        cut.update((conn, _NOTHING) for conn, peer in self._peers.items() if peer.banned is not None)
+        return cut
+
+    def _hold(self, peer: _Peer, why: str, now: float) -> None:
+        """Refuse an identity in its backoff after holding its connection, unread, until the backoff passes
+        (``AUTH_TIMEOUT`` at most): a peer that waits for its answer reconnects no faster, and one that does
+        not wait holds one of its address's ``MAX_PENDING_PER_SOURCE`` slots meanwhile."""
+        self._peer_to(peer, PeerEvent.AUTHENTICATED)
+        self._peer_to(peer, PeerEvent.REFUSE)
+        peer.banned = why
+        peer.refused_until = now + min(AUTH_TIMEOUT, self._handshakes.left(peer.name, now))
 
     def closed(self, conn: int, now: float, why: str = "connection closed", refused: bool = False) -> None:
         """The shell saw the connection end (``refused``: its TLS authentication failed); its leases
@@ -318,6 +332,8 @@ class PrefillSession(Outbox):
         for conn, peer in list(self._peers.items()):
             if peer.state is PeerState.PENDING and now > peer.conn.deadline:
                 self._drop(conn, f"no TLS handshake within {AUTH_TIMEOUT:.3g} s", notify=False)
+            elif peer.state is PeerState.REFUSED and now > peer.refused_until and peer.banned is not None:
+                self._drop(conn, peer.banned, logging.DEBUG, code=Code.QUOTA_EXCEEDED)  # its ban's line said why
             elif peer.state is PeerState.REFUSED and now > peer.refused_until:
                 self._drop(conn, f"its layout was refused and it did not leave within {AUTH_TIMEOUT:.3g} s",
                            code=Code.TIMEOUT)
@@ -366,6 +382,8 @@ class PrefillSession(Outbox):
     # -------------------------------------------------------------- handling
     def _handle(self, conn: int, peer: _Peer, message: Message, now: float) -> None:
         name = peer.name
+        if peer.banned is not None:
+            return  # sent before it heard of its backoff: it gets its bye, nothing else
         if peer.state is PeerState.REFUSED:
             self._declined(peer, message, now)
         elif peer.state is PeerState.AUTHENTICATED:

@@ -234,12 +234,13 @@ class Shell:
             reader = self._readers.get(channel)
             if text or reader is not None:
                 reader = self._readers.setdefault(channel, FrameReader())
-                messages, error = reader.read(text, self._shares.get(conn, self._share))
+                share = self._shares.get(conn, self._share)
+                messages, error = reader.read(text, share)
                 if messages or error is not None:
                     plain.append((conn, messages, error))
-                if reader.backlog:  # the rest of what it sent waits for its next turn; the kernel keeps the rest
+                if reader.backlog and share.messages:  # the rest waits for its next turn (held: none comes)
                     self._backlog.add(conn)
-                self._sockets.hold(conn, reader.backlog)
+                self._sockets.hold(conn, reader.backlog)  # meanwhile the kernel keeps what it sends
             if channel.peer_closed:  # after its last plaintext (a bye) is fed
                 self._channels.pop(conn)
                 self._sockets.close(conn)
