@@ -42,25 +42,26 @@ class Quotas:
       (before merging); 128 layers x K and V x ratio 64 x 16 heads per rank.  Estimated from
       the layouts and refused before any is built.
 
-    What one decode may cost per loop turn and in wasted messages (``kvlend.protocol.budget``):
+    What one decode may cost per loop turn, in wasted messages and in handshakes (``kvlend.protocol.budget``):
 
-    - ``messages_per_turn`` (64) and ``work_per_turn`` (4096): a peer's share of each loop
-      turn, in messages and in lookups (a heartbeat costs one per lease id it names; its turn
-      ends after the message that reaches it).  What it sent beyond waits, unread, for the
-      next turn: nothing is lost, and one peer cannot hold the node's lock for long.
-    - ``max_strikes`` (32) and ``strike_forgiven`` (1 s): a claim of a lease id nobody lent
-      that cannot wait (``NodeConfig.claim_wait`` off, or ``max_leases_per_peer`` claims
-      waiting already) or an empty heartbeat is a *strike*: no honest decode sends one
-      (a claim of a lease that expired or was released is none).  One strike is forgiven per
-      ``strike_forgiven`` s; a peer holding any is throttled to ``throttled_messages`` (4)
-      messages a turn, and one past ``max_strikes`` is dropped (``QuotaExceeded``).
-    - ``handshake_backoff`` (1 s) and ``max_handshake_backoff`` (60 s): a decode identity
-      dropped for cause (strikes, a protocol error, a refused layout, a quota) is refused at
-      its next authentication until its backoff passes, and one whose handshake needs a
-      negotiation not cached (by the layout's digest) may not ask for another before it
-      either.  Each backoff doubles up to the maximum and starts over once the identity
-      kept quiet that long.  A decode reconnecting with a layout already negotiated costs
-      a lookup and is never held back.
+    - ``messages_per_turn`` (64): messages of one peer handled per loop turn; what it sent beyond waits,
+      unread, for its next turn (nothing is lost), so one peer cannot hold the node's lock for long.
+    - ``work_per_turn`` (4096): lookups of one peer per loop turn (a heartbeat costs one per lease id it
+      names, any other message one); its turn ends after the message that reaches it.
+    - ``throttled_messages`` (4): ``messages_per_turn`` of a peer while strikes are held against it.
+    - ``max_strikes`` (32): wasted messages a peer may send before it is dropped (``QuotaExceeded``): a
+      claim of a lease id nobody lent that cannot wait (``NodeConfig.claim_wait`` off, or
+      ``max_leases_per_peer`` claims of its waiting already), a heartbeat naming such an id, an empty
+      heartbeat.  No honest decode sends one, bar a heartbeat racing its claim's refusal; a claim of a
+      lease that expired or was released is no strike.
+    - ``strike_forgiven`` (1 s): one strike is forgiven this often.
+    - ``handshake_backoff`` (1 s): an identity dropped for cause (strikes, a protocol error, a quota), or
+      that connected more than 4 times at once (one more allowed per backoff), is held unread at its
+      next connections and then refused until its backoff passes; one whose handshake needed a
+      negotiation not cached (by the layout's ``layout_id``) may not ask for another before it either.
+      Each backoff doubles, and starts over once the identity kept quiet for ``max_handshake_backoff``.
+      A decode reconnecting with a layout already negotiated (or refused) costs a lookup.
+    - ``max_handshake_backoff`` (60 s): the longest backoff.
     """
 
     max_leases_per_peer: int = 4096

@@ -20,7 +20,14 @@ reader still counts sees a reused page.
 Each peer is held to ``config.quotas`` (see ``Quotas``): a lend or offer over
 one raises ``QuotaExceeded`` to the engine, a claim over one is answered with an
 ``Abort`` naming the limit, a heartbeat naming too many ids renews nothing, and
-a layout that would cost too much to negotiate is refused with a ``Bye``.  A peer
+a layout that would cost too much to negotiate is refused with a ``Bye``.
+What it may cost beyond (``budget``): a claim of an id nobody lent that cannot
+wait, a heartbeat naming such an id and an empty heartbeat are strikes that cut
+its share of the loop's turns and, past ``max_strikes``, drop it; an identity
+dropped for cause, or reconnecting too often, is held unread then refused for
+a backoff that doubles; negotiations are cached by the layout's id
+(``negotiations``), one new one per identity per backoff.  An id becomes one a
+peer may name in its heartbeats only once its claim is granted or waits.  A peer
 must send its layout within ``handshake_timeout`` of authenticating; one naming
 in a heartbeat a lease it never claimed nor was offered is dropped; only the
 lease's holder renews or ends it (a ticket's lease, once it claimed it).
