@@ -257,6 +257,18 @@ def test_a_refused_layout_is_refused_again_from_the_cache_and_reconnects_past_th
     assert isinstance(bye, Bye) and "reconnects too often" in bye.detail
 
 
+def test_a_refused_decode_declining_ids_nobody_lent_is_struck_in_one_line(caplog):
+    caplog.set_level(logging.INFO, logger="kvlend.session")
+    world, p = prefill(CFG)
+    odd = Peer(p, 1, "odd", layout=False)
+    odd.send(Handshake(_layout(8, heads=2).encode(), KIND, b"m"))
+    assert isinstance(odd.next(), Handshake)  # refused: it may decline its leases
+    odd.send(*(Claim(secrets.token_bytes(16)) for _ in range(Q.max_strikes + 1)))
+    collect(p, odd)
+    assert odd.closed is not None and "max_strikes" in odd.closed
+    assert len(session_lines(caplog, "declines from odd")) == 1
+
+
 def test_a_burst_of_frames_is_handled_a_share_per_turn_by_the_reader():
     """What the shell does each turn: the reader decodes a peer's share; the rest waits unread."""
     world, p = prefill(CFG)

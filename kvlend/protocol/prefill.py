@@ -529,7 +529,10 @@ class PrefillSession(Outbox):
         try:
             self.lender.claim(message.lease, peer.name, now, self._limits, prompt_digest=message.digest or None)
         except KvlendError as exc:
-            log.info("decline of lease %s by %s refused: %s", message.lease.hex(), printable(peer.name), printable(exc))
+            self._summary(peer, now, logging.INFO, f"decline of lease {message.lease.hex()} refused: {exc}",
+                          "declines from", "refused declines")
+            if not self.lender.known(message.lease):
+                self._strike(peer, now, f"declined lease {message.lease.hex()}, which nobody lent")
             return
         log.info("lease %s declined by %s: it cannot read our layout", message.lease.hex(), printable(peer.name))
         self._end(message.lease, "aborted")
