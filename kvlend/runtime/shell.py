@@ -70,6 +70,7 @@ class Shell:
         self._share = config.quotas.share  # what a peer's turn may take (``protocol.budget``) ...
         self._shares: dict[int, Share] = {}  # ... unless the session said less for it (loop's turn only)
         self._backlog: set[int] = set()  # connections whose reader holds whole frames for their next turn
+        self._closing: dict[int, str] = {}  # ... and whose socket closed meanwhile: why, said once they are handled
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
         self._idle = 0.0
@@ -200,10 +201,16 @@ class Shell:
         that ended its stream or None) for what was received, and (connection, why, refused) for every
         connection gone.
         """
-        gone = [(conn, why, False) for conn, why in gone]
-        for conn, _, _ in gone:
-            self._channels.pop(conn, None)
-            self._backlog.discard(conn)
+        ended, gone = gone, []
+        for conn, why in ended:
+            channel = self._channels.get(conn)
+            reader = self._readers.get(channel) if channel is not None else None
+            if reader is not None and reader.backlog and self._shares.get(conn, self._share).messages:
+                self._closing[conn] = why  # its messages waiting for their turn are handled first
+            else:
+                self._channels.pop(conn, None)
+                self._backlog.discard(conn)
+                gone.append((conn, why, False))
         for conn in up:
             channel = self._channels.get(conn)
             if channel is not None:
@@ -241,7 +248,12 @@ class Shell:
                 if reader.backlog and share.messages:  # the rest waits for its next turn (held: none comes)
                     self._backlog.add(conn)
                 self._sockets.hold(conn, reader.backlog)  # meanwhile the kernel keeps what it sends
-            if channel.peer_closed:  # after its last plaintext (a bye) is fed
+            drained = reader is None or not reader.backlog or not self._shares.get(conn, self._share).messages
+            if conn in self._closing and drained:  # its socket closed behind what it sent
+                self._channels.pop(conn)
+                self._backlog.discard(conn)
+                gone.append((conn, self._closing.pop(conn), False))
+            elif channel.peer_closed and drained:  # after its last message (a bye)
                 self._channels.pop(conn)
                 self._sockets.close(conn)
                 self._backlog.discard(conn)
@@ -304,6 +316,7 @@ class Shell:
                 channel.send(action.data)
                 self._push(action.conn, channel)
         elif isinstance(action, Close):
+            self._closing.pop(action.conn, None)
             channel = self._channels.pop(action.conn, None)
             if channel is not None:
                 channel.close()
