@@ -69,8 +69,17 @@ def test_an_identity_connecting_more_than_the_burst_waits_a_backoff():
         h.admit("d", 0.0)
     with pytest.raises(QuotaExceeded, match="dropped for cause"):
         h.admit("d", 0.5)
-    h.admit("d", 2.0)  # its backoff passed, and it regained a connection a second
-    h.admit("d", 2.0, charge=False)  # a look, not a connection
+    h.admit("d", 1.0)  # its backoff passed: one connection
+    h.admit("d", 1.0, charge=False)  # a look, not a connection
+    with pytest.raises(QuotaExceeded):
+        h.admit("d", 1.0)  # one more at once: a backoff of 2 s
+    h.admit("d", 3.0)
+    with pytest.raises(QuotaExceeded):
+        h.admit("d", 3.0)  # 4 s
+    with pytest.raises(QuotaExceeded):
+        h.admit("d", 6.9)
+    h.admit("d", 7.0)
+    h.admit("d", 11.0)  # it waited a whole backoff (4 s) more: regained one
 
 
 def test_one_new_negotiation_per_identity_per_backoff():

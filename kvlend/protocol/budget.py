@@ -12,9 +12,10 @@ read this turn, whether to drop it, whether an identity may handshake now).
   ``max_strikes`` it is dropped.  One strike is forgiven every
   ``strike_forgiven`` seconds, so a rare honest refusal never adds up.
 - **Handshakes per identity.** An identity dropped for cause, or that
-  connected more than ``RECONNECTS`` times in as many ``handshake_backoff``,
-  may not connect again before a backoff that starts at ``handshake_backoff``
-  and doubles each time, up to ``max_handshake_backoff``; one whose handshake
+  connected more than ``RECONNECTS`` times at once (it regains one connection
+  per backoff: ``handshake_backoff``, then its latest), may not connect again
+  before a backoff that starts at ``handshake_backoff`` and doubles each time,
+  up to ``max_handshake_backoff``; one whose handshake
   needed a negotiation not cached may not ask for another before such a
   backoff either.  A backoff falls back to its start once the identity kept
   quiet that long.
@@ -30,7 +31,7 @@ from ..errors import QuotaExceeded
 from .wire import Heartbeat, Message
 
 MAX_IDENTITIES = 4096  # identities whose backoff is remembered (the oldest is forgotten past it)
-RECONNECTS = 4  # connections one identity may make at once; one more is allowed every ``handshake_backoff``
+RECONNECTS = 4  # connections one identity may make at once; one more is allowed per backoff (its latest one)
 
 
 def work_of(message: Message) -> int:
@@ -77,6 +78,7 @@ class Strikes:
 class _Backoff:
     until: float  # no handshake (or new negotiation) before then
     step: float  # the next backoff's length
+    length: float  # this one's
 
 
 class Handshakes:
@@ -98,15 +100,21 @@ class Handshakes:
         if not charge:
             return
         tokens, at = self._connects.pop(identity, (float(RECONNECTS), now))
-        tokens = min(float(RECONNECTS), tokens + (now - at) / self._first)
+        tokens = min(float(RECONNECTS), tokens + (now - at) / self._period(identity, now))
         if tokens < 1:
-            self._connects[identity] = (tokens, now)
             step = self.dropped(identity, now)
+            self._connects[identity] = (1.0, now + step)  # one connection once the backoff passes
             raise QuotaExceeded("handshake_backoff", f"{RECONNECTS + 1} connections", f"{RECONNECTS}",
                                 f"{identity!r} reconnects too often (it may again in {step:.3g} s):")
         self._connects[identity] = (tokens - 1, now)
         while len(self._connects) > self._remember:
             self._connects.popitem(last=False)
+
+    def _period(self, identity: str, now: float) -> float:
+        """How often ``identity`` regains a connection: once per its latest backoff (one a cycle, however
+        long), or ``handshake_backoff`` once that is forgotten."""
+        ban = self._dropped.get(identity)
+        return self._first if ban is None or now >= ban.until + self._max else ban.length
 
     def left(self, identity: str, now: float) -> float:
         """Seconds before ``identity`` may connect again (0: it may now)."""
@@ -127,7 +135,7 @@ class Handshakes:
     def _push(self, table: OrderedDict[str, _Backoff], identity: str, now: float) -> float:
         old = table.pop(identity, None)
         step = self._first if old is None or now >= old.until + self._max else old.step
-        table[identity] = _Backoff(now + step, min(self._max, step * 2))
+        table[identity] = _Backoff(now + step, min(self._max, step * 2), step)
         while len(table) > self._remember:
             table.popitem(last=False)
         return step

@@ -56,7 +56,7 @@ class Quotas:
       lease that expired or was released is no strike.
     - ``strike_forgiven`` (1 s): one strike is forgiven this often.
     - ``handshake_backoff`` (1 s): an identity dropped for cause (strikes, a protocol error, a quota), or
-      that connected more than 4 times at once (one more allowed per backoff), is held unread at its
+      that connected more than 4 times at once (it regains one connection per backoff), is held unread at its
       next connections and then refused until its backoff passes; one whose handshake needed a
       negotiation not cached (by the layout's ``layout_id``) may not ask for another before it either.
       Each backoff doubles, and starts over once the identity kept quiet for ``max_handshake_backoff``.
