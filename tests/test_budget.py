@@ -135,7 +135,7 @@ def test_negotiations_are_cached_by_layout_id_and_a_new_one_is_charged_to_the_id
     n = Negotiations(ours, Q, Handshakes(1.0, 60.0))
     costly = Handshake(_layout(64).encode(), KIND, b"")
     plan = n.result("flood", costly, 0.0)
-    assert plan.kind == "mapped" and len(made) == 1
+    assert plan.plan.kind == "mapped" and plan.line.startswith("mapped plan") and len(made) == 1
     for t in range(5):  # reconnects with the same layout, from any address space: a lookup
         assert n.result("flood", Handshake(_layout(64).encode(), KIND, b""), 0.1 * t) is plan
     assert len(made) == 1

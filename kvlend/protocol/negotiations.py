@@ -10,6 +10,7 @@ identity that asked (``Handshakes.may_negotiate``), so one identity cannot make 
 from __future__ import annotations
 
 from collections import OrderedDict
+from dataclasses import dataclass
 
 from ..core.layout import PageLayout
 from ..core.negotiate import TransferPlan, negotiate
@@ -21,12 +22,20 @@ from .wire import Handshake
 MAX_CACHED = 64  # layouts whose negotiation is kept (the least recently used goes past it)
 
 
+@dataclass(frozen=True)
+class Negotiated:
+    """A plan, and its summary's first line (a walk of every piece: computed once, with the plan)."""
+
+    plan: TransferPlan
+    line: str
+
+
 class Negotiations:
     """``ours`` negotiated against the layouts decodes sent: a plan, or the ``LayoutMismatch`` refusing it."""
 
     def __init__(self, ours: PageLayout, quotas: Quotas, handshakes: Handshakes, size: int = MAX_CACHED) -> None:
         self.ours, self.quotas, self.handshakes, self.size = ours, quotas, handshakes, size
-        self._cache: OrderedDict[bytes, TransferPlan | LayoutMismatch] = OrderedDict()
+        self._cache: OrderedDict[str, Negotiated | LayoutMismatch] = OrderedDict()
 
     def prepare(self, identity: str, message: Handshake, now: float) -> None:
         """Compute ``message``'s negotiation ahead if it is not cached and ``identity`` may cost one now
@@ -37,7 +46,7 @@ class Negotiations:
         except KvlendError:
             pass
 
-    def result(self, identity: str, message: Handshake, now: float) -> TransferPlan:
+    def result(self, identity: str, message: Handshake, now: float) -> Negotiated:
         """The plan for the decode layout ``message`` carries; ``LayoutMismatch`` (cached too) if it cannot be
         served, ``QuotaExceeded`` (``handshake_backoff``) if it is not cached and ``identity`` may not cost a
         negotiation now, ``LayoutError`` if it is no layout."""
@@ -55,9 +64,10 @@ class Negotiations:
             raise known.with_traceback(None)  # the same error each time, its traceback not grown by each raise
         return known
 
-    def _compute(self, layout: PageLayout) -> TransferPlan | LayoutMismatch:
+    def _compute(self, layout: PageLayout) -> Negotiated | LayoutMismatch:
         try:
-            return negotiate(layout, self.ours, max_page_ratio=self.quotas.max_page_ratio,
+            plan = negotiate(layout, self.ours, max_page_ratio=self.quotas.max_page_ratio,
                              max_pieces=self.quotas.max_pieces)
         except LayoutMismatch as exc:  # NegotiationLimit too
             return exc.with_traceback(None)
+        return Negotiated(plan, plan.summary().splitlines()[0])

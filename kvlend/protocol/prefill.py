@@ -499,7 +499,7 @@ class PrefillSession(Outbox):
         try:
             # Refuse a decode we cannot serve before it sees a lease: computed once per layout (the shell may have
             # done it off the lock), at most one new one per identity's backoff, its cost capped by the quotas.
-            plan = self.negotiations.result(peer.name, message, now)
+            negotiated = self.negotiations.result(peer.name, message, now)
         except QuotaExceeded:
             raise  # only the Bye: the decode's own caps may differ, so our layout would not tell it why
         except LayoutMismatch as exc:
@@ -514,7 +514,7 @@ class PrefillSession(Outbox):
         peer.conn.send(Handshake(self.layout.encode(), self._kind, self._metadata))
         peer.layout = layout
         self._peer_to(peer, PeerEvent.LAYOUT)
-        log.info("handshake with %s: %s", printable(peer.name), plan.summary().splitlines()[0])
+        log.info("handshake with %s: %s", printable(peer.name), negotiated.line)
         self._events.append(PeerReady(conn, peer.name))
 
     def _declined(self, peer: _Peer, message: Message, now: float) -> None:
