@@ -258,7 +258,7 @@ def test_a_burst_past_a_peers_share_is_handled_whole_even_when_it_hangs_up_right
     with rig() as r:
         tables = prefill_request(r.layout, r.src, free_lists(r.layout, SRC_PAGES, 97), 40, seed=97)
         tickets = [r.prefill.lend(f"burst-{i}", 40, tables, r.layout.full_selection()) for i in range(200)]
-        with RawDecode(r.prefill.address, creds("burst")) as raw:
+        with RawDecode(r.prefill.address, creds("burst", "decode")) as raw:
             raw.handshake(r.decode.layout)
             raw.send(*(Claim(t.lease) for t in tickets), Bye(Code.OK, "leaving"))
 

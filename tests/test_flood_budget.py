@@ -51,7 +51,7 @@ def honest(ranks):
     from kvlend.runtime import DecodeNode, NodeConfig
 
     dst = flood_ranks.pools(64)
-    node = DecodeNode(flood_ranks.layout(dst), nixl("honest"), creds("honest"),
+    node = DecodeNode(flood_ranks.layout(dst), nixl("honest"), creds("honest", "decode"),
                       config=NodeConfig(transfer_timeout=DEADLINE, handshake_timeout=DEADLINE))
     node.start()
     try:

@@ -40,10 +40,10 @@ def table(lay) -> dict[str, np.ndarray]:
     return {name: np.arange(TOKENS) for name in lay.groups}
 
 
-def rank_env(ca, identity: str, directory: str) -> dict[str, str]:
+def rank_env(ca, identity: str, role: str, directory: str) -> dict[str, str]:
     from kvlend.security.certs import save_rank
 
-    return save_rank(ca.issue(identity), directory)
+    return save_rank(ca.issue(identity, role), directory)
 
 
 # ------------------------------------------------------------------ prefill
@@ -220,8 +220,8 @@ class Ranks:
         self.ca = ca
         self.dir = tempfile.TemporaryDirectory(prefix="kvlend-flood-")
         self.conn, child = self.ctx.Pipe()
-        self.proc = self.ctx.Process(target=prefill_main, args=(child, rank_env(ca, "prefill", self.dir.name)),
-                                     daemon=True)
+        env = rank_env(ca, "prefill", "prefill", self.dir.name)
+        self.proc = self.ctx.Process(target=prefill_main, args=(child, env), daemon=True)
         self.proc.start()
         child.close()
         if not self.conn.poll(60.0):
@@ -257,7 +257,7 @@ class Flooder:
         self.stop_event = ranks.ctx.Event()
         self.accepted = ranks.ctx.Value("i", 0)
         self.report, child = ranks.ctx.Pipe()
-        env = rank_env(ranks.ca, f"flood-{kind}", ranks.dir.name)
+        env = rank_env(ranks.ca, f"flood-{kind}", "decode", ranks.dir.name)
         self.proc = ranks.ctx.Process(target=flood_main, daemon=True,
                                       args=(ranks.address, env, kind, self.stop_event, self.accepted, child))
         self.proc.start()
