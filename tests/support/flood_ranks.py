@@ -115,8 +115,15 @@ def prefill_main(conn, env: dict) -> None:
 # ------------------------------------------------------------------ flooder
 def flood_main(address, env: dict, kind: str, stop, accepted, report) -> None:
     """Flood the prefill at ``address`` as ``kind`` says until ``stop`` is set, reconnecting whenever dropped or
-    refused; ``accepted`` counts handshakes the prefill answered.  Sends the outcome counts on ``report``."""
+    refused; ``accepted`` counts handshakes the prefill answered.  Sends the outcome counts on ``report``.
+
+    It runs at the lowest CPU priority: in a cluster a flooder runs on a host of its own, so what the test's
+    ratios measure is what its messages cost the prefill, not what its own loop takes from a shared CPU."""
+    import os
+
     from kvlend.security.credentials import Credentials
+
+    os.nice(19)
 
     counts = {"connections": 0, "accepted": 0, "refused": 0, "dropped": 0, "bursts": 0}
     try:
