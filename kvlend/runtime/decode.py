@@ -185,7 +185,8 @@ class DecodeNode(Shell):
             "decode", (socket.gethostname() or "localhost")[:255], 0, layout, config, capacity, meta)
         backend.register(layout.regions)
         self.layout = layout
-        self.session = DecodeSession(layout, backend.kind, name=self.name, config=config)
+        self.session = DecodeSession(layout, backend.kind, name=self.name, config=config,
+                                     read_window=getattr(backend, "read_window", None))
         self.tracker = self.session.tracker
         self._handles: dict[int, FetchHandle] = {}
         self._finished: list[FetchHandle] = []

@@ -27,7 +27,9 @@ import time
 
 import numpy as np
 
-_MALLOC = {"MALLOC_MMAP_THRESHOLD_": str(4 << 20), "MALLOC_TRIM_THRESHOLD_": str(1 << 30)}
+# The children's environment: tcp only, and glibc keeping freed blocks in the heap (``_litter``).
+_CHILD_ENV = {"UCX_TLS": "tcp", "UCX_NET_DEVICES": "lo",
+              "MALLOC_MMAP_THRESHOLD_": str(4 << 20), "MALLOC_TRIM_THRESHOLD_": str(1 << 30)}
 SEGFAULT_OR_ABORT = (-signal.SIGSEGV, -signal.SIGABRT, -signal.SIGBUS, 134, 139)
 
 
@@ -58,7 +60,6 @@ def _litter(block: int = 1 << 20, count: int = 64) -> list:
 def _target(conn, size: int, litter: bool) -> None:
     """The lender: register ``size`` bytes, hand out its metadata and address, then poll until told to stop."""
     from kvlend_nixl import NixlBackend
-
     from tests.support.agents import host_region, random_bytes
 
     buf = random_bytes(size, 7)
@@ -73,10 +74,9 @@ def _target(conn, size: int, litter: bool) -> None:
 
 def _reader(conn, size: int, piece: int, window: bool) -> None:
     """The reader: post the reads (all of them, or what the window admits) once told, then never progress."""
-    from kvlend_nixl import NixlBackend
-
     from kvlend.core.layout import MemoryKind
     from kvlend.core.reads import ReadBatch
+    from kvlend_nixl import NixlBackend
     from tests.support.agents import host_region, poll_until
 
     dst = np.zeros(size, dtype=np.uint8)
@@ -90,11 +90,8 @@ def _reader(conn, size: int, piece: int, window: bool) -> None:
         poll_until(backend, [b"warm"], 60)  # connected both ways, as a reader that served before
         conn.send_bytes(b"ready")
         count = size // piece
-        if window:
-            from kvlend.core.tcpwindow import TcpWindow, socket_buffering
-
-            admit = TcpWindow(socket_buffering(os.environ)).room(0) // piece
-            count = min(count, admit)
+        if window:  # what the decode's window (kvlend.core.tcpwindow) lets one reader have in flight
+            count = min(count, backend.read_window // piece)
         rows = np.arange(count, dtype=np.uint64) * np.uint64(piece)
         local = np.stack([rows + np.uint64(dst.ctypes.data), np.full(count, piece, np.uint64),
                           np.zeros(count, np.uint64)], axis=1)
@@ -113,15 +110,16 @@ def _wait_message(conn, seconds: float, what: str) -> bytes:
     return conn.recv_bytes()
 
 
-def run_once(size: int, piece: int, window: bool, litter: bool = True, answer_s: float = 1.0, grace_s: float = 3.0) -> dict:
+def run_once(size: int, piece: int, window: bool, litter: bool = True, answer_s: float = 1.0,
+             grace_s: float = 3.0) -> dict:
     """One trial; how the target ended and what the reader posted."""
     ctx = mp.get_context("spawn")
     t_conn, t_child = ctx.Pipe()
     r_conn, r_child = ctx.Pipe()
     target = ctx.Process(target=_target, args=(t_child, size, litter), daemon=True)
     reader = ctx.Process(target=_reader, args=(r_child, size, piece, window), daemon=True)
-    saved = {k: os.environ.get(k) for k in _MALLOC}
-    os.environ.update(_MALLOC)  # read by the children's glibc at start
+    saved = {k: os.environ.get(k) for k in _CHILD_ENV}
+    os.environ.update(_CHILD_ENV)  # inherited by the spawned children; this process's own UCX is untouched
     try:
         target.start()
         reader.start()
@@ -166,7 +164,6 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-litter", action="store_true", help="leave the target's freed heap as it is")
     ap.add_argument("--runs", default=1, type=int)
     args = ap.parse_args(argv)
-    os.environ["UCX_TLS"] = "tcp"
     crashed = 0
     for _ in range(args.runs):
         out = run_once(args.bytes, args.piece, args.window, not args.no_litter)

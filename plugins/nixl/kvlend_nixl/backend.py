@@ -64,6 +64,7 @@ from kvlend.errors import BackendError, KvlendError, PeerLost, TransferCancelled
 from kvlend.metrics import METRICS
 from kvlend.transport import Completion, ReadBatch
 
+from . import tcp
 from .calls import MAX_NAME, Read, as_error, check_tag, peer_name, post, quietly, release
 from .memory import MEM, check_gpus, register as register_regions, spans as registered_spans
 from .nixl_build import api as nixl, bindings as _nb
@@ -114,7 +115,9 @@ class NixlBackend:
     ends with ``TransferTimeout``.  ``abort_grace``: seconds a cancelled,
     timed-out or orphaned read may take to stop before the agent is rebuilt.
     ``thread_safe``: NIXL locks (RW) for use from several threads.
-    ``backend_params``: further UCX backend parameters.
+    ``backend_params``: further UCX backend parameters.  ``tcp_window``: where READs may go over
+    tcp, ``read_window`` is the bytes a reader keeps in flight per peer (``kvlend_nixl.tcp``;
+    False: None, for measuring its cost); the socket buffers are pinned either way.
     """
 
     kind = "nixl"
@@ -130,6 +133,7 @@ class NixlBackend:
         abort_grace: float = 1.0,
         thread_safe: bool = False,
         backend_params: Mapping[str, str] | None = None,
+        tcp_window: bool = True,
     ) -> None:
         if name is None:
             name = f"kvlend-{os.getpid()}-{secrets.token_hex(4)}"
@@ -154,6 +158,8 @@ class NixlBackend:
         locking = thread_safe or num_threads > 0
         sync = nixl.nixl_thread_sync_t.NIXL_THREAD_SYNC_RW if locking else nixl.nixl_thread_sync_t.NIXL_THREAD_SYNC_NONE
         self.name = name
+        window = tcp.pin(os.environ) if tcp.carries_reads(os.environ, tcp.rdma_devices()) else None
+        self.read_window: int | None = window if tcp_window else None
         self._config = nixl.nixl_agent_config(enable_prog_thread=progress_thread, backends=[], sync_mode=sync)
         self._params = params
         self._agent: nixl.nixl_agent | None = self._start_agent()  # None: lost in a reset, made again on use
