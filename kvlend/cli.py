@@ -322,12 +322,13 @@ def _add_cluster_status(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prefix", default=os.environ.get("KVLEND_CLUSTER_PREFIX", "/kvlend/default"),
                         help="the cluster's key prefix (default: $KVLEND_CLUSTER_PREFIX)")
     parser.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for etcd")
-    parser.add_argument("--json", action="store_true", help="print the status as JSON")
+    parser.add_argument("--json", action="store_true", help="print the status as JSON "
+                        "(records are checked against the cluster CA in $KVLEND_CA; refused ones are listed)")
 
 
 def _run_cluster_status(args: argparse.Namespace) -> int:
     try:
-        from .cluster.registry import Registry, etcd_security_from_env
+        from .cluster.registry import Registry, cluster_ca_from_env, etcd_security_from_env
     except ImportError as exc:
         raise CliError(f"cluster status needs the etcd client (pip install 'kvlend[cluster]'): {exc}") from None
     if not 0 < args.timeout < 3600:
@@ -336,7 +337,8 @@ def _run_cluster_status(args: argparse.Namespace) -> int:
 
     logging.getLogger("kvlend.cluster.registry").setLevel(logging.ERROR)  # the failure is our one line
     registry = Registry([e.strip() for e in args.etcd.split(",") if e.strip()], args.prefix,
-                        timeout=min(args.timeout, 2.0), **etcd_security_from_env())
+                        cluster_ca=cluster_ca_from_env(), timeout=min(args.timeout, 2.0),
+                        **etcd_security_from_env())
     try:
         registry.start()
         if not registry.ready(args.timeout):

@@ -310,15 +310,25 @@ def test_demo_text_report_says_how_many_were_in_flight():
 
 # ---------------------------------------------------------------- cluster
 @pytest.mark.system
-def test_cluster_status_lists_the_live_ranks_from_a_real_etcd(capsys):
+def test_cluster_status_lists_the_live_ranks_from_a_real_etcd(capsys, monkeypatch, tmp_path):
     from kvlend.cluster import RankRecord
     from kvlend.cluster.etcd_members import EtcdMembers
     from kvlend.cluster.registry import Registry
+    from kvlend.security.certs import save_rank
+    from tests.support.certs import CA, creds
 
     layout = load(LLAMA)
-    with EtcdMembers(1) as etcd, Registry(etcd.endpoints, "/kvlend/cli-test", ttl=2, timeout=1) as rank:
-        rank.publish(RankRecord("prefill-7", "prefill", "10.1.2.3", 4100, layout.encode(), capacity=8, load=3))
+    rank_creds = creds("prefill-7", "prefill")
+    with (EtcdMembers(1, authority=CA) as etcd,
+          Registry(etcd.endpoints, "/kvlend/cli-test", cluster_ca=CA.cert_pem, etcd_credentials=rank_creds, ttl=2,
+                   timeout=1) as rank):
+        rank.publish(RankRecord("prefill-7", "prefill", "10.1.2.3", 4100, layout.encode(), capacity=8, load=3),
+                     rank_creds)
         assert rank.wait_for(lambda view: view.get("prefill-7") is not None, 10)
+        files = save_rank(creds("status-tool", "router"), str(tmp_path / "tool"))  # reads and checks records
+        for name, value in {**files, "KVLEND_ETCD_CA": files["KVLEND_CA"], "KVLEND_ETCD_CERT": files["KVLEND_CERT"],
+                            "KVLEND_ETCD_KEY": files["KVLEND_KEY"]}.items():
+            monkeypatch.setenv(name, value)
         code, out, err = run(capsys, "cluster", "status", "--etcd", etcd.endpoints[0], "--prefix", "/kvlend/cli-test")
         assert code == 0, err
         assert "1 live ranks" in out and has_row(
@@ -329,12 +339,16 @@ def test_cluster_status_lists_the_live_ranks_from_a_real_etcd(capsys):
 
 
 @pytest.mark.unit
-def test_cluster_status_without_etcd_is_one_line_and_exit_2(capsys):
+def test_cluster_status_without_etcd_is_one_line_and_exit_2(capsys, monkeypatch, tmp_path):
     import socket
+
+    from tests.support.certs import CA
 
     with socket.socket() as s:  # a port nobody listens on
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
+    monkeypatch.setenv("KVLEND_CA", str(tmp_path / "ca.pem"))
+    (tmp_path / "ca.pem").write_bytes(CA.cert_pem)
     code, out, err = run(capsys, "cluster", "status", "--etcd", f"127.0.0.1:{port}", "--timeout", "1")
     assert code == 2 and out == "" and f"etcd at 127.0.0.1:{port} did not answer within 1 s" in err
     assert len(err.strip().splitlines()) == 1

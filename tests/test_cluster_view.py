@@ -282,7 +282,8 @@ HOSTILE = [
     ("version", b"42"),
     ("version", as_bytes([valid_body()])),
     ("version", as_bytes(valid_body(version=1))),  # a layout carried whole: an older rank
-    ("version", as_bytes(valid_body(version=3))),
+    ("version", as_bytes(valid_body(version=4))),
+    ("version", as_bytes(valid_body(version=2))),  # unsigned: a rank before records were signed
     ("version", as_bytes(valid_body(version=0))),
     ("version", as_bytes(valid_body(version="2"))),
     ("version", as_bytes(valid_body(version=None))),
@@ -311,7 +312,7 @@ HOSTILE = [
     ("record.meta", as_bytes(valid_body(meta=["api", "x"]))),
     ("record.meta", as_bytes(valid_body(meta={"api": 1}))),
     ("record.meta", as_bytes(valid_body(meta=None))),
-    ("record.load", b'{"version":2,"identity":"p0","role":"prefill","host":"h","port":1,"layout":"'
+    ("record.load", b'{"version":3,"identity":"p0","role":"prefill","host":"h","port":1,"layout":"'
      + layout_digest(SAME.encode()).encode() + b'","tp_size":1,"tp_rank":0,"pp_size":1,"pp_rank":0,'
      b'"capacity":1,"load":NaN,"healthy":true,"meta":{}}'),
     ("record.healthy", as_bytes(valid_body(healthy=1))),
@@ -586,14 +587,16 @@ def test_a_layout_is_learnt_only_under_its_own_digest():
 
 
 def test_remembered_layouts_are_bounded_but_never_those_in_use_or_kept():
-    from kvlend.cluster.view import _MAX_LAYOUTS
+    from kvlend.cluster.view import MAX_LAYOUTS
     view = new_view()
     view.put(1, key("p0"), rec("p0").encode())  # uses SAME
-    spare = [pools_layout(pages=p).encode() for p in range(40, 40 + _MAX_LAYOUTS + 8)]  # distinct by pages: ids
+    spare = [pools_layout(pages=p).encode() for p in range(40, 40 + MAX_LAYOUTS)]  # distinct by pages: ids
     batch = {layout_digest(d) for d in spare}
-    for data in spare:
+    for data in spare[:-1]:
         view.learn_layout(layout_digest(data), data, keep=batch)  # one snapshot's worth, fetched together
-    assert batch <= set(view.layouts) and layout_digest(SAME.encode()) in view.layouts
+    assert batch - {layout_digest(spare[-1])} <= set(view.layouts) and len(view.layouts) == MAX_LAYOUTS
+    with pytest.raises(RegistryError, match="at most"):  # in use or kept: the bound holds, the newcomer waits
+        view.learn_layout(layout_digest(spare[-1]), spare[-1], keep=batch)
     view.learn_layout(layout_digest(LOCAL.encode()), LOCAL.encode())  # past the cap: the unused go
     assert set(view.layouts) == {layout_digest(SAME.encode()), layout_digest(LOCAL.encode())}
 

@@ -33,11 +33,12 @@ import pytest
 
 import kvlend.protocol.prefill
 from kvlend.errors import PeerLost
+from kvlend.protocol.codes import Code
 from kvlend.protocol.prefill import MAX_PENDING_PER_SOURCE
-from kvlend.protocol.wire import MAX_FRAME_BYTES, Heartbeat
+from kvlend.protocol.wire import MAX_FRAME_BYTES, Bye, Claim, Heartbeat
 from tests.support.certs import creds
 from tests.support.kvcache import prefill_request
-from tests.support.nodes import DEADLINE, DST_PAGES, SRC_PAGES, fetch_and_verify, free_lists, rig
+from tests.support.nodes import DEADLINE, DST_PAGES, SRC_PAGES, fetch_and_verify, free_lists, rig, wait_until
 from tests.support.raw_peer import RawDecode
 from tests.support.wire import nested_empty_maps
 
@@ -249,3 +250,21 @@ def test_a_heartbeat_flood_of_ids_never_granted_drops_each_peer_and_stalls_no_le
         assert len(lines) <= 3 * outcomes["connections"], lines[:5]  # authenticated, handshake, dropped
         assert sum("LeaseDenied" in line for line in lines) == outcomes["dropped"]
         serves_byte_exact(r, seed=93)
+
+
+def test_a_burst_past_a_peers_share_is_handled_whole_even_when_it_hangs_up_right_after():
+    """Frames beyond a peer's share of a turn wait for its next turns (issue 34): none is lost, even when
+    the peer closes its connection behind them."""
+    with rig() as r:
+        tables = prefill_request(r.layout, r.src, free_lists(r.layout, SRC_PAGES, 97), 40, seed=97)
+        tickets = [r.prefill.lend(f"burst-{i}", 40, tables, r.layout.full_selection()) for i in range(200)]
+        with RawDecode(r.prefill.address, creds("burst", "decode")) as raw:
+            raw.handshake(r.decode.layout)
+            raw.send(*(Claim(t.lease) for t in tickets), Bye(Code.OK, "leaving"))
+
+        def claimed() -> int:
+            with r.prefill._lock:
+                return len(r.prefill.lender.leases_of("burst"))
+
+        wait_until(lambda: claimed() == len(tickets), "every claim of the burst handled")
+        assert "burst" not in r.prefill.ready_peers()

@@ -17,6 +17,8 @@ from pathlib import Path
 
 import pytest
 
+from kvlend.security.certs import Authority
+
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "multinode-loopback"
 SKIP = 77
 
@@ -170,9 +172,10 @@ def test_cluster_broken_decode_link_fails_within_deadline_and_the_other_decode_v
 
 def test_etcd_members_command_line_answers_and_stops_its_members(tmp_path):
     """The helper --cluster runs in host e0, here on loopback: one JSON line per command."""
+    Authority.create().save(str(tmp_path / "ca"))
     proc = subprocess.Popen([sys.executable, "-m", "kvlend.cluster.etcd_members", "--members", "3",
-                             "--workdir", str(tmp_path / "etcd")], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                            text=True)
+                             "--workdir", str(tmp_path / "etcd"), "--ca", str(tmp_path / "ca")],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     try:
         out, _ = proc.communicate("leader\nkill-leader\nleader\nstatus\nkill 7\nquit\n", timeout=60)
     finally:

@@ -25,7 +25,7 @@ ALLOWED = {
     "protocol": {"core"},
     "transport": {"core"},
     "security": {"core"},
-    "cluster": {"core", "ports"},
+    "cluster": {"core", "ports", "security"},  # security: records are signed with rank certificates
     "runtime": {"core", "protocol", "transport", "security", "metrics", "cluster", "ports"},
     "bench": {"core", "protocol", "transport", "security", "runtime", "ports"},
 }

@@ -13,6 +13,8 @@ never performance claims.
 from __future__ import annotations
 
 import asyncio
+import functools
+import json
 import os
 import secrets
 import select
@@ -29,9 +31,12 @@ import pytest
 from kvlend.cluster.etcd_members import EtcdMembers
 from kvlend.cluster.records import RankRecord, layout_digest, layout_key, ranks_prefix, record_key
 from kvlend.cluster.registry import Registry, etcd_security_from_env
+from kvlend.cluster.signing import RecordSigner
 from kvlend.cluster.view import JOINED, LEFT, UPDATED, Change
 from kvlend.errors import ConfigError, RegistryError
 from kvlend.ports import spare_port
+from kvlend.security.certs import Authority, save_rank
+from kvlend.security.credentials import Credentials
 from tests.support.etcd import Raw
 from tests.support.kvcache import make_layout, make_pools
 
@@ -43,6 +48,22 @@ WAIT = 5.0  # the most any "it shows up" wait may take
 LAYOUT = make_layout(make_pools(8))
 LAYOUT_BYTES = LAYOUT.encode()
 LAYOUTS = {layout_digest(LAYOUT_BYTES): LAYOUT_BYTES}
+AUTHORITY = Authority.create()  # the cluster CA: it signs etcd's certificate and every rank's
+
+
+@functools.lru_cache(maxsize=None)
+def creds(identity: str, role: str) -> Credentials:
+    return AUTHORITY.issue(identity, role)
+
+
+def publish(registry: Registry, record: RankRecord) -> None:
+    """Publish as the rank itself would: signed with its own certificate."""
+    registry.publish(record, creds(record.identity, record.role))
+
+
+def signed(record: RankRecord) -> bytes:
+    """The value the rank itself would put (for a writer that is no ``Registry``)."""
+    return RecordSigner(creds(record.identity, record.role)).sign(record)
 
 
 # ----------------------------------------------------------------- helpers
@@ -117,7 +138,7 @@ def _close_members(members: EtcdMembers) -> None:
 
 @pytest.fixture(scope="module")
 def etcd1():
-    members = EtcdMembers(1)
+    members = EtcdMembers(1, authority=AUTHORITY)
     try:
         yield members
     finally:
@@ -126,7 +147,7 @@ def etcd1():
 
 @pytest.fixture
 def etcd3():
-    members = EtcdMembers(3)
+    members = EtcdMembers(3, authority=AUTHORITY)
     try:
         yield members
     finally:
@@ -143,7 +164,14 @@ def registries():
     """A factory of (unstarted) ``Registry``; every one is closed, and its thread gone, when the test ends."""
     made: list[Registry] = []
 
-    def make(endpoints, prefix, **kw) -> Registry:
+    def make(etcd, prefix, **kw) -> Registry:
+        """``etcd``: members (their client certificate, unless ``kw`` names etcd's TLS) or endpoints."""
+        endpoints = etcd
+        if isinstance(etcd, EtcdMembers):
+            endpoints = etcd.endpoints
+            if etcd.client_tls and not {"ca_file", "etcd_credentials"} & set(kw):
+                kw.update(etcd.client_tls)
+        kw.setdefault("cluster_ca", AUTHORITY.cert_pem)
         kw.setdefault("ttl", TTL)
         kw.setdefault("timeout", TIMEOUT)
         reg = Registry(endpoints, prefix, **kw)
@@ -184,23 +212,23 @@ def registries():
 ])
 def test_bad_arguments_raise_registry_error(endpoints, kw, words):
     with pytest.raises(RegistryError, match=words):
-        Registry(endpoints, "/kvlend/args", **kw)
+        Registry(endpoints, "/kvlend/args", cluster_ca=AUTHORITY.cert_pem, **kw)
 
 
 def test_bad_prefix_is_refused():
     """A prefix with a trailing slash would put records where no reader of the right prefix looks."""
     with pytest.raises(ConfigError, match="prefix"):
-        Registry(["127.0.0.1:2379"], "/kvlend/bad/")
+        Registry(["127.0.0.1:2379"], "/kvlend/bad/", cluster_ca=AUTHORITY.cert_pem)
 
 
 # ----------------------------------------------------------------- one member
 def test_publisher_record_reaches_a_watcher(etcd1, prefix, registries):
     """publish before start, the watcher's JOINED carries the record, other prefixes stay out."""
-    pub = registries(etcd1.endpoints, prefix)
+    pub = registries(etcd1, prefix)
     record = prefill("p0", meta={"api": "http://127.0.0.1:8000"})
-    pub.publish(record)  # before start: kept and put once connected
+    publish(pub, record)  # before start: kept and put once connected
     pub.start()
-    watcher = registries(etcd1.endpoints, prefix)
+    watcher = registries(etcd1, prefix)
     seen = Changes()
     watcher.add_listener(seen)
     watcher.start()
@@ -213,8 +241,8 @@ def test_publisher_record_reaches_a_watcher(etcd1, prefix, registries):
     assert seen.wait(lambda s: s.of("p0", JOINED))
     assert seen.of("p0", JOINED)[0].record == record
     # a rank of another cluster (another prefix, even one that extends this one) never shows
-    other = registries(etcd1.endpoints, prefix + "x").start()
-    other.publish(prefill("stranger"))
+    other = registries(etcd1, prefix + "x").start()
+    publish(other, prefill("stranger"))
     assert other.wait_for(lambda v: v.get("stranger") is not None, WAIT)
     time.sleep(0.3)
     assert watcher.get("stranger") is None and [r.identity for r in watcher.ranks()] == ["p0"]
@@ -225,34 +253,34 @@ def test_publisher_record_reaches_a_watcher(etcd1, prefix, registries):
 
 
 def test_publish_after_start_and_one_identity_per_registry(etcd1, prefix, registries):
-    pub = registries(etcd1.endpoints, prefix).start()
+    pub = registries(etcd1, prefix).start()
     assert pub.ready(WAIT)
     with pytest.raises(RegistryError, match="nothing published"):
         pub.update(load=1)
-    pub.publish(RankRecord("d0", "decode", "127.0.0.1", 0, layout=LAYOUT_BYTES))
+    publish(pub, RankRecord("d0", "decode", "127.0.0.1", 0, layout=LAYOUT_BYTES))
     assert pub.wait_for(lambda v: v.get("d0") is not None, WAIT)
     with pytest.raises(RegistryError, match="'d0'.*'d1'"):
-        pub.publish(RankRecord("d1", "decode", "127.0.0.1", 0, layout=LAYOUT_BYTES))
+        publish(pub, RankRecord("d1", "decode", "127.0.0.1", 0, layout=LAYOUT_BYTES))
     with pytest.raises(RegistryError, match="RankRecord"):
-        pub.publish({"identity": "d0"})
+        pub.publish({"identity": "d0"}, creds("d0", "decode"))
     with pytest.raises(RegistryError, match="already started"):
         pub.start()
     # the same identity again, with new fields, replaces the record
-    pub.publish(RankRecord("d0", "decode", "127.0.0.1", 0, layout=LAYOUT_BYTES, capacity=9))
+    publish(pub, RankRecord("d0", "decode", "127.0.0.1", 0, layout=LAYOUT_BYTES, capacity=9))
     assert pub.wait_for(lambda v: v.get("d0").capacity == 9, WAIT)
     assert pub.get("d1") is None
 
 
 def test_update_bursts_are_coalesced_and_the_last_value_arrives(etcd1, prefix, registries):
-    pub = registries(etcd1.endpoints, prefix, update_interval=0.25)
-    pub.publish(prefill("p0"))
+    pub = registries(etcd1, prefix, update_interval=0.25)
+    publish(pub, prefill("p0"))
     pub.start()
-    watcher = registries(etcd1.endpoints, prefix)
+    watcher = registries(etcd1, prefix)
     seen = Changes()
     watcher.add_listener(seen)
     watcher.start()
     assert watcher.wait_for(lambda v: v.get("p0") is not None, WAIT)
-    raw = Raw(etcd1.endpoints[0])
+    raw = Raw(etcd1)
     version0 = raw.get(record_key(prefix, "p0")).version
     t0 = time.monotonic()
     for load in range(1, 101):
@@ -275,10 +303,10 @@ def test_update_bursts_are_coalesced_and_the_last_value_arrives(etcd1, prefix, r
 
 def test_close_removes_the_record_at_once(etcd1, prefix, registries):
     """A clean shutdown revokes its lease: the record goes now, not a TTL (10 s here) later."""
-    pub = registries(etcd1.endpoints, prefix, ttl=10)
-    pub.publish(prefill("p0"))
+    pub = registries(etcd1, prefix, ttl=10)
+    publish(pub, prefill("p0"))
     pub.start()
-    watcher = registries(etcd1.endpoints, prefix)
+    watcher = registries(etcd1, prefix)
     seen = Changes()
     watcher.add_listener(seen)
     watcher.start()
@@ -288,21 +316,21 @@ def test_close_removes_the_record_at_once(etcd1, prefix, registries):
     gone = wait_until(lambda: watcher.get("p0") is None, 2.0)
     assert gone is not None and took + gone < 2.0, f"record still there {took + (gone or 2.0):.2f} s after close"
     assert seen.wait(lambda s: s.of("p0", LEFT))
-    assert Raw(etcd1.endpoints[0]).get(record_key(prefix, "p0")) is None
+    assert Raw(etcd1).get(record_key(prefix, "p0")) is None
     pub.close()  # idempotent
 
 
 def test_lost_lease_is_granted_again_and_the_record_republished(etcd1, prefix, registries):
     """Someone revokes the rank's lease (or it ran out): the next refresh notices and puts the record again."""
-    pub = registries(etcd1.endpoints, prefix)
-    pub.publish(prefill("p0", load=2))
+    pub = registries(etcd1, prefix)
+    publish(pub, prefill("p0", load=2))
     pub.start()
-    watcher = registries(etcd1.endpoints, prefix)
+    watcher = registries(etcd1, prefix)
     seen = Changes()
     watcher.add_listener(seen)
     watcher.start()
     assert watcher.wait_for(lambda v: v.get("p0") is not None, WAIT)
-    raw = Raw(etcd1.endpoints[0])
+    raw = Raw(etcd1)
     lease = raw.get(record_key(prefix, "p0")).lease
     assert lease and raw.lease_alive(lease)
     raw.revoke(lease)
@@ -317,22 +345,22 @@ def test_lost_lease_is_granted_again_and_the_record_republished(etcd1, prefix, r
 def test_a_live_ranks_record_deleted_by_hand_comes_back(etcd1, prefix, registries):
     """``publish`` keeps the record published: if someone deletes it (``etcdctl del --prefix`` to clean up,
     say) while the rank and its lease live on, the rank must put it back, or it stays invisible for good."""
-    pub = registries(etcd1.endpoints, prefix)
-    pub.publish(prefill("p0"))
+    pub = registries(etcd1, prefix)
+    publish(pub, prefill("p0"))
     pub.start()
-    watcher = registries(etcd1.endpoints, prefix).start()
+    watcher = registries(etcd1, prefix).start()
     assert watcher.wait_for(lambda v: v.get("p0") is not None, WAIT)
-    Raw(etcd1.endpoints[0]).run(lambda c: c.delete(record_key(prefix, "p0").encode()))
+    Raw(etcd1).run(lambda c: c.delete(record_key(prefix, "p0").encode()))
     assert watcher.wait_for(lambda v: v.get("p0") is None, WAIT)
     assert watcher.wait_for(lambda v: v.get("p0") is not None, TTL + 2), \
         f"the live rank's deleted record was never put back (publisher status: {pub.status()})"
 
 
 def test_bad_updates_raise_and_a_failing_listener_hurts_no_one(etcd1, prefix, registries):
-    pub = registries(etcd1.endpoints, prefix)
-    pub.publish(prefill("p0", load=1))
+    pub = registries(etcd1, prefix)
+    publish(pub, prefill("p0", load=1))
     pub.start()
-    watcher = registries(etcd1.endpoints, prefix)
+    watcher = registries(etcd1, prefix)
 
     def broken(changes):
         raise RuntimeError("a listener bug")
@@ -359,11 +387,13 @@ def test_bad_updates_raise_and_a_failing_listener_hurts_no_one(etcd1, prefix, re
 # ----------------------------------------------------------------- liveness
 CHILD = r"""
 import sys, time
-from kvlend.cluster.registry import Registry, etcd_security_from_env
+from kvlend.cluster.registry import Registry
 from kvlend.cluster.records import RankRecord
+from kvlend.security.credentials import Credentials
 endpoints, prefix, ttl = sys.argv[1].split(","), sys.argv[2], int(sys.argv[3])
-reg = Registry(endpoints, prefix, ttl=ttl, timeout=1).start()
-reg.publish(RankRecord("victim", "router", "127.0.0.1", 0, capacity=8, load=1))
+creds = Credentials.load(*sys.argv[4:7])  # its rank certificate: for etcd and for its record
+reg = Registry(endpoints, prefix, cluster_ca=creds.ca_pem, etcd_credentials=creds, ttl=ttl, timeout=1).start()
+reg.publish(RankRecord("victim", "router", "127.0.0.1", 0, capacity=8, load=1), creds)
 reg.update(load=5)
 if not reg.wait_for(lambda v: v.get("victim") is not None and v.get("victim").load == 5, 10):
     sys.exit(3)
@@ -372,14 +402,16 @@ time.sleep(60)  # the parent SIGKILLs it long before
 """
 
 
-def test_a_killed_rank_leaves_within_its_ttl(etcd1, prefix, registries):
-    watcher = registries(etcd1.endpoints, prefix)
+def test_a_killed_rank_leaves_within_its_ttl(etcd1, prefix, registries, tmp_path):
+    watcher = registries(etcd1, prefix)
     seen = Changes()
     watcher.add_listener(seen)
     watcher.start()
     assert watcher.ready(WAIT)
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
-    child = subprocess.Popen([sys.executable, "-c", CHILD, ",".join(etcd1.endpoints), prefix, str(TTL)],
+    files = save_rank(creds("victim", "router"), str(tmp_path / "victim"))
+    child = subprocess.Popen([sys.executable, "-c", CHILD, ",".join(etcd1.endpoints), prefix, str(TTL),
+                              files["KVLEND_CA"], files["KVLEND_CERT"], files["KVLEND_KEY"]],
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=ROOT, env=env,
                              start_new_session=True)
     try:
@@ -412,7 +444,7 @@ def test_a_killed_rank_leaves_within_its_ttl(etcd1, prefix, registries):
 def test_records_written_while_the_watcher_starts_are_all_seen(etcd1, prefix, registries):
     """A foreign writer keeps putting records before, during and after the watcher's snapshot: none is missed,
     none counted twice (each JOINED exactly once), whether it came in the snapshot or the watch."""
-    raw = Raw(etcd1.endpoints[0])
+    raw = Raw(etcd1)
     for round_ in range(3):
         written: list[str] = []
         started, stop = threading.Event(), threading.Event()
@@ -423,7 +455,7 @@ def test_records_written_while_the_watcher_starts_are_all_seen(etcd1, prefix, re
             i = 0
             while not stop.is_set() and i < 400:
                 identity = f"r{round_}-{i:03d}"
-                await client.put(record_key(prefix, identity).encode(), prefill(identity, load=i % 7).encode())
+                await client.put(record_key(prefix, identity).encode(), signed(prefill(identity, load=i % 7)))
                 written.append(identity)
                 i += 1
                 if i == 5:
@@ -441,7 +473,7 @@ def test_records_written_while_the_watcher_starts_are_all_seen(etcd1, prefix, re
         thread = threading.Thread(target=writer, daemon=True)
         thread.start()
         assert started.wait(WAIT)
-        watcher = registries(etcd1.endpoints, prefix)
+        watcher = registries(etcd1, prefix)
         seen = Changes()
         watcher.add_listener(seen)
         watcher.start()
@@ -465,16 +497,16 @@ def test_records_written_while_the_watcher_starts_are_all_seen(etcd1, prefix, re
 
 
 def test_garbage_under_the_ranks_prefix_is_rejected(etcd1, prefix, registries):
-    raw = Raw(etcd1.endpoints[0])
+    raw = Raw(etcd1)
     ranks = ranks_prefix(prefix)
     good = prefill("good")
     raw.put(ranks + "junk", b"not json")
-    raw.put(ranks + "liar", prefill("someone-else").encode())  # the key and the record disagree
+    raw.put(ranks + "liar", signed(prefill("someone-else")))  # the key and the record disagree
     raw.put(ranks + "old", b'{"version": 0}')
     other_layout = make_layout(make_pools(16, layers=2)).encode()
-    raw.put(ranks + "nolayout", RankRecord("nolayout", "prefill", "127.0.0.1", 5001, layout=other_layout).encode())
-    raw.put_record(prefix, good)
-    watcher = registries(etcd1.endpoints, prefix)
+    raw.put(ranks + "nolayout", signed(RankRecord("nolayout", "prefill", "127.0.0.1", 5001, layout=other_layout)))
+    raw.put_record(prefix, good, signed(good))
+    watcher = registries(etcd1, prefix)
     seen = Changes()
     watcher.add_listener(seen)
     watcher.start()
@@ -492,17 +524,17 @@ def test_garbage_under_the_ranks_prefix_is_rejected(etcd1, prefix, registries):
     assert [c.record.identity for c in seen.all()] == ["good"]  # joined once, never left
     assert set(watcher.status()["rejected"]) == {ranks + k for k in ("junk", "liar", "old", "nolayout", "late",
                                                                      "good")}
-    # a lying capacity is refused the same way, and a valid update is taken again
-    raw.put(record_key(prefix, "good"), prefill("good").encode().replace(b'"capacity":4', b'"capacity":1099511627776'))
-    assert watcher.wait_for(lambda v: "capacity" in v.rejected.get(ranks + "good", ""), WAIT)
+    # a capacity changed after signing is refused the same way, and a valid update is taken again
+    raw.put(record_key(prefix, "good"), signed(prefill("good")).replace(b'"capacity":4', b'"capacity":65536'))
+    assert watcher.wait_for(lambda v: "signature" in v.rejected.get(ranks + "good", ""), WAIT)
     assert watcher.get("good") == good
-    raw.put(record_key(prefix, "good"), prefill("good", load=3).encode())
+    raw.put(record_key(prefix, "good"), signed(prefill("good", load=3)))
     assert watcher.wait_for(lambda v: v.get("good") == prefill("good", load=3) and ranks + "good" not in v.rejected,
                             WAIT)
     # a stored layout that does not hash to its name is refused, and the record naming it too
     other = RankRecord("other", "prefill", "127.0.0.1", 5001, layout=other_layout)  # its layout, never stored so far
     raw.put(layout_key(prefix, other.layout_digest), LAYOUT_BYTES)
-    raw.put(record_key(prefix, "other"), other.encode())
+    raw.put(record_key(prefix, "other"), signed(other))
     assert watcher.wait_for(lambda v: "not known" in v.rejected.get(ranks + "other", ""), WAIT)
     assert watcher.get("other") is None
     # a deleted key is a rank leaving
@@ -511,17 +543,17 @@ def test_garbage_under_the_ranks_prefix_is_rejected(etcd1, prefix, registries):
 
 
 def test_a_record_overwritten_by_someone_else_is_put_back(etcd1, prefix, registries):
-    pub = registries(etcd1.endpoints, prefix)
+    pub = registries(etcd1, prefix)
     mine = prefill("p0", load=1)
-    pub.publish(mine)
+    publish(pub, mine)
     pub.start()
-    watcher = registries(etcd1.endpoints, prefix).start()
+    watcher = registries(etcd1, prefix).start()
     assert watcher.wait_for(lambda v: v.get("p0") == mine, WAIT)
-    raw = Raw(etcd1.endpoints[0])
+    raw = Raw(etcd1)
     key = record_key(prefix, "p0")
     for forged in (prefill("p0", port=6666, load=1).encode(), b"garbage"):  # a valid-looking forgery, then junk
         raw.put(key, forged)
-        assert wait_until(lambda: (kv := raw.get(key)) is not None and kv.value == mine.encode(), WAIT), \
+        assert wait_until(lambda: (kv := raw.get(key)) is not None and kv.value in pub._mine, WAIT), \
             "the publisher did not put its record back"
         assert raw.get(key).lease != 0 and raw.lease_alive(raw.get(key).lease)  # under its own lease again
         assert watcher.wait_for(lambda v: v.get("p0") == mine and not v.rejected, WAIT)
@@ -532,9 +564,10 @@ def test_a_record_overwritten_by_someone_else_is_put_back(etcd1, prefix, registr
 
 def test_a_dead_ranks_record_overwritten_with_garbage_leaves_after_a_ttl(etcd1, prefix, registries):
     """The garbage took the key off the dead rank's lease: only the grace makes it leave."""
-    raw = Raw(etcd1.endpoints[0])
-    raw.put_record(prefix, prefill("ghost"))  # no publisher behind it: what a dead rank leaves
-    watcher = registries(etcd1.endpoints, prefix)
+    raw = Raw(etcd1)
+    ghost = prefill("ghost")
+    raw.put_record(prefix, ghost, signed(ghost))  # no publisher behind it: what a dead rank leaves
+    watcher = registries(etcd1, prefix)
     seen = Changes()
     watcher.add_listener(seen)
     watcher.start()
@@ -548,15 +581,15 @@ def test_a_dead_ranks_record_overwritten_with_garbage_leaves_after_a_ttl(etcd1, 
 def test_a_deep_models_record_is_small_and_its_layout_is_read_once(etcd1, prefix, registries):
     deep = make_layout(make_pools(8, layers=126)).encode()  # a 405B-class depth: 126 layers
     record = RankRecord("deep", "prefill", "127.0.0.1", 5000, layout=deep, capacity=4)
-    pub = registries(etcd1.endpoints, prefix)
-    pub.publish(record)
+    pub = registries(etcd1, prefix)
+    publish(pub, record)
     pub.start()
-    watcher = registries(etcd1.endpoints, prefix).start()
+    watcher = registries(etcd1, prefix).start()
     assert watcher.wait_for(lambda v: v.get("deep") == record, WAIT), watcher.status()
     assert watcher.get("deep").page_layout.encode() == deep and pub.ready(WAIT) and not pub.degraded
-    raw = Raw(etcd1.endpoints[0])
+    raw = Raw(etcd1)
     stored = raw.get(record_key(prefix, "deep")).value
-    assert len(stored) < 512 and raw.get(layout_key(prefix, record.layout_digest)).value == deep
+    assert len(stored) < 1536 and raw.get(layout_key(prefix, record.layout_digest)).value == deep  # with its cert
     print(f"126-layer layout {len(deep)} bytes; its record {len(stored)} bytes")
 
 
@@ -568,11 +601,11 @@ def test_a_fresh_registry_reads_240_ranks_in_pages(etcd1, prefix, registries):
     async def write(client):
         for r in ranks:
             await client.put(layout_key(prefix, r.layout_digest).encode(), r.layout)
-            await client.put(record_key(prefix, r.identity).encode(), r.encode())
+            await client.put(record_key(prefix, r.identity).encode(), signed(r))
 
-    Raw(etcd1.endpoints[0]).run(write, timeout=60)
+    Raw(etcd1).run(write, timeout=60)
     assert sum(len(r.layout) for r in ranks) > 3 << 20
-    watcher = registries(etcd1.endpoints, prefix)
+    watcher = registries(etcd1, prefix)
     t0 = time.monotonic()
     watcher.start()
     assert watcher.ready(30), watcher.status()
@@ -582,7 +615,7 @@ def test_a_fresh_registry_reads_240_ranks_in_pages(etcd1, prefix, registries):
 
 
 # ----------------------------------------------------------------- etcd's own security
-def enable_auth(endpoint: str, prefix: str, user: str, password: str) -> None:
+def enable_auth(etcd: EtcdMembers, prefix: str, user: str, password: str) -> None:
     """etcd auth on: a root user, and ``user`` with read-write on ``prefix``/ only (what etcdctl does)."""
     from aetcd.rpc import rpc_pb2 as pb
 
@@ -602,52 +635,58 @@ def enable_auth(endpoint: str, prefix: str, user: str, password: str) -> None:
             await method[type(request)](request, timeout=2)
         await auth.AuthEnable(pb.AuthEnableRequest(), timeout=2)
 
-    Raw(endpoint).run(go)
+    Raw(etcd).run(go)
 
 
 def test_etcd_auth_user_and_password(registries):
-    with EtcdMembers(1) as etcd:
+    with EtcdMembers(1, authority=AUTHORITY) as etcd:
         prefix = "/kvlend/auth"
-        enable_auth(etcd.endpoints[0], prefix, "kvlend", "s3cret")
-        pub = registries(etcd.endpoints, prefix, username="kvlend", password="s3cret")
-        pub.publish(prefill("p0"))
+        enable_auth(etcd, prefix, "kvlend", "s3cret")
+        pub = registries(etcd, prefix, username="kvlend", password="s3cret")
+        publish(pub, prefill("p0"))
         pub.start()
-        watcher = registries(etcd.endpoints, prefix, username="kvlend", password="s3cret").start()
+        watcher = registries(etcd, prefix, username="kvlend", password="s3cret").start()
         assert watcher.wait_for(lambda v: v.get("p0") == prefill("p0"), WAIT), watcher.status()
         assert pub.ready(WAIT) and not pub.degraded
         # the probe, a read under the prefix, passes too: nothing degrades over a few probe periods
         assert not watcher.wait_for(lambda v: v.degraded, 3 * TTL / 3 + TIMEOUT) and not pub.degraded
         for kw in ({}, {"username": "kvlend", "password": "wrong"}):
-            outsider = registries(etcd.endpoints, prefix, **kw).start()
+            outsider = registries(etcd, prefix, **kw).start()
             assert not outsider.ready(1.0) and outsider.degraded
             assert outsider.status()["why"], outsider.status()
         pub.close()
         assert watcher.wait_for(lambda v: v.get("p0") is None, WAIT)  # its lease revoked under auth too
 
 
-def test_etcd_over_tls_with_a_client_certificate(registries):
-    with EtcdMembers(1, tls=True) as etcd:
-        prefix = "/kvlend/tls"
-        tls = etcd.client_tls
-        pub = registries(etcd.endpoints, prefix, **tls)
-        pub.publish(prefill("p0"))
-        pub.start()
-        env = {"KVLEND_ETCD_CA": tls["ca_file"], "KVLEND_ETCD_CERT": tls["cert_file"],
-               "KVLEND_ETCD_KEY": tls["key_file"], "KVLEND_ETCD_USER": ""}  # empty: unset
-        assert etcd_security_from_env(env) == tls
-        watcher = registries(etcd.endpoints, prefix, **etcd_security_from_env(env)).start()
-        assert watcher.wait_for(lambda v: v.get("p0") == prefill("p0"), WAIT), watcher.status()
-        assert pub.ready(WAIT) and not pub.degraded
-        for kw in ({}, {"ca_file": tls["ca_file"]}):  # plaintext, or TLS without a client certificate
-            outsider = registries(etcd.endpoints, prefix, **kw).start()
-            assert not outsider.ready(1.0) and outsider.degraded
+def test_etcd_runs_tls_from_the_cluster_ca_and_refuses_a_client_without_a_certificate(etcd1, registries, tmp_path):
+    """``EtcdMembers`` starts etcd as production runs it: ranks connect with their rank certificate
+    (or the ``KVLEND_ETCD_*`` files), and a client without a certificate from the cluster CA gets nothing."""
+    prefix = "/kvlend/tls"
+    pub = registries(etcd1.endpoints, prefix, etcd_credentials=creds("p0", "prefill"))
+    publish(pub, prefill("p0"))
+    pub.start()
+    tls = etcd1.client_tls
+    env = {"KVLEND_ETCD_CA": tls["ca_file"], "KVLEND_ETCD_CERT": tls["cert_file"],
+           "KVLEND_ETCD_KEY": tls["key_file"], "KVLEND_ETCD_USER": ""}  # empty: unset
+    assert etcd_security_from_env(env) == tls
+    watcher = registries(etcd1.endpoints, prefix, **etcd_security_from_env(env)).start()
+    assert watcher.wait_for(lambda v: v.get("p0") == prefill("p0"), WAIT), watcher.status()
+    assert pub.ready(WAIT) and not pub.degraded
+    stranger = Authority.create("not the cluster CA").issue("p9", "prefill")
+    files = save_rank(stranger, str(tmp_path / "stranger"))
+    for kw in ({}, {"ca_file": tls["ca_file"]},  # plaintext, or TLS without a client certificate
+               {"ca_file": tls["ca_file"], "cert_file": files["KVLEND_CERT"], "key_file": files["KVLEND_KEY"]}):
+        outsider = registries(etcd1.endpoints, prefix, **kw).start()  # the last: a certificate from another CA
+        assert not outsider.ready(1.0) and outsider.degraded and outsider.get("p0") is None, kw
+    with pytest.raises((aetcd.exceptions.ClientError, asyncio.TimeoutError)):
+        Raw(etcd1.endpoints[0]).get(record_key(prefix, "p0"))  # a plain client: refused by etcd itself
 
 
 # ----------------------------------------------------------------- no etcd
 def test_no_etcd_at_all_degrades_and_closes_quickly(registries):
     port = spare_port()
     reg = registries([f"127.0.0.1:{port}"], "/kvlend/none")
-    reg.publish(prefill("p0"))
+    publish(reg, prefill("p0"))
     reg.start()
     ready, took = timed(reg.ready, 1.0)
     assert ready is False and 0.9 <= took < 3.0, f"ready(1.0) returned after {took:.2f} s"  # the deadline, not a hang
@@ -663,12 +702,12 @@ def test_no_etcd_at_all_degrades_and_closes_quickly(registries):
 
 def test_a_dead_endpoint_first_connects_via_the_live_one(etcd1, prefix, registries):
     dead = f"127.0.0.1:{spare_port()}"
-    pub = registries([dead, etcd1.endpoints[0]], prefix, ttl=10)
-    pub.publish(prefill("p0"))
+    pub = registries([dead, etcd1.endpoints[0]], prefix, ttl=10, **etcd1.client_tls)
+    publish(pub, prefill("p0"))
     pub.start()
     assert pub.ready(WAIT)
     assert pub.status()["endpoint"] == etcd1.endpoints[0] and pub.reconnects >= 1
-    watcher = registries(etcd1.endpoints, prefix).start()
+    watcher = registries(etcd1, prefix).start()
     assert watcher.wait_for(lambda v: v.get("p0") is not None, WAIT)
     assert not pub.degraded
     # close revokes through the live endpoint even though the dead one is listed first
@@ -687,17 +726,17 @@ def test_leader_killed_registries_recover_and_lose_nothing(etcd3, prefix, regist
     assert etcd3.alive(lead) and etcd3.healthy(lead)
     # list the leader first, so both registries are connected to the member that dies
     order = [etcd3.endpoints[lead]] + [etcd3.endpoints[i] for i in _others(etcd3, lead)]
-    pub = registries(order, prefix)
-    pub.publish(prefill("p0", load=1))
+    pub = registries(order, prefix, **etcd3.client_tls)
+    publish(pub, prefill("p0", load=1))
     pub.start()
-    watcher = registries(order, prefix)
+    watcher = registries(order, prefix, **etcd3.client_tls)
     seen = Changes()
     watcher.add_listener(seen)
     watcher.start()
-    raw = Raw(etcd3.endpoints[_others(etcd3, lead)[0]])
+    raw = Raw(etcd3, _others(etcd3, lead)[0])
     peers = [prefill(f"peer{i}") for i in range(5)]
     for record in peers:
-        raw.put_record(prefix, record)
+        raw.put_record(prefix, record, signed(record))
     everyone = {"p0"} | {r.identity for r in peers}
     assert watcher.wait_for(lambda v: {r.identity for r in v.ranks()} == everyone, WAIT)
     assert watcher.status()["endpoint"] == order[0] and pub.status()["endpoint"] == order[0]
@@ -720,7 +759,7 @@ def test_leader_killed_registries_recover_and_lose_nothing(etcd3, prefix, regist
     # the old leader comes back with its data and catches up
     etcd3.start(lead)
     etcd3.wait_healthy([lead], 10)
-    back = Raw(etcd3.endpoints[lead])
+    back = Raw(etcd3, lead)
     assert wait_until(lambda: RankRecord.decode(back.get(record_key(prefix, "p0")).value, LAYOUTS).load == 7,
                       WAIT) is not None
 
@@ -728,18 +767,18 @@ def test_leader_killed_registries_recover_and_lose_nothing(etcd3, prefix, regist
 def test_quorum_lost_degrades_keeps_known_ranks_and_recovers(etcd3, prefix, registries):
     """Two of three members die: both registries say degraded within a probe period plus a call deadline, keep
     what they know, answer every query at once; once the members are back, all flows again."""
-    pub = registries(etcd3.endpoints, prefix, ttl=1)  # short: its lease would run out during the outage
-    pub.publish(prefill("p0", load=1))
+    pub = registries(etcd3, prefix, ttl=1)  # short: its lease would run out during the outage
+    publish(pub, prefill("p0", load=1))
     pub.start()
-    bystander = registries(etcd3.endpoints, prefix, ttl=1)  # closed mid-outage: can't revoke, must expire
-    bystander.publish(prefill("gone-soon"))
+    bystander = registries(etcd3, prefix, ttl=1)  # closed mid-outage: can't revoke, must expire
+    publish(bystander, prefill("gone-soon"))
     bystander.start()
-    watcher = registries(etcd3.endpoints, prefix)
+    watcher = registries(etcd3, prefix)
     seen = Changes()
     watcher.add_listener(seen)
     watcher.start()
-    raw = Raw(etcd3.endpoints[0])
-    raw.put_record(prefix, prefill("peer", port=5001))
+    raw = Raw(etcd3)
+    raw.put_record(prefix, prefill("peer", port=5001), signed(prefill("peer", port=5001)))
     everyone = {"p0", "gone-soon", "peer"}
     assert watcher.wait_for(lambda v: {r.identity for r in v.ranks()} == everyone, WAIT)
     lease_before = raw.get(record_key(prefix, "p0")).lease
@@ -766,7 +805,7 @@ def test_quorum_lost_degrades_keeps_known_ranks_and_recovers(etcd3, prefix, regi
             ("compatible", lambda: watcher.compatible(LAYOUT)), ("pick", lambda: watcher.pick(LAYOUT)),
             ("status", watcher.status), ("pub.status", pub.status), ("pub.degraded", lambda: pub.degraded),
             ("update", lambda: pub.update(load=int(time.monotonic() * 1000) % 50 + 2)),
-            ("publish", lambda: pub.publish(pub._record)), ("ready", lambda: watcher.ready(0)),
+            ("publish", lambda: publish(pub, pub._record)), ("ready", lambda: watcher.ready(0)),
             ("add_listener", lambda: watcher.add_listener(probe)),
             ("remove_listener", lambda: watcher.remove_listener(probe)),
         ]:
@@ -807,15 +846,15 @@ def test_quorum_lost_degrades_keeps_known_ranks_and_recovers(etcd3, prefix, regi
 def test_a_publisher_cut_off_has_its_record_expire_then_republishes(etcd3, prefix, registries):
     """The publisher only knows member 0; member 0 dies, the other two keep a quorum: its lease runs out for
     real, the record leaves everyone's view, and when member 0 is back the publisher grants a new lease."""
-    pub = registries([etcd3.endpoints[0]], prefix, ttl=1)
-    pub.publish(prefill("p0", load=3))
+    pub = registries([etcd3.endpoints[0]], prefix, ttl=1, **etcd3.client_tls)
+    publish(pub, prefill("p0", load=3))
     pub.start()
-    watcher = registries(etcd3.endpoints[1:], prefix)
+    watcher = registries(etcd3.endpoints[1:], prefix, **etcd3.client_tls)
     seen = Changes()
     watcher.add_listener(seen)
     watcher.start()
     assert watcher.wait_for(lambda v: v.get("p0") is not None, WAIT)
-    raw = Raw(etcd3.endpoints[1])
+    raw = Raw(etcd3, 1)
     lease = raw.get(record_key(prefix, "p0")).lease
     etcd3.kill(0)
     t0 = time.monotonic()
@@ -834,12 +873,12 @@ def test_a_publisher_cut_off_has_its_record_expire_then_republishes(etcd3, prefi
 
 # ----------------------------------------------------------------- EtcdMembers
 def test_etcd_member_restart_keeps_its_data_and_close_leaves_nothing():
-    members = EtcdMembers(1)
+    members = EtcdMembers(1, authority=AUTHORITY)
     pids, workdir = [], members.workdir
     try:
         assert members.alive(0) and members.healthy(0)
         pids += etcd_pids(members)
-        raw = Raw(members.endpoints[0])
+        raw = Raw(members)
         raw.put("/kvlend/members/k", b"kept")
         members.kill(0)
         assert not members.alive(0) and not members.healthy(0) and _pid_gone(pids[0])
@@ -861,7 +900,7 @@ def test_etcd_member_restart_keeps_its_data_and_close_leaves_nothing():
 def test_etcd_members_leader_is_alive_and_moves_when_killed():
     with pytest.raises(RegistryError, match="1..7"):
         EtcdMembers(0)
-    with EtcdMembers(3) as members:
+    with EtcdMembers(3, authority=AUTHORITY) as members:
         pids = etcd_pids(members)
         assert len(pids) == 3 and len(set(members.endpoints)) == 3
         lead = members.leader()
@@ -871,3 +910,39 @@ def test_etcd_members_leader_is_alive_and_moves_when_killed():
         assert new != lead and members.alive(new)
         assert not members.alive(lead)
     assert all(_pid_gone(pid) for pid in pids)
+
+
+def test_64_forged_records_naming_distinct_large_layouts_cost_a_reader_nothing_it_fetches(etcd1, prefix,
+                                                                                          registries):
+    """The filer's 64 records, each naming its own ~1 MiB layout (+269 MiB and 7.3 s per reader before):
+    unsigned, none is fetched; the reader's layout memory stays within ``MAX_LAYOUT_CACHE_BYTES`` whatever
+    is written (here: 0 bytes), and its Python heap grows by far less than one layout."""
+    import tracemalloc
+
+    from kvlend.cluster.view import MAX_LAYOUT_CACHE_BYTES
+
+    raw = Raw(etcd1)
+    blob = os.urandom(1000 << 10)
+
+    async def write(client):
+        for i in range(64):
+            data = blob[:-8] + i.to_bytes(8, "big")  # distinct: each its own digest
+            digest = layout_digest(data)
+            await client.put(layout_key(prefix, digest).encode(), data)
+            forged = signed(prefill("real")).replace(b'"identity":"real"', f'"identity":"f{i}"'.encode())
+            body = {**json.loads(forged), "layout": digest, "capacity": 65536}  # a real rank's cert, not its record
+            await client.put(record_key(prefix, f"f{i}").encode(), json.dumps(body).encode())
+    raw.run(write, timeout=60)
+    tracemalloc.start()
+    try:
+        watcher = registries(etcd1, prefix).start()
+        assert watcher.ready(WAIT)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    rejected = watcher.view.rejected
+    assert len(rejected) == 64 and all("signed by the prefill certificate of 'real'" in why
+                                       for why in rejected.values()), list(rejected.values())[:2]
+    assert watcher.view.layouts == {} and watcher.view.layout_bytes == 0 <= MAX_LAYOUT_CACHE_BYTES
+    assert peak < len(blob), f"the reader's heap peaked at {peak} bytes"
+    print(f"64 forged records, ~1 MiB layouts each: reader fetched 0 layouts, heap peak {peak / 2**20:.2f} MiB")

@@ -16,6 +16,7 @@ import pytest
 
 from kvlend.core.lender import LEASE_ID_BYTES
 from kvlend.errors import ConfigError, PeerLost, ProtocolError
+from kvlend.protocol.config import Quotas
 from kvlend.protocol.connection import Connection
 from kvlend.protocol.wire import Claim
 from kvlend.runtime import DecodeNode, NodeConfig, PrefillNode
@@ -220,7 +221,10 @@ def test_a_decode_that_never_reads_its_replies_is_paused_then_dropped_and_others
     """An authenticated decode pipelines claims of unknown leases (each answered by an Abort) and reads
     nothing: the prefill stops reading it once its replies pile up, then drops it; an honest decode's
     fetch from the same prefill finishes byte-exact meanwhile."""
-    config = NodeConfig(handshake_timeout=DEADLINE, transfer_timeout=DEADLINE, **limits)
+    # Claims of ids nobody lent are strikes (``Quotas.max_strikes``) that would drop it first: lifted, so that
+    # what is tested here is the output bound alone.
+    config = NodeConfig(handshake_timeout=DEADLINE, transfer_timeout=DEADLINE, quotas=Quotas(max_strikes=1 << 30),
+                        **limits)
     with nodes(prefill_config=config) as (prefills, srcs, decode, dst):
         prefill = prefills[0]
         hung_up = threading.Event()

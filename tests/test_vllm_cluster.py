@@ -12,7 +12,6 @@ import time
 
 import pytest
 
-from kvlend.cluster.etcd_members import EtcdMembers
 from kvlend_vllm import launch
 from tests.support.vllm_rig import (
     Rig,
@@ -38,10 +37,10 @@ def test_vllm_ranks_publish_themselves_and_a_killed_prefill_drops_out_within_its
     rng = random.Random(21)
     prompts = [[rng.randrange(4, 1000) for _ in range(n)] for n in LENGTHS]
     stats = str(tmp_path / "decode-stats.jsonl")
-    with EtcdMembers(1) as members:
+    rig = Rig(model, str(tmp_path))
+    with rig.etcd() as members:
         etcd = members.endpoints[0]
         cluster = {"etcd": etcd, "cluster_prefix": PREFIX}
-        rig = Rig(model, str(tmp_path))
         try:
             plain = rig.engine("plain")
             prefill = rig.engine("prefill", launch.kvlend_transfer_config("kv_producer", cluster))
@@ -55,7 +54,7 @@ def test_vllm_ranks_publish_themselves_and_a_killed_prefill_drops_out_within_its
             assert all(s["ok"] for s in wait_for_stats(stats, len(LENGTHS)))
 
             # Both workers' nodes are listed, with their roles, layouts and load, while they serve.
-            ranks = {r["identity"]: r for r in cluster_ranks(etcd, PREFIX, {"prefill", "decode"}, 30.0)}
+            ranks = {r["identity"]: r for r in cluster_ranks(rig, etcd, PREFIX, {"prefill", "decode"}, 30.0)}
             assert set(ranks) == {"prefill", "decode"}, ranks
             assert ranks["prefill"]["role"] == "prefill" and ranks["decode"]["role"] == "decode", ranks
             assert ranks["prefill"]["endpoint"].startswith("127.0.0.1:") and ranks["prefill"]["layout_id"], ranks
@@ -65,7 +64,7 @@ def test_vllm_ranks_publish_themselves_and_a_killed_prefill_drops_out_within_its
             ticket = prefill_only(prefill, model, prompts[1])
             rig.kill(prefill)
             killed = time.monotonic()
-            ranks = cluster_ranks(etcd, PREFIX, {"decode"}, RECORD_TTL + 15.0)
+            ranks = cluster_ranks(rig, etcd, PREFIX, {"decode"}, RECORD_TTL + 15.0)
             assert {r["identity"] for r in ranks} == {"decode"}, ranks
             gone_after = time.monotonic() - killed
 

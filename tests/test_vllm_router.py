@@ -21,7 +21,6 @@ import time
 
 import pytest
 
-from kvlend.cluster.etcd_members import EtcdMembers
 from kvlend_vllm import launch
 from tests.support.children import child_env
 from tests.support.vllm_rig import Rig, cluster_ranks, ensure_model, generate, served, wait_for_stats
@@ -42,9 +41,9 @@ def test_vllm_router_carries_kvlend_tickets_from_two_prefills_and_survives_one_k
     rng = random.Random(25)
     batches = [[[rng.randrange(4, 1000) for _ in range(n)] for n in LENGTHS] for _ in range(3)]
     stats = str(tmp_path / "decode-stats.jsonl")
-    etcd = EtcdMembers(1)
-    cluster = {"etcd": etcd.endpoints[0], "cluster_prefix": PREFIX}
     rig = Rig(model, str(tmp_path))
+    etcd = rig.etcd()
+    cluster = {"etcd": etcd.endpoints[0], "cluster_prefix": PREFIX}
     try:
         plain = rig.engine("plain")
         rig.wait(plain)
@@ -68,7 +67,7 @@ def test_vllm_router_carries_kvlend_tickets_from_two_prefills_and_survives_one_k
         while sum(counts := [served(p) for p in prefills]) < len(LENGTHS) and time.monotonic() < deadline:
             time.sleep(0.2)
         assert sum(counts) == len(LENGTHS) and min(counts) > 0, counts  # spread over both
-        ranks = cluster_ranks(etcd.endpoints[0], PREFIX, {"prefill-0", "prefill-1", "decode"}, 30.0)
+        ranks = cluster_ranks(rig, etcd.endpoints[0], PREFIX, {"prefill-0", "prefill-1", "decode"}, 30.0)
         assert {r["identity"]: r["role"] for r in ranks} == {"prefill-0": "prefill", "prefill-1": "prefill",
                                                              "decode": "decode"}, ranks
 
@@ -91,7 +90,7 @@ def test_vllm_router_carries_kvlend_tickets_from_two_prefills_and_survives_one_k
         assert not any(t.is_alive() for t in flying), "a request caught by the kill is still waiting"
         wrong = [LENGTHS[i] for i, r in results.items() if "error" not in r and r != expected[1][i]]
         assert wrong == [], results
-        ranks = cluster_ranks(etcd.endpoints[0], PREFIX, {"prefill-0", "decode"}, RECORD_TTL + 15.0)
+        ranks = cluster_ranks(rig, etcd.endpoints[0], PREFIX, {"prefill-0", "decode"}, RECORD_TTL + 15.0)
         assert {r["identity"] for r in ranks} == {"prefill-0", "decode"}, ranks  # the dead one left
 
         # 3. The survivor serves everything after it.
@@ -99,7 +98,6 @@ def test_vllm_router_carries_kvlend_tickets_from_two_prefills_and_survives_one_k
         assert [n for n, g, e in zip(LENGTHS, got, expected[2]) if g != e] == [], got
     finally:
         rig.close()
-        etcd.close()
 
 
 def test_the_demo_runs_one_prefill_and_two_decodes_behind_vllm_router_with_a_load_aware_policy(tmp_path):

@@ -6,7 +6,7 @@ import sys
 import threading
 import time
 
-from kvlend.cluster.registry import Registry, etcd_security_from_env
+from kvlend.cluster.registry import Registry, cluster_ca_from_env, etcd_security_from_env
 from kvlend.cluster.view import JOINED, LEFT
 
 _SAY = threading.Lock()
@@ -64,5 +64,5 @@ class Watch:
 
 def open_registry(args) -> Registry:
     endpoints = [e.strip() for e in args.etcd.split(",") if e.strip()]
-    return Registry(endpoints, args.prefix, ttl=args.registry_ttl, timeout=args.registry_timeout,
-                    **etcd_security_from_env()).start()
+    return Registry(endpoints, args.prefix, cluster_ca=cluster_ca_from_env(), ttl=args.registry_ttl,
+                    timeout=args.registry_timeout, **etcd_security_from_env()).start()

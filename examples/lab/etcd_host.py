@@ -9,7 +9,7 @@ import subprocess
 import time
 
 from .commands import ROOT
-from .namespaces import Lab
+from .namespaces import TOOL, Lab
 from .topology import ADDR
 
 
@@ -22,7 +22,8 @@ class EtcdHost:
 
     def __init__(self, lab: Lab, python: str, limit: float) -> None:
         cmd = ["ip", "netns", "exec", lab.ns("e0"), "timeout", "-k", "5", str(int(limit)), python, "-m",
-               "kvlend.cluster.etcd_members", "--members", "3", "--host", ADDR["e0"], "--workdir", lab.path("etcd")]
+               "kvlend.cluster.etcd_members", "--members", "3", "--host", ADDR["e0"], "--workdir", lab.path("etcd"),
+               "--ca", lab.ca]
         log = open(lab.path("etcd.log"), "w")
         self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log,
                                      start_new_session=True, cwd=ROOT)
@@ -84,7 +85,8 @@ def cluster_status(lab: Lab, etcd: EtcdHost) -> list[str] | None:
     cmd = ["ip", "netns", "exec", lab.ns("e0"), "timeout", "20", etcd.python, "-c",
            "import sys; from kvlend.cli import main; sys.exit(main(sys.argv[1:]))", "cluster", "status", "--json",
            "--etcd", ",".join(etcd.endpoints), "--prefix", etcd.prefix]
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=30, cwd=ROOT)
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=30, cwd=ROOT,
+                       env={**os.environ, **lab.tls_env(TOOL)})
     try:
         return sorted(rank["identity"] for rank in json.loads(r.stdout)["ranks"]) if r.returncode == 0 else None
     except (ValueError, KeyError, TypeError):

@@ -13,14 +13,19 @@ import time
 from .commands import ROOT, sh
 from .topology import ADDR, HOSTS, RANKS
 
-# Run with the ranks' Python (this script's may lack kvlend): argv is the directory, then the identities.
+TOOL = "lab-tool"  # the router-role identity the driver's own registry reads (kvlend cluster status) hold
+
+# Run with the ranks' Python (this script's may lack kvlend): argv is the certificates' directory, the CA's
+# (etcd's members issue their server certificate from it), then the identities.
 ISSUE = """
 import sys
 from kvlend.security.certs import Authority, save_rank
 ca = Authority.create()
-for identity in sys.argv[2:]:  # the topology's names say the role: A-prefill, A-decode0, ...
+ca.save(sys.argv[2])
+save_rank(ca.issue("%s", "router"), sys.argv[1])
+for identity in sys.argv[3:]:  # the topology's names say the role: A-prefill, A-decode0, ...
     save_rank(ca.issue(identity, "prefill" if "prefill" in identity else "decode"), sys.argv[1])
-"""
+""" % TOOL
 
 
 class Lab:
@@ -33,10 +38,18 @@ class Lab:
         self.namespaces: list[str] = []
         self.procs: dict[str, subprocess.Popen] = {}
         self.certs = self.path("certs")
+        self.ca = self.path("ca")  # the throwaway CA with its key: only etcd's members issue from it
 
     def issue(self, python: str) -> None:
-        """A throwaway cluster CA and a certificate for each rank, in ``certs/``."""
-        sh(python, "-c", ISSUE, self.certs, *self.ranks, timeout=60)
+        """A throwaway cluster CA (in ``ca/``) and a certificate for each rank and the tools, in ``certs/``."""
+        sh(python, "-c", ISSUE, self.certs, self.ca, *self.ranks, timeout=60)
+
+    def tls_env(self, key: str) -> dict[str, str]:
+        """``key``'s certificate files, for kvlend and, as its client certificate, for etcd."""
+        cert, private = os.path.join(self.certs, f"{key}.pem"), os.path.join(self.certs, f"{key}.key")
+        ca = os.path.join(self.certs, "ca.pem")
+        return {"KVLEND_CA": ca, "KVLEND_CERT": cert, "KVLEND_KEY": private,
+                "KVLEND_ETCD_CA": ca, "KVLEND_ETCD_CERT": cert, "KVLEND_ETCD_KEY": private}
 
     def ns(self, host: str) -> str:
         return f"{self.tag}-{host}"
@@ -76,9 +89,7 @@ class Lab:
 
     def launch(self, key: str, host: str, rank_args: list[str], limit: float, python: str,
                script: str = "multinode_rank.py") -> None:
-        env = dict(os.environ, UCX_TLS="tcp", UCX_NET_DEVICES="eth0", PYTHONUNBUFFERED="1",
-                   KVLEND_CA=os.path.join(self.certs, "ca.pem"), KVLEND_CERT=os.path.join(self.certs, f"{key}.pem"),
-                   KVLEND_KEY=os.path.join(self.certs, f"{key}.key"))
+        env = dict(os.environ, UCX_TLS="tcp", UCX_NET_DEVICES="eth0", PYTHONUNBUFFERED="1", **self.tls_env(key))
         cmd = ["ip", "netns", "exec", self.ns(host), "timeout", "-k", "5", str(int(limit)), python,
                os.path.join(ROOT, "examples", script),
                "--report", self.path(f"{key}.json"), *rank_args]

@@ -7,10 +7,15 @@ each by its PID on every exit path (``close`` is idempotent; it also runs
 from ``atexit``).  Fast raft timings (heartbeat 10 ms, election 100 ms) make
 a single member healthy in about 0.1 s and a leader failover take well
 under a second.  The binary is ``$KVLEND_ETCD`` or ``etcd`` on PATH
-(Debian's ``etcd-server``, which ``scripts/setup`` installs).  ``tls=True``
-serves clients over TLS with a throwaway CA made in the work directory and
-asks them for a certificate from it (``--client-cert-auth``): ``client_tls``
-names the files a client needs.
+(Debian's ``etcd-server``, which ``scripts/setup`` installs).
+
+As production etcd runs, members serve clients over TLS only and ask each
+for a certificate from the cluster CA (``--client-cert-auth
+--trusted-ca-file``): ``authority`` (a throwaway one by default, in
+``self.authority``) signs the members' server certificate, a rank connects
+with its own rank certificate (``Registry(etcd_credentials=...)``), and
+``client_tls`` names the files of a ``router``-role client certificate for
+tools.  A client without a certificate from that CA is refused.
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ import urllib.request
 
 from ..errors import RegistryError
 from ..ports import spare_ports
+from ..security.certs import Authority
 
 START_TIMEOUT = 20.0
 
@@ -45,7 +51,8 @@ def etcd_binary() -> str:
 class EtcdMembers:
     """``n`` etcd members of one fresh cluster on 127.0.0.1; ``endpoints`` are their client URLs' host:port."""
 
-    def __init__(self, n: int = 1, workdir: str | None = None, host: str = "127.0.0.1", tls: bool = False) -> None:
+    def __init__(self, n: int = 1, workdir: str | None = None, host: str = "127.0.0.1",
+                 authority: Authority | None = None) -> None:
         if not 1 <= n <= 7:
             raise RegistryError(f"etcd members: expected 1..7, got {n}")
         self.binary = etcd_binary()
@@ -59,11 +66,11 @@ class EtcdMembers:
         self.procs: list[subprocess.Popen | None] = [None] * n
         self._started = [False] * n
         atexit.register(self.close)
-        self.client_tls: dict[str, str] | None = None  # ca_file, cert_file, key_file for a client
+        self.client_tls: dict[str, str] = {}  # ca_file, cert_file, key_file for a client
         self._server_tls: list[str] = []
+        self.authority = authority
         try:
-            if tls:
-                self._make_tls()
+            self._make_tls()
             for i in range(n):
                 self.start(i)
             self.wait_healthy(range(n))
@@ -80,10 +87,9 @@ class EtcdMembers:
         if self.procs[i] is not None and self.procs[i].poll() is None:
             return
         name, client, peer = self.names[i], self.client_ports[i], self.peer_ports[i]
-        scheme = "https" if self.client_tls else "http"
         cmd = [self.binary, "--name", name, "--data-dir", os.path.join(self.workdir, name),
-               "--listen-client-urls", f"{scheme}://{self.host}:{client}",
-               "--advertise-client-urls", f"{scheme}://{self.host}:{client}", *self._server_tls,
+               "--listen-client-urls", f"https://{self.host}:{client}",
+               "--advertise-client-urls", f"https://{self.host}:{client}", *self._server_tls,
                "--listen-peer-urls", f"http://{self.host}:{peer}",
                "--initial-advertise-peer-urls", f"http://{self.host}:{peer}",
                "--initial-cluster", self.cluster,
@@ -108,17 +114,15 @@ class EtcdMembers:
         return proc is not None and proc.poll() is None
 
     def _get(self, i: int, path: str, body: dict | None = None, timeout: float = 1.0) -> dict:
-        context = None
-        if self.client_tls:
-            context = ssl.create_default_context(cafile=self.client_tls["ca_file"])
-            context.load_cert_chain(self.client_tls["cert_file"], self.client_tls["key_file"])
-        url = f"{'https' if context else 'http'}://{self.host}:{self.client_ports[i]}{path}"
+        context = ssl.create_default_context(cafile=self.client_tls["ca_file"])
+        context.load_cert_chain(self.client_tls["cert_file"], self.client_tls["key_file"])
+        url = f"https://{self.host}:{self.client_ports[i]}{path}"
         data = None if body is None else json.dumps(body).encode()
         with urllib.request.urlopen(urllib.request.Request(url, data=data), timeout=timeout, context=context) as r:
             return json.loads(r.read())
 
     def _make_tls(self) -> None:
-        """A throwaway CA, a server certificate for ``host`` and a client one, as PEM files in the work dir."""
+        """A server certificate for ``host`` and a client one from ``authority``, as PEM files in the work dir."""
         import datetime
         import ipaddress
 
@@ -129,20 +133,23 @@ class EtcdMembers:
 
         now = datetime.datetime.now(datetime.timezone.utc)
 
-        def make(name: str, issuer=None, san=None):
+        if self.authority is None:
+            self.authority = Authority.create("kvlend etcd CA (throwaway)")
+        issuer = (x509.load_pem_x509_certificate(self.authority.cert_pem),
+                  serialization.load_pem_private_key(self.authority.key_pem, password=None))
+
+        def make(name: str, san):
             key = ec.generate_private_key(ec.SECP256R1())
             subject = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name)])
-            builder = (x509.CertificateBuilder().subject_name(subject)
-                       .issuer_name(issuer[0].subject if issuer else subject).public_key(key.public_key())
-                       .serial_number(x509.random_serial_number()).not_valid_before(now - datetime.timedelta(hours=1))
-                       .not_valid_after(now + datetime.timedelta(days=7))
-                       .add_extension(x509.BasicConstraints(ca=issuer is None, path_length=None), critical=True))
-            if issuer:
-                builder = builder.add_extension(x509.ExtendedKeyUsage(
-                    [ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH]), critical=False)
-            if san:
-                builder = builder.add_extension(x509.SubjectAlternativeName(san), critical=False)
-            cert = builder.sign(issuer[1] if issuer else key, hashes.SHA256())
+            cert = (x509.CertificateBuilder().subject_name(subject).issuer_name(issuer[0].subject)
+                    .public_key(key.public_key()).serial_number(x509.random_serial_number())
+                    .not_valid_before(now - datetime.timedelta(hours=1))
+                    .not_valid_after(now + datetime.timedelta(days=7))
+                    .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
+                    .add_extension(x509.ExtendedKeyUsage(  # client too: etcd's gateway dials its own gRPC with it
+                        [ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH]), critical=False)
+                    .add_extension(x509.SubjectAlternativeName(san), critical=False)
+                    .sign(issuer[1], hashes.SHA256()))
             return cert, key
 
         def write(name: str, data: bytes) -> str:
@@ -157,14 +164,14 @@ class EtcdMembers:
                                                            serialization.PrivateFormat.PKCS8,
                                                            serialization.NoEncryption())))
 
-        ca = make("kvlend etcd test CA")
         try:
             address = x509.IPAddress(ipaddress.ip_address(self.host))
         except ValueError:
             address = x509.DNSName(self.host)
-        server = pem(*make("etcd", ca, [address, x509.DNSName("localhost")]), "server")
-        client = pem(*make("kvlend", ca), "client")
-        ca_file = pem(*ca, "ca")[0]
+        server = pem(*make("etcd", [address, x509.DNSName("localhost")]), "server")
+        tool = self.authority.issue("etcd-client", "router")
+        client = (write("client.pem", tool.cert_pem), write("client.key", tool.key_pem))
+        ca_file = write("ca.pem", self.authority.cert_pem)
         self._server_tls = ["--cert-file", server[0], "--key-file", server[1], "--trusted-ca-file", ca_file,
                             "--client-cert-auth"]
         self.client_tls = {"ca_file": ca_file, "cert_file": client[0], "key_file": client[1]}
@@ -272,6 +279,8 @@ def main(argv=None) -> int:
     p.add_argument("--members", type=int, default=1, help="members of the cluster, 1..7 (default 1)")
     p.add_argument("--host", default="127.0.0.1", help="address every member listens on (default 127.0.0.1)")
     p.add_argument("--workdir", help="data and log directory (default: a fresh temporary one, removed at exit)")
+    p.add_argument("--ca", required=True, metavar="DIR", help="the cluster CA (ca.pem, ca.key): it issues the "
+                   "members' server certificate, and clients must present one of its certificates")
     args = p.parse_args(argv)
 
     def stop(signum, frame):
@@ -282,7 +291,7 @@ def main(argv=None) -> int:
     try:
         if args.workdir:
             os.makedirs(args.workdir, exist_ok=True)
-        members = EtcdMembers(args.members, workdir=args.workdir, host=args.host)
+        members = EtcdMembers(args.members, workdir=args.workdir, host=args.host, authority=Authority.load(args.ca))
     except (RegistryError, OSError) as exc:
         print(json.dumps({"error": str(exc)}), flush=True)
         return 1

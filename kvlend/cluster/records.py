@@ -3,8 +3,10 @@
 Pure: encoding, decoding and validation only.  A record is JSON (readable
 with ``etcdctl get``), at most ``MAX_RECORD_BYTES``, stored under
 ``<prefix>/ranks/<identity>``; the identity is the rank's certificate
-identity, so the channel's authentication (not the record) decides who a
-peer is, and a record only says where to find it and how loaded it is.
+identity, and the rank signs the record with that certificate
+(``signing``: readers refuse anything else), so a record says where to find
+a rank and how loaded it is in the rank's own words; the channel's
+authentication still decides who a peer is.
 A record names its layout by digest (the SHA-256 of ``PageLayout.encode``);
 the layout itself lives once under ``<prefix>/layouts/<digest>``, written by
 the rank that publishes it and read by others on first use (and checked
@@ -29,7 +31,7 @@ from ..core.layout import PageLayout
 from ..core.names import check_identity
 from ..errors import ConfigError, KvlendError, RegistryError
 
-RECORD_VERSION = 2  # 2: the layout by digest (version 1 carried it whole)
+RECORD_VERSION = 3  # 2: the layout by digest (version 1 carried it whole); 3: signed (``signing``)
 MAX_RECORD_BYTES = 16 << 10  # a record is a few hundred bytes (its layout is a digest); meta takes the rest
 MAX_LAYOUT_BYTES = 1 << 20  # a layout key's value: under etcd's default request cap (1.5 MiB)
 MAX_CAPACITY = MAX_LOAD = 1 << 16  # leases or fetches at once: more is a broken or lying record

@@ -6,16 +6,22 @@ etcd's gRPC API; the other Python clients measured here either fail to
 import with current protobuf or cannot attach a lease to a put).  Each pass:
 
 1. connect to one endpoint (rotating through the list on failure);
-2. if this rank publishes, keep its record under a lease of ``ttl``
+2. if this rank publishes, keep its record, signed with its certificate's key
+   (``signing``), under a lease of ``ttl``
    seconds: granted once, refreshed every ``ttl / 3``, granted again only
    if it expired while etcd was out of reach; revoked on ``close``, so a
    clean shutdown leaves at once and a dead rank one TTL later;
 3. read the prefix (a snapshot at a revision, in pages of ``PAGE`` keys
    read at that one revision, so no reply nears gRPC's message cap however
    many ranks there are), then watch from the next revision, so no change is
-   missed between the two; a record's layout is fetched from its
+   missed between the two; a record is checked against the cluster CA
+   (``cluster_ca``: its signer's certificate, name and role) before
+   anything else, and a verified record's layout is fetched from its
    ``layouts/<digest>`` key the first time a digest is seen, checked
-   against the digest, and kept;
+   against the digest, and kept (within the view's bounds: at most
+   ``MAX_LAYOUTS`` layouts and ``MAX_LAYOUT_CACHE_BYTES``, each fetch one
+   ``timeout``, so a pass fetches at most that many, each under the 1 MiB
+   ``MAX_LAYOUT_BYTES``);
 4. probe etcd every ``ttl / 3`` (the lease refresh, or a linearizable read
    for a rank that only watches), because a member that lost its quorum
    keeps a watch open and silent.
@@ -45,6 +51,7 @@ from typing import Callable, Iterable, Mapping, Sequence
 
 from ..core.layout import PageLayout
 from ..errors import RegistryError
+from ..security.credentials import CA_ENV, Credentials
 from .etcd_client import (
     ETCD_CA_ENV,
     ETCD_CERT_ENV,
@@ -56,12 +63,13 @@ from .etcd_client import (
     read_pem,
     tls_client,
 )
-from .records import RankRecord, layout_key, record_key, wanted_layout
+from .records import RankRecord, layout_key, record_key
+from .signing import RecordSigner, RecordVerifier
 from .view import Change, ClusterView
 
 __all__ = [
     "ETCD_CA_ENV", "ETCD_CERT_ENV", "ETCD_KEY_ENV", "ETCD_PASSWORD_ENV", "ETCD_USER_ENV", "MIN_TTL", "PAGE",
-    "REJECT_LOG_EVERY", "Listener", "Registry", "etcd_security_from_env",
+    "REJECT_LOG_EVERY", "Listener", "Registry", "cluster_ca_from_env", "etcd_security_from_env",
 ]
 
 log = logging.getLogger(__name__)
@@ -76,6 +84,20 @@ REJECT_LOG_EVERY = 60.0
 _PUT_BACK_GAP = 0.1  # two processes publishing one identity trade at most ~10 puts a second
 
 
+def cluster_ca_from_env(environ: Mapping[str, str] | None = None) -> bytes:
+    """The cluster CA's PEM from the file ``$KVLEND_CA`` names: what a reader checks records against."""
+    import os
+
+    path = (os.environ if environ is None else environ).get(CA_ENV)
+    if not path:
+        raise RegistryError(f"reading the cluster registry needs the cluster CA to check records: set ${CA_ENV}")
+    try:
+        with open(path, "rb") as f:
+            return f.read()
+    except OSError as exc:
+        raise RegistryError(f"cluster CA {path!r}: {exc.strerror or exc}") from None
+
+
 class Registry:
     """Publishes this rank's record (optional) and keeps a live ``ClusterView`` of the prefix.
 
@@ -85,15 +107,19 @@ class Registry:
     record (load changes are coalesced).  etcd's own security: ``username`` and ``password``
     (etcd's auth: both or neither), ``ca_file`` (PEM: TLS to etcd, its server certificate checked
     against it), ``cert_file`` and ``key_file`` (PEM: a client certificate, for etcd's
-    ``--client-cert-auth``; TLS only).  Listeners get each batch of
+    ``--client-cert-auth``; TLS only), or ``etcd_credentials`` (a rank's ``Credentials``: their CA checks
+    etcd's server certificate and their certificate is the client's, when etcd runs from the cluster CA).
+    ``cluster_ca``: the PEM of the cluster CA, whose rank certificates must sign every record read
+    (``signing``; ``cluster_ca_from_env`` reads ``$KVLEND_CA``).  Listeners get each batch of
     ``Change`` on the registry thread; they must be quick and must not call
     back into a blocking wait.
     """
 
-    def __init__(self, endpoints: Sequence[str], prefix: str = "/kvlend/default", *, ttl: float = 5.0,
-                 timeout: float = 2.0, update_interval: float = 0.25, username: str | None = None,
-                 password: str | None = None, ca_file: str | None = None, cert_file: str | None = None,
-                 key_file: str | None = None) -> None:
+    def __init__(self, endpoints: Sequence[str], prefix: str = "/kvlend/default", *, cluster_ca: bytes,
+                 ttl: float = 5.0, timeout: float = 2.0, update_interval: float = 0.25,
+                 username: str | None = None, password: str | None = None, ca_file: str | None = None,
+                 cert_file: str | None = None, key_file: str | None = None,
+                 etcd_credentials: Credentials | None = None) -> None:
         if isinstance(endpoints, str) or not endpoints:
             raise RegistryError(f"endpoints: expected a non-empty list of host:port, got {endpoints!r}")
         self.endpoints = [parse_endpoint(e) for e in endpoints]
@@ -105,14 +131,19 @@ class Registry:
             raise RegistryError("etcd username and password: give both or neither")
         if (cert_file is None) != (key_file is None) or (cert_file is not None and ca_file is None):
             raise RegistryError("etcd cert_file and key_file: give both, with ca_file (a client certificate is TLS)")
+        if etcd_credentials is not None and ca_file is not None:
+            raise RegistryError("etcd TLS: give etcd_credentials or ca_file (and a client pair), not both")
         self._auth = (username, password)
         self._tls = read_pem(ca_file, cert_file, key_file) if ca_file is not None else None
+        if etcd_credentials is not None:
+            self._tls = (etcd_credentials.ca_pem, etcd_credentials.cert_pem, etcd_credentials.key_pem)
         self.prefix = prefix
-        self.view = ClusterView(prefix)  # read under ``self._cond``; use the query methods
+        self.view = ClusterView(prefix, RecordVerifier(cluster_ca))  # read under ``self._cond``; use the queries
         self.ttl, self.timeout, self.update_interval = float(ttl), float(timeout), float(update_interval)
         self._cond = threading.Condition()
         self._listeners: list[Listener] = []
         self._record: RankRecord | None = None
+        self._signer: RecordSigner | None = None  # signs ``_record``: the rank's certificate key
         self._lease: int | None = None
         self._published: RankRecord | None = None  # what etcd holds for us, as far as we know
         self._mine: list[bytes] = []  # the values last put for this rank (see ``_foreign``)
@@ -158,14 +189,18 @@ class Registry:
             if listener in self._listeners:
                 self._listeners.remove(listener)
 
-    def publish(self, record: RankRecord) -> None:
-        """Keep ``record`` published under this rank's lease (from now on, and again after reconnects)."""
+    def publish(self, record: RankRecord, credentials: Credentials) -> None:
+        """Keep ``record`` published under this rank's lease (from now on, and again after reconnects),
+        signed with ``credentials`` (the rank's: their identity and role must be the record's).  Publish
+        again with renewed credentials to sign with those from then on."""
         if not isinstance(record, RankRecord):
             raise RegistryError(f"publish: expected a RankRecord, got {type(record).__name__}")
+        signer = RecordSigner(credentials)
+        signer.sign(record)  # refuses another rank's record, or another role's, now rather than at the put
         with self._cond:
             if self._record is not None and self._record.identity != record.identity:
                 raise RegistryError(f"this registry publishes {self._record.identity!r}, not {record.identity!r}")
-            self._record = record
+            self._record, self._signer = record, signer
             self._withdrawn = self._retired = False  # a lease still held is reused
         self._poke()
 
@@ -216,6 +251,12 @@ class Registry:
         self.close()
 
     # ---------------------------------------------------------------- queries
+    @property
+    def published(self) -> RankRecord | None:
+        """The record this registry keeps published (None before ``publish``, after ``withdraw``)."""
+        with self._cond:
+            return self._record
+
     @property
     def degraded(self) -> bool:
         with self._cond:
@@ -363,8 +404,12 @@ class Registry:
 
         One missing or wrong is left out (the record naming it is then refused, and listed as such)."""
         with self._cond:
-            wanted = {d for d in map(wanted_layout, values) if d is not None and d not in self.view.layouts}
+            wanted = {d for d in map(self.view.wanted_layout, values) if d is not None}
         for digest in sorted(wanted):
+            with self._cond:
+                room = self.view.make_room(keep=wanted)
+            if not room:  # full of live ranks' layouts: the records naming the rest are refused (and logged)
+                break
             got = await self._call(client.get(layout_key(self.prefix, digest).encode()))
             if got is None:
                 continue
@@ -453,7 +498,7 @@ class Registry:
         """Put the record if etcd may not hold the current one (first time, changed, reconnected);
         revoke the lease of a withdrawn one."""
         with self._cond:
-            record, withdrawn = self._record, self._withdrawn
+            record, withdrawn, signer = self._record, self._withdrawn, self._signer
         if withdrawn and record is None and self._lease is not None:
             try:
                 await self._call(client.revoke_lease(self._lease))
@@ -474,7 +519,7 @@ class Registry:
             self._last_put_back = time.monotonic()
         if record.layout and self._layout_stored != record.layout_digest:
             await self._store_layout(client, record)
-        value = record.encode()
+        value = signer.sign(record)
         with self._cond:  # before the put: a foreign write seen meanwhile clears it again (a failed put degrades)
             self._mine = [*self._mine[-(_MINE_KEPT - 1):], value]
             self._published = record

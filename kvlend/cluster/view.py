@@ -21,6 +21,15 @@ have put its own back long before.
 Layouts are known by digest (``learn_layout``, fed by the shell, which
 fetches them from etcd and which this checks against their digest).
 
+With a ``RecordVerifier`` (the registry always passes one) a value counts
+only if its rank signed it (``signing``): a forged, unsigned or wrongly
+signed one is refused like garbage, and ``wanted_layout`` names no layout
+for it, so nobody fetches what it points at.  The layouts kept are bounded:
+at most ``MAX_LAYOUTS`` of them and ``MAX_LAYOUT_CACHE_BYTES`` encoded (about
+four times that once decoded); past that, the ones no live rank uses go
+first, and a layout that still does not fit is refused (its record with it)
+until ranks leave.
+
 Health: the shell reports when etcd stops answering (``degraded``) and when
 it answers again; the ranks known meanwhile stay known, since a registry
 outage is not evidence that any rank died.
@@ -30,15 +39,19 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from fractions import Fraction  # exact: floats tie loads near 2**40 apart
-from typing import Iterable, Mapping
+from typing import TYPE_CHECKING, Iterable, Mapping
 
 from ..core.layout import PageLayout
 from ..core.negotiate import negotiate
 from ..errors import KvlendError, RegistryError
-from .records import MAX_LAYOUT_BYTES, RankRecord, layout_digest, ranks_prefix
+from .records import MAX_LAYOUT_BYTES, RankRecord, layout_digest, ranks_prefix, wanted_layout
+
+if TYPE_CHECKING:  # the verifier is handed in: the view itself imports no crypto or TLS
+    from .signing import RecordVerifier
 
 JOINED, LEFT, UPDATED = "joined", "left", "updated"
-_MAX_LAYOUTS = 256  # layouts remembered beyond those live ranks use (each rank's differs: its addresses)
+MAX_LAYOUTS = 256  # layouts remembered (each rank's differs: its addresses), live ones first
+MAX_LAYOUT_CACHE_BYTES = 32 << 20  # their encodings together: a reader's memory for layouts is ~4x this
 
 
 @dataclass(frozen=True)
@@ -50,8 +63,11 @@ class Change:
 class ClusterView:
     """The ranks under one registry prefix, as of ``revision``."""
 
-    def __init__(self, prefix: str) -> None:
+    def __init__(self, prefix: str, verifier: RecordVerifier | None = None) -> None:
+        """``verifier``: checks each value's signature first; without one (the view's own tests) values
+        are taken as they are."""
         self.prefix = ranks_prefix(prefix)
+        self.verifier = verifier
         self.revision = 0
         self._ranks: dict[str, RankRecord] = {}
         self.rejected: dict[str, str] = {}  # key -> why its value was refused
@@ -63,18 +79,50 @@ class ClusterView:
         self._refused: dict[str, float] = {}  # identity -> since when its key holds a refused value
 
     def learn_layout(self, digest: str, data: bytes, keep: Iterable[str] = ()) -> None:
-        """Remember the layout named ``digest``: ``RegistryError`` unless ``data`` is what it names.
+        """Remember the layout named ``digest``: ``RegistryError`` unless ``data`` is what it names and fits.
 
-        Past ``_MAX_LAYOUTS`` remembered, the ones no live rank uses are forgotten first, except
-        ``keep`` (the others the caller fetched for the same records); the shell fetches any again."""
+        Past ``MAX_LAYOUTS`` or ``MAX_LAYOUT_CACHE_BYTES``, the ones no live rank uses are forgotten
+        first, except ``keep`` (the others the caller fetched for the same records); the shell fetches
+        any again.  One that still does not fit is refused."""
         if not isinstance(data, (bytes, bytearray)) or not 0 < len(data) <= MAX_LAYOUT_BYTES:
             raise RegistryError(f"layout {digest[:16]}: expected 1..{MAX_LAYOUT_BYTES} bytes")
         if layout_digest(bytes(data)) != digest:
             raise RegistryError(f"layout {digest[:16]}: the stored bytes do not hash to their digest")
-        if len(self.layouts) >= _MAX_LAYOUTS:
+        if not self.layout_fits(len(data)):
+            self.make_room(keep)
+            if not self.layout_fits(len(data)):
+                raise RegistryError(f"layout {digest[:16]}: {len(self.layouts)} layouts of {self.layout_bytes} "
+                                    f"bytes are in use, and this reader keeps at most {MAX_LAYOUTS} or "
+                                    f"{MAX_LAYOUT_CACHE_BYTES} bytes")
+        self.layouts[digest] = bytes(data)
+
+    @property
+    def layout_bytes(self) -> int:
+        """The encoded size of the layouts kept."""
+        return sum(map(len, self.layouts.values()))
+
+    def layout_fits(self, size: int) -> bool:
+        """Whether one more layout of ``size`` bytes fits the bounds as they stand."""
+        return len(self.layouts) < MAX_LAYOUTS and self.layout_bytes + size <= MAX_LAYOUT_CACHE_BYTES
+
+    def make_room(self, keep: Iterable[str] = ()) -> bool:
+        """Forget the layouts no live rank uses (but ``keep``) if at a bound; whether another one fits now."""
+        if not self.layout_fits(1):
             used = {r.layout_digest for r in self._ranks.values()} | set(keep)
             self.layouts = {d: v for d, v in self.layouts.items() if d in used}
-        self.layouts[digest] = bytes(data)
+        return self.layout_fits(1)
+
+    def wanted_layout(self, value: bytes) -> str | None:
+        """The layout digest a value names if it is worth fetching: unknown yet, and its record verified."""
+        digest = wanted_layout(value)
+        if digest is None or digest in self.layouts:
+            return None
+        if self.verifier is not None:
+            try:
+                self.verifier.verify(value)  # kept: the put that follows checks it again from the cache
+            except RegistryError:
+                return None
+        return digest
 
     # ------------------------------------------------------------- feeding
     def reset(self, revision: int, items: Iterable[tuple[bytes, bytes]], now: float = 0.0) -> list[Change]:
@@ -213,6 +261,8 @@ class ClusterView:
         try:
             if identity is None:
                 raise RegistryError(f"key is not under {self.prefix!r}")
+            if self.verifier is not None:
+                self.verifier.verify(value)
             record = RankRecord.decode(value, self.layouts)
             if record.identity != identity:
                 raise RegistryError(f"record names {record.identity!r}, its key {identity!r}")

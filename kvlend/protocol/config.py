@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from ..core.lender import LeaseLimits
 from ..core.negotiate import MAX_PAGE_RATIO, MAX_PIECES
 from ..errors import ConfigError
+from .budget import Share
 
 BEATS_PER_TTL = 4  # heartbeats a decode sends per lease ttl at least, when its own heartbeat is slower
 MIN_BEAT = 0.01  # seconds: no lease, however short a prefill makes it, is heartbeated more often
@@ -43,6 +44,27 @@ class Quotas:
     - ``max_pieces`` (1 << 18 = 262,144): byte runs per page a negotiation may generate
       (before merging); 128 layers x K and V x ratio 64 x 16 heads per rank.  Estimated from
       the layouts and refused before any is built.
+
+    What one decode may cost per loop turn, in wasted messages and in handshakes (``kvlend.protocol.budget``):
+
+    - ``messages_per_turn`` (64): messages of one peer handled per loop turn; what it sent beyond waits,
+      unread, for its next turn (nothing is lost), so one peer cannot hold the node's lock for long.
+    - ``work_per_turn`` (4096): lookups of one peer per loop turn (a heartbeat costs one per lease id it
+      names, any other message one); its turn ends after the message that reaches it.
+    - ``throttled_messages`` (4): ``messages_per_turn`` of a peer while strikes are held against it.
+    - ``max_strikes`` (32): wasted messages a peer may send before it is dropped (``QuotaExceeded``): a
+      claim of a lease id nobody lent that cannot wait (``NodeConfig.claim_wait`` off, or
+      ``max_leases_per_peer`` claims of its waiting already), a heartbeat naming such an id, an empty
+      heartbeat.  No honest decode sends one, bar a heartbeat racing its claim's refusal; a claim of a
+      lease that expired or was released is no strike.
+    - ``strike_forgiven`` (1 s): one strike is forgiven this often.
+    - ``handshake_backoff`` (1 s): an identity dropped for cause (strikes, a protocol error, a quota), or
+      that connected more than 4 times at once (it regains one connection per backoff), is held unread at its
+      next connections and then refused until its backoff passes; one whose handshake needed a
+      negotiation not cached (by the layout's ``layout_id``) may not ask for another before it either.
+      Each backoff doubles, and starts over once the identity kept quiet for ``max_handshake_backoff``.
+      A decode reconnecting with a layout already negotiated (or refused) costs a lookup.
+    - ``max_handshake_backoff`` (60 s): the longest backoff.
     """
 
     max_leases_per_peer: int = 4096
@@ -52,22 +74,44 @@ class Quotas:
     max_num_tokens: int = 1 << 24
     max_page_ratio: int = MAX_PAGE_RATIO
     max_pieces: int = MAX_PIECES
+    messages_per_turn: int = 64
+    work_per_turn: int = 4096
+    throttled_messages: int = 4
+    max_strikes: int = 32
+    strike_forgiven: float = 1.0
+    handshake_backoff: float = 1.0
+    max_handshake_backoff: float = 60.0
 
     def __post_init__(self) -> None:
         for name in ("max_leases_per_peer", "max_locked_pages_per_peer", "max_heartbeat_ids", "max_num_tokens",
-                     "max_page_ratio", "max_pieces"):
+                     "max_page_ratio", "max_pieces", "messages_per_turn", "work_per_turn", "throttled_messages",
+                     "max_strikes"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ConfigError(f"Quotas.{name} must be an int >= 1, got {value!r}")
-        value = self.max_lease_lifetime
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
-            raise ConfigError(f"Quotas.max_lease_lifetime must be a positive number of seconds, got {value!r}")
+        for name in ("max_lease_lifetime", "strike_forgiven", "handshake_backoff", "max_handshake_backoff"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
+                raise ConfigError(f"Quotas.{name} must be a positive number of seconds, got {value!r}")
+        if self.max_handshake_backoff < self.handshake_backoff:
+            raise ConfigError(f"Quotas.max_handshake_backoff {self.max_handshake_backoff} must be at least "
+                              f"handshake_backoff {self.handshake_backoff}")
 
     @property
     def lease_limits(self) -> LeaseLimits:
         """What the lender enforces."""
         return LeaseLimits(self.max_leases_per_peer, self.max_locked_pages_per_peer, float(self.max_lease_lifetime),
                            self.max_num_tokens)
+
+    @property
+    def share(self) -> Share:
+        """A peer's share of a loop turn."""
+        return Share(self.messages_per_turn, self.work_per_turn)
+
+    @property
+    def throttled_share(self) -> Share:
+        """... while strikes are held against it."""
+        return Share(min(self.throttled_messages, self.messages_per_turn), self.work_per_turn)
 
 
 @dataclass(frozen=True)

@@ -13,10 +13,14 @@ messages (``deliver``); in memory, ``Connection.read`` runs it in place.
 
 from __future__ import annotations
 
+import sys
+
 from ..errors import KvlendError, PeerProtocolError, UsageError
+from .budget import Share, work_of
 from .wire import FrameDecoder, Handshake, Message, encode_frame
 
 AUTH_TIMEOUT = 5.0  # seconds a connection may take to complete the TLS handshake
+_WHOLE = Share(sys.maxsize, sys.maxsize)  # no share: decode every frame there is
 
 
 class Connection:
@@ -74,13 +78,21 @@ class FrameReader:
         self._first = True
         self._error: KvlendError | None = None
 
-    def read(self, data: bytes) -> tuple[list[Message], KvlendError | None]:
-        """The messages ``data`` completes, then the error that ended the stream (None while it is well formed)."""
+    def read(self, data: bytes, share: Share | None = None) -> tuple[list[Message], KvlendError | None]:
+        """The messages ``data`` completes, then the error that ended the stream (None while it is well formed).
+
+        ``share``: decode no more than that this time (``budget``); the rest waits, still bytes, for the next call
+        (``backlog`` says whether a whole frame waits)."""
         out: list[Message] = []
+        share = share or _WHOLE
+        work = 0
         if self._error is None:
             try:
                 self._decoder.feed(data)
-                while (message := self._decoder.next_message()) is not None:
+                while len(out) < share.messages and work < share.work:
+                    if (message := self._decoder.next_message()) is None:
+                        break
+                    work += work_of(message)
                     if self._first and isinstance(message, Handshake):
                         try:
                             message.page_layout()
@@ -91,3 +103,8 @@ class FrameReader:
             except KvlendError as exc:
                 self._error = exc
         return out, self._error
+
+    @property
+    def backlog(self) -> bool:
+        """Whether a whole frame waits to be decoded (a share ended the last ``read`` before it)."""
+        return self._error is None and self._decoder.ready()

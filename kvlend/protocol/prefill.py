@@ -21,7 +21,14 @@ its end for a whole TTL: it is dropped.
 Each peer is held to ``config.quotas`` (see ``Quotas``): a lend or offer over
 one raises ``QuotaExceeded`` to the engine, a claim over one is answered with an
 ``Abort`` naming the limit, a heartbeat naming too many ids renews nothing, and
-a layout that would cost too much to negotiate is refused with a ``Bye``.  A peer
+a layout that would cost too much to negotiate is refused with a ``Bye``.
+What it may cost beyond (``budget``): a claim of an id nobody lent that cannot
+wait, a heartbeat naming such an id and an empty heartbeat are strikes that cut
+its share of the loop's turns and, past ``max_strikes``, drop it; an identity
+dropped for cause, or reconnecting too often, is held unread then refused for
+a backoff that doubles; negotiations are cached by the layout's id
+(``negotiations``), one new one per identity per backoff.  An id becomes one a
+peer may name in its heartbeats only once its claim is granted or waits.  A peer
 must send its layout within ``handshake_timeout`` of authenticating; one naming
 in a heartbeat a lease it never claimed nor was offered is dropped; only the
 lease's holder renews or ends it (a ticket's lease, once it claimed it).
@@ -42,7 +49,6 @@ from typing import Any, Mapping
 
 from ..core.layout import PageLayout, RowSelection
 from ..core.lender import Lease, Lender
-from ..core.negotiate import negotiate
 from ..core.text import printable
 from ..errors import (
     AuthError,
@@ -57,9 +63,11 @@ from ..errors import (
 )
 from . import states
 from .actions import ClaimWaits, Close, LeaseEnded, Outbox, PeerGone, PeerReady, Send
+from .budget import Handshakes, Share, Strikes
 from .codes import Code, code_of, detail_of
 from .config import NodeConfig
 from .connection import AUTH_TIMEOUT, Connection
+from .negotiations import Negotiations
 from .prefill_loans import Loans
 from .states import LoanEvent, LoanState, PeerEvent, PeerState
 from .ticket import Ticket
@@ -84,6 +92,8 @@ _REASON = 4000  # characters of a reason sent to a peer
 MAX_PENDING = 256  # connections not yet authenticated, in all
 MAX_PENDING_PER_SOURCE = 32  # ... from one address
 LOG_EVERY = 10.0  # seconds between a peer's summary lines about its heartbeats
+_NOTHING = Share(0, 0)  # a held connection's share of a turn
+REFUSED_KEPT = 64  # a peer's latest claims of ids nobody lent, that a heartbeat racing their refusal may name
 
 
 @dataclass(eq=False)
@@ -96,6 +106,9 @@ class _Peer:
     log_after: float = -math.inf  # its next heartbeat summary line, no earlier
     unlogged: int = 0  # heartbeats with something to say since its last line
     refused_until: float | None = None  # its layout was refused: it may decline leases until then
+    banned: str | None = None  # refused: its identity is in its backoff; its bye waits until refused_until
+    strikes: Strikes | None = None  # its wasted messages (``budget``), once authenticated
+    refused: dict[bytes, None] = field(default_factory=dict)  # ids nobody lent it claimed lately (capped)
     state: PeerState | None = None  # changed only by ``PrefillSession._peer_to``
 
     @property
@@ -119,6 +132,9 @@ class PrefillSession(Outbox):
         self._by_name: dict[str, int] = {}  # ready peers
         self._loans = Loans()  # what we know of each lease beside the lender: one state each (``Loans.to``)
         self._waiting = self._loans.waiting  # claims of leases not yet lent, in deadline order
+        quotas = config.quotas
+        self._handshakes = Handshakes(quotas.handshake_backoff, quotas.max_handshake_backoff)
+        self.negotiations = Negotiations(layout, quotas, self._handshakes)  # by the decode layout's digest
         super().__init__()
 
     # ----------------------------------------------------------- connections
@@ -152,13 +168,18 @@ class PrefillSession(Outbox):
             peer.conn.authenticate(identity)
             if identity in self._by_name:
                 raise AuthError(f"a decode rank with identity {identity!r} is already connected")
+            self._handshakes.admit(identity, now)
+        except QuotaExceeded as exc:  # an identity in its backoff: held unread, then told why (``tick``)
+            self._hold(peer, detail_of(exc), now)
+            return
         except KvlendError as exc:
             self._drop(conn, detail_of(exc), code=code_of(exc))  # the bye's code: the decode raises the same
             return
         self._by_name[identity] = conn
         self._peer_to(peer, PeerEvent.AUTHENTICATED)
         peer.layout_by = now + self.config.handshake_timeout  # or it holds its identity's slot for nothing
-        log.info("control: connection %d authenticated as %s", conn, printable(identity))
+        peer.strikes = Strikes(self.config.quotas.max_strikes, self.config.quotas.strike_forgiven)
+        log.debug("control: connection %d authenticated as %s", conn, printable(identity))
 
     def receive(self, conn: int, data: bytes, now: float) -> None:
         """Received (decrypted) bytes, decoded here; the shell decodes them off its lock and calls ``deliver``."""
@@ -183,8 +204,27 @@ class PrefillSession(Outbox):
                 raise error
         except _Goodbye as bye:
             self._drop(conn, f"said bye: {bye}", logging.INFO, quiet=True)
-        except KvlendError as exc:
-            self._drop(conn, detail_of(exc), code=code_of(exc))
+        except KvlendError as exc:  # for cause: its identity waits before it may connect again
+            backoff = self._handshakes.dropped(peer.name, now) if peer.name is not None else 0.0
+            self._drop(conn, f"{detail_of(exc)} (it may connect again in {backoff:.3g} s)", code=code_of(exc))
+
+    def throttled(self, now: float) -> dict[int, Share]:
+        """The connections whose share of a loop turn is cut, and that share: none for one held in its
+        identity's backoff, a few messages while strikes are held against it."""
+        share = self.config.quotas.throttled_share
+        cut = {conn: share for conn, peer in self._peers.items()
+               if peer.strikes is not None and peer.strikes.throttled(now)}
+        cut.update((conn, _NOTHING) for conn, peer in self._peers.items() if peer.banned is not None)
+        return cut
+
+    def _hold(self, peer: _Peer, why: str, now: float) -> None:
+        """Refuse an identity in its backoff after holding its connection, unread, until the backoff passes
+        (``AUTH_TIMEOUT`` at most): a peer that waits for its answer reconnects no faster, and one that does
+        not wait holds one of its address's ``MAX_PENDING_PER_SOURCE`` slots meanwhile."""
+        self._peer_to(peer, PeerEvent.AUTHENTICATED)
+        self._peer_to(peer, PeerEvent.REFUSE)
+        peer.banned = why
+        peer.refused_until = now + min(AUTH_TIMEOUT, self._handshakes.left(peer.name, now))
 
     def closed(self, conn: int, now: float, why: str = "connection closed", refused: bool = False) -> None:
         """The shell saw the connection end (``refused``: its TLS authentication failed); its leases
@@ -237,7 +277,7 @@ class PrefillSession(Outbox):
             self._end(lease.id, "aborted")
             raise
         self._loans.to(lease.id, LoanEvent.OFFER, reader=conn)
-        _remember(self._peers[conn], lease.id, self.config.quotas.max_heartbeat_ids)
+        _remember(self._peers[conn].named, lease.id, self.config.quotas.max_heartbeat_ids)
         return lease
 
     def extend(self, lease_id: bytes, ready: int, pages: Mapping[str, Any], now: float, *,
@@ -302,6 +342,8 @@ class PrefillSession(Outbox):
         for conn, peer in list(self._peers.items()):
             if peer.state is PeerState.PENDING and now > peer.conn.deadline:
                 self._drop(conn, f"no TLS handshake within {AUTH_TIMEOUT:.3g} s", notify=False)
+            elif peer.state is PeerState.REFUSED and now > peer.refused_until and peer.banned is not None:
+                self._drop(conn, peer.banned, logging.DEBUG, code=Code.QUOTA_EXCEEDED)  # its ban's line said why
             elif peer.state is PeerState.REFUSED and now > peer.refused_until:
                 self._drop(conn, f"its layout was refused and it did not leave within {AUTH_TIMEOUT:.3g} s",
                            code=Code.TIMEOUT)
@@ -355,6 +397,8 @@ class PrefillSession(Outbox):
     # -------------------------------------------------------------- handling
     def _handle(self, conn: int, peer: _Peer, message: Message, now: float) -> None:
         name = peer.name
+        if peer.banned is not None:
+            return  # sent before it heard of its backoff: it gets its bye, nothing else
         if peer.state is PeerState.REFUSED:
             self._declined(peer, message, now)
         elif peer.state is PeerState.AUTHENTICATED:
@@ -362,7 +406,8 @@ class PrefillSession(Outbox):
         elif isinstance(message, Heartbeat):
             peer.conn.send(Renewed(self._heartbeat(peer, message.leases, now)))
         elif isinstance(message, Claim):
-            self._claim(peer, message.lease, message.digest, now, conn)
+            if not self._claim(peer, message.lease, message.digest, now, conn):
+                self._strike(peer, now, f"claimed lease {message.lease.hex()}, which nobody lent")
         elif isinstance(message, Done):
             self._settle(message.lease, conn)  # a held lease's reader is done reading it
             try:
@@ -395,14 +440,20 @@ class PrefillSession(Outbox):
         """
         name = peer.name
         cap = self.config.quotas.max_heartbeat_ids
+        if not leases:
+            self._strike(peer, now, "sent an empty heartbeat")
+            return ()
         if len(leases) > cap:
             exc = QuotaExceeded("max_heartbeat_ids", len(leases), cap, "a heartbeat naming lease ids:")
             self._summary(peer, now, logging.WARNING, f"refused, nothing renewed: {exc}")
             return ()
         for lease_id in leases:
             if lease_id not in peer.named and not self._holds(lease_id, name, now):
-                raise LeaseDenied(f"a heartbeat named lease {lease_id.hex()}, which {name!r} never claimed nor "
-                                  "was offered")
+                if lease_id not in peer.refused:
+                    raise LeaseDenied(f"a heartbeat named lease {lease_id.hex()}, which {name!r} never claimed nor "
+                                      "was offered")
+                self._strike(peer, now, f"named lease {lease_id.hex()}, which nobody lent, in a heartbeat")
+                return ()  # one racing its claim's refusal; a stream of them is a flood
         renewed, refused = [], []
         for lease_id in leases:
             try:
@@ -433,21 +484,30 @@ class PrefillSession(Outbox):
             raise LeaseDenied(f"lease {lease.hex} is a ticket's that no decode claimed yet: claim it first")
         return lease
 
-    def _summary(self, peer: _Peer, now: float, level: int, text: str) -> None:
-        """One line about ``peer``'s heartbeats, unless it had one less than ``LOG_EVERY`` s ago."""
+    def _summary(self, peer: _Peer, now: float, level: int, text: str, what: str = "heartbeat from",
+                 counted: str = "heartbeats with something to say") -> None:
+        """One line about ``peer``'s refused messages, unless it had one less than ``LOG_EVERY`` s ago."""
         if now < peer.log_after:
             peer.unlogged += 1
             return
-        more = f" ({peer.unlogged} more heartbeats with something to say since the last line)" if peer.unlogged else ""
-        log.log(level, "heartbeat from %s: %s%s", printable(peer.name), printable(text, 1000), more)
+        more = f" ({peer.unlogged} more {counted} since the last line)" if peer.unlogged else ""
+        log.log(level, "%s %s: %s%s", what, printable(peer.name), printable(text, 1000), more)
         peer.log_after, peer.unlogged = now + LOG_EVERY, 0
+
+    def _strike(self, peer: _Peer, now: float, what: str) -> None:
+        """``peer`` sent what no honest decode sends: throttled, and past ``max_strikes`` dropped."""
+        if peer.strikes.strike(now):
+            quotas = self.config.quotas
+            raise QuotaExceeded("max_strikes", math.ceil(peer.strikes.count), quotas.max_strikes,
+                                f"it {what}; messages no decode needs (one forgiven every "
+                                f"{quotas.strike_forgiven:.3g} s):")
 
     def _handshake(self, conn: int, peer: _Peer, message: Message, now: float) -> None:
         layout = peer_layout(message, self._kind)
-        quotas = self.config.quotas
         try:
-            # Refuse a decode we cannot serve before it sees a lease; what it costs is capped (we hold the lock).
-            plan = negotiate(layout, self.layout, max_page_ratio=quotas.max_page_ratio, max_pieces=quotas.max_pieces)
+            # Refuse a decode we cannot serve before it sees a lease: computed once per layout (the shell may have
+            # done it off the lock), at most one new one per identity's backoff, its cost capped by the quotas.
+            negotiated = self.negotiations.result(peer.name, message, now)
         except QuotaExceeded:
             raise  # only the Bye: the decode's own caps may differ, so our layout would not tell it why
         except LayoutMismatch as exc:
@@ -462,7 +522,7 @@ class PrefillSession(Outbox):
         peer.conn.send(Handshake(self.layout.encode(), self._kind, self._metadata))
         peer.layout = layout
         self._peer_to(peer, PeerEvent.LAYOUT)
-        log.info("handshake with %s: %s", printable(peer.name), plan.summary().splitlines()[0])
+        log.info("handshake with %s: %s", printable(peer.name), negotiated.line)
         self._events.append(PeerReady(conn, peer.name))
 
     def _declined(self, peer: _Peer, message: Message, now: float) -> None:
@@ -477,7 +537,10 @@ class PrefillSession(Outbox):
         try:
             self.lender.claim(message.lease, peer.name, now, self._limits, prompt_digest=message.digest or None)
         except KvlendError as exc:
-            log.info("decline of lease %s by %s refused: %s", message.lease.hex(), printable(peer.name), printable(exc))
+            self._summary(peer, now, logging.INFO, f"decline of lease {message.lease.hex()} refused: {exc}",
+                          "declines from", "refused declines")
+            if not self.lender.known(message.lease):
+                self._strike(peer, now, f"declined lease {message.lease.hex()}, which nobody lent")
             return
         log.info("lease %s declined by %s: it cannot read our layout", message.lease.hex(), printable(peer.name))
         self._end(message.lease, "aborted")
@@ -487,25 +550,34 @@ class PrefillSession(Outbox):
 
         A lease never lent (yet) waits up to ``claim_wait`` for the lend when ``conn`` is given,
         one waiting claim per lease id and at most ``max_leases_per_peer`` per connection.
+        Returns False for a claim refused of an id nobody lent (a strike), True otherwise.  Only an id granted
+        or waiting becomes one the peer may name in its heartbeats: a refused one never does.
         """
-        _remember(peer, lease_id, self.config.quotas.max_heartbeat_ids)
-        if conn is not None and self.config.claim_wait > 0 and not self.lender.known(lease_id):
+        cap = self.config.quotas.max_heartbeat_ids
+        known = self.lender.known(lease_id)
+        if conn is not None and self.config.claim_wait > 0 and not known:
             if (lease_id not in self._waiting
                     and self._loans.waiting_count(conn) < self.config.quotas.max_leases_per_peer):
                 self._loans.to(lease_id, LoanEvent.WAIT, reader=conn, deadline=now + self.config.claim_wait,
                               digest=digest)
+                _remember(peer.named, lease_id, cap)
                 self._events.append(ClaimWaits(lease_id))
-                return
+                return True
         try:
             # LeaseExpired, LeaseUnknown, LeaseDenied (PromptMismatch), or QuotaExceeded (the peer's, or the lifetime)
             lease = self.lender.claim(lease_id, peer.name, now, self._limits, prompt_digest=digest or None)
         except KvlendError as exc:
-            log.info("claim of lease %s by %s refused: %s", lease_id.hex(), printable(peer.name), printable(exc))
+            self._summary(peer, now, logging.INFO, f"claim of lease {lease_id.hex()} refused: {exc}", "claims from",
+                          "refused claims or heartbeats")
             peer.conn.send(Abort.of(lease_id, exc))
-            return
+            if not known:  # a heartbeat racing this refusal may name it (a strike); its id is never nameable
+                _remember(peer.refused, lease_id, REFUSED_KEPT)
+            return known
+        _remember(peer.named, lease_id, cap)
         peer.conn.send(Offer(self._offer_of(lease)))
         if self._loans.lent(lease_id) is not None:
             self._loans.to(lease_id, LoanEvent.OFFER, reader=self._by_name.get(peer.name))
+        return True
 
     def _offer_of(self, lease: Lease) -> LeaseOffer:
         loaned = self._loans.get(lease.id)  # a lease lent through a shared lender has no meta of ours
@@ -565,13 +637,13 @@ class PrefillSession(Outbox):
         self._events.append(PeerGone(conn, name, why))
 
 
-def _remember(peer: _Peer, lease_id: bytes, cap: int) -> None:
-    """``peer`` may name ``lease_id`` in its heartbeats (the oldest of more than ``cap`` is forgotten: a lease
-    it still holds stays nameable through the lender)."""
-    peer.named.pop(lease_id, None)
-    peer.named[lease_id] = None
-    if len(peer.named) > cap:
-        del peer.named[next(iter(peer.named))]
+def _remember(ids: dict[bytes, None], lease_id: bytes, cap: int) -> None:
+    """Keep ``lease_id`` in ``ids``, newest last (the oldest of more than ``cap`` is forgotten): in a peer's
+    ``named``, it may name it in its heartbeats (a lease it still holds stays nameable through the lender)."""
+    ids.pop(lease_id, None)
+    ids[lease_id] = None
+    if len(ids) > cap:
+        del ids[next(iter(ids))]
 
 
 class _Goodbye(KvlendError):

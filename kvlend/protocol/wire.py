@@ -449,6 +449,10 @@ class FrameDecoder:
             return 4 - len(self._buf)
         return max(0, 4 + self._check_length() - len(self._buf))
 
+    def ready(self) -> bool:
+        """Whether a whole frame is buffered."""
+        return len(self._buf) >= 4 and len(self._buf) >= 4 + _LEN.unpack_from(self._buf)[0]
+
     def next_message(self) -> Message | None:
         if self.need():
             return None

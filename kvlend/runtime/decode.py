@@ -16,11 +16,14 @@ are safe to read from any thread.
 With a ``Registry`` the node publishes a ``decode`` record (port 0: it only
 dials out; ``load`` = fetches in flight) and trusts the registry, while it is
 healthy, on which prefills exist: a ticket naming a prefill the registry
-does not list fails at once without dialling, and the links to a prefill
-whose record leaves are closed (their fetches fail ``PeerLost``, once
-quiet).  A record that moves its endpoint breaks nothing live: a ticket
-rides the open link that authenticated as its prefill, wherever either
-says it is, and only a new connection dials the record's endpoint.  While
+does not list fails at once without dialling, unless a live link
+authenticated as that prefill: a record that leaves (deleted by anyone who
+can write to etcd, or lapsed) stops new routing there but closes nothing,
+since the link's own liveness (TLS, heartbeats, its deadlines) decides
+whether its prefill is there.  A record that moves its endpoint breaks
+nothing live either: a ticket rides the open link that authenticated as
+its prefill, wherever either says it is, and only a new connection dials
+the record's endpoint.  While
 the registry is degraded, tickets are redeemed at the endpoint they name
 (an etcd outage says nothing about the prefills).
 """
@@ -35,7 +38,6 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping
 
 from ..cluster.records import RankRecord
-from ..cluster.view import LEFT, Change
 from ..core.negotiate import TransferPlan
 from ..core.text import printable
 from ..errors import ConfigError, KvlendError, PeerLost, TransferTimeout, UsageError
@@ -351,9 +353,10 @@ class DecodeNode(Shell):
     def _registered(self, ticket: Ticket, resume_from: Any = 0) -> Ticket:
         """``ticket`` as this rank should redeem it; ``PeerLost`` without dialling if the registry rules it out.
 
-        Not listed (healthy registry): ``PeerLost``, the prefill is gone.  Listed at another endpoint
-        than the ticket's: the ticket goes over the open link that authenticated as its prefill (a
-        record's endpoint proves nothing, a link's certificate does), else to the listed endpoint,
+        A ready link that authenticated as the ticket's prefill carries it, listed or not, wherever
+        the ticket or the record says it is (a link's certificate proves who it is; a record's
+        presence or endpoint proves nothing).  Otherwise: not listed (healthy registry): ``PeerLost``,
+        the prefill is gone; listed at another endpoint than the ticket's: to the listed endpoint,
         where the channel checks the certificate and the prefill itself answers for the lease (a
         restarted process refuses it: ``LeaseUnknown``).  Degraded (or not yet ready): as is.
         """
@@ -361,13 +364,7 @@ class DecodeNode(Shell):
         if registry is None or registry.degraded:
             return ticket
         record = registry.get(ticket.prefill)
-        if record is None or record.role != "prefill":
-            error = PeerLost(
-                f"prefill {ticket.prefill!r} is not in the cluster registry (it left or never joined): lease "
-                f"{ticket.lease.hex()} cannot be read; not dialling {ticket.host}:{ticket.port}")
-            error.request, error.bound = "", resume_from  # as on a fetch's error: nothing was read
-            raise error
-        if record.endpoint == ticket.endpoint:
+        if record is not None and record.role == "prefill" and record.endpoint == ticket.endpoint:
             return ticket
         with self._lock:
             for conn in self.session.links:
@@ -375,22 +372,13 @@ class DecodeNode(Shell):
                 if info["peer"] == ticket.prefill and self.session.ready(conn):
                     host, port = info["endpoint"]
                     return replace(ticket, host=host, port=port)
+        if record is None or record.role != "prefill":
+            error = PeerLost(
+                f"prefill {ticket.prefill!r} is not in the cluster registry (it left or never joined): lease "
+                f"{ticket.lease.hex()} cannot be read; not dialling {ticket.host}:{ticket.port}")
+            error.request, error.bound = "", resume_from  # as on a fetch's error: nothing was read
+            raise error
         return replace(ticket, host=record.host, port=record.port)
-
-    def _watches(self, change: Change) -> bool:
-        return change.kind == LEFT and change.record.role == "prefill"
-
-    def _cluster_change(self, change: Change) -> bool:
-        """A prefill's record left: close every link to it (its fetches fail once quiet)."""
-        record, closed = change.record, False
-        with self._lock:
-            for conn in self.session.links:
-                info = self.session.link_info(conn)
-                peer = info["peer"]  # None until TLS named it: then the endpoint says who it is
-                if peer == record.identity or (peer is None and tuple(info["endpoint"]) == record.endpoint):
-                    self.session.disconnect(conn, self.clock(), f"prefill {record.identity} left the cluster registry")
-                    closed = True
-        return closed
 
     def _current_load(self) -> int:
         return len(self._handles)

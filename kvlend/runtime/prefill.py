@@ -30,6 +30,7 @@ from ..protocol.actions import ClaimWaits, LeaseEnded, PeerGone, PeerReady
 from ..protocol.config import NodeConfig
 from ..protocol.prefill import PrefillSession
 from ..protocol.ticket import Ticket, host_problem
+from ..protocol.wire import Handshake
 from ..security.credentials import Credentials
 from ..transport import TransferBackend
 from .clock import lease_clock
@@ -257,6 +258,18 @@ class PrefillNode(Shell):
     # ------------------------------------------------------------------ loop
     def _busy(self) -> float | None:
         return _TARGET_PROGRESS if self.lender.active_leases else None
+
+    def _prepare(self, data: list) -> None:
+        """Negotiate a decode's layout off the node's lock, unless cached or its identity may not ask now (the
+        session refuses it then); only the loop's thread touches the cache."""
+        for conn, messages, _ in data:
+            channel = self._channels.get(conn)
+            for message in messages:
+                if isinstance(message, Handshake) and channel is not None and channel.identity is not None:
+                    self.session.negotiations.prepare(channel.identity, message, self.clock())
+
+    def _throttled(self, now: float) -> dict:
+        return self.session.throttled(now)
 
     def _feed(self, accepted, up, authenticated, data, gone, now: float) -> None:
         for sock in accepted:

@@ -26,6 +26,7 @@ from ..cluster.view import Change
 from ..core.text import printable
 from ..errors import AuthError, BackendError, ConfigError, KvlendError, TransferTimeout
 from ..protocol.actions import AddPeer, Cancel, Close, Connect, Post, RemovePeer, Send
+from ..protocol.budget import Share
 from ..protocol.config import NodeConfig
 from ..protocol.connection import FrameReader
 from ..security.credentials import Credentials
@@ -73,6 +74,10 @@ class Shell:
         self._readers: weakref.WeakKeyDictionary[TlsChannel, FrameReader] = weakref.WeakKeyDictionary()  # its frames
         self._agents: dict[int, str] = {}  # connection -> backend peer
         self._tags: set[bytes] = set()  # posted, not yet reported
+        self._share = config.quotas.share  # what a peer's turn may take (``protocol.budget``) ...
+        self._shares: dict[int, Share] = {}  # ... unless the session said less for it (loop's turn only)
+        self._backlog: set[int] = set()  # connections whose reader holds whole frames for their next turn
+        self._closing: dict[int, str] = {}  # ... and whose socket closed meanwhile: why, said once they are handled
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
         self._idle = 0.0
@@ -134,6 +139,7 @@ class Shell:
         completions = self._progress() if not self._closed else []
         authenticated, data, gone = self._secure(up, data, gone)
         gone += self._expired_links()
+        self._prepare(data)
         with self._lock:
             now = self.clock()
             for c in completions:  # first: a read that landed before its link died still counts
@@ -141,6 +147,7 @@ class Shell:
                 self._read_done(c.tag, c.error, now)
             self._feed(accepted, up, authenticated, data, gone, now)
             self.session.tick(now)
+            self._shares = self._throttled(now)
         self._idle = 0.0 if (completions or data) else min(max(self._idle * 2, _BACKOFF[0]), _BACKOFF[1])
         self._flush()
         if self.registry is not None:
@@ -186,7 +193,7 @@ class Shell:
         busy = self._busy()
         if busy is not None:
             limit = min(limit, busy)
-        return limit
+        return 0.0 if self._backlog else limit
 
     def _busy(self) -> float | None:
         """How often the backend must be progressed now (None: only on deadlines)."""
@@ -201,22 +208,33 @@ class Shell:
         that ended its stream or None) for what was received, and (connection, why, refused) for every
         connection gone.
         """
-        gone = [(conn, why, False) for conn, why in gone]
-        for conn, _, _ in gone:
-            self._channels.pop(conn, None)
+        ended, gone = gone, []
+        for conn, why in ended:
+            channel = self._channels.get(conn)
+            reader = self._readers.get(channel) if channel is not None else None
+            if reader is not None and reader.backlog and self._shares.get(conn, self._share).messages:
+                self._closing[conn] = why  # its messages waiting for their turn are handled first
+            else:
+                self._channels.pop(conn, None)
+                self._backlog.discard(conn)
+                gone.append((conn, why, False))
         for conn in up:
             channel = self._channels.get(conn)
             if channel is not None:
                 channel.start()
                 self._push(conn, channel)
         authenticated, plain = [], []
-        for conn, chunk in data:
+        chunks = dict(data)
+        for conn in [c for c in self._backlog if c not in chunks]:
+            chunks[conn] = b""  # what it sent before waits in its reader: its turn again
+        self._backlog.clear()
+        for conn, chunk in chunks.items():
             channel = self._channels.get(conn)
             if channel is None:
                 continue  # closed meanwhile
             was = channel.authenticated
             try:
-                text = channel.receive(chunk)
+                text = channel.receive(chunk) if chunk else b""
             except KvlendError as exc:
                 self._push(conn, channel)  # the alert that tells the peer why
                 self._channels.pop(conn)
@@ -227,11 +245,25 @@ class Shell:
             if channel.authenticated and not was:
                 self._sockets.authenticated(conn)
                 authenticated.append((conn, channel.identity))
-            if text:
-                plain.append((conn, *self._readers.setdefault(channel, FrameReader()).read(text)))
-            if channel.peer_closed:  # after its last plaintext (a bye) is fed
+            reader = self._readers.get(channel)
+            if text or reader is not None:
+                reader = self._readers.setdefault(channel, FrameReader())
+                share = self._shares.get(conn, self._share)
+                messages, error = reader.read(text, share)
+                if messages or error is not None:
+                    plain.append((conn, messages, error))
+                if reader.backlog and share.messages:  # the rest waits for its next turn (held: none comes)
+                    self._backlog.add(conn)
+                self._sockets.hold(conn, reader.backlog)  # meanwhile the kernel keeps what it sends
+            drained = reader is None or not reader.backlog or not self._shares.get(conn, self._share).messages
+            if conn in self._closing and drained:  # its socket closed behind what it sent
+                self._channels.pop(conn)
+                self._backlog.discard(conn)
+                gone.append((conn, self._closing.pop(conn), False))
+            elif channel.peer_closed and drained:  # after its last message (a bye)
                 self._channels.pop(conn)
                 self._sockets.close(conn)
+                self._backlog.discard(conn)
                 gone.append((conn, "closed by the peer", False))
         return authenticated, plain, gone
 
@@ -262,6 +294,8 @@ class Shell:
         self._contexts = (credentials.context(server=True), credentials.context(server=False))  # one swap
         self.credentials = credentials
         self._certs.renewed(credentials)
+        if self.registry is not None and self.registry.published is not None:  # its record: signed anew
+            self.registry.publish(self.registry.published, credentials)
         log.info("%s: credentials reloaded: new links present a certificate valid until %s", self.name,
                  f"{credentials.expires:%Y-%m-%d %H:%M} UTC")
         return credentials
@@ -292,6 +326,7 @@ class Shell:
                 channel.send(action.data)
                 self._push(action.conn, channel)
         elif isinstance(action, Close):
+            self._closing.pop(action.conn, None)
             channel = self._channels.pop(action.conn, None)
             if channel is not None:
                 channel.close()
@@ -350,8 +385,9 @@ class Shell:
                           capacity if capacity is not None else config.quotas.max_leases_per_peer, 0, meta or {})
 
     def _join(self, registry: Registry, record: RankRecord) -> None:
-        """Publish ``record`` (refused if the registry publishes another rank) and follow the changes."""
-        registry.publish(record)
+        """Publish ``record``, signed with this rank's certificate (refused if the registry publishes another
+        rank), and follow the changes."""
+        registry.publish(record, self.credentials)
         self.registry = registry
         registry.add_listener(self._on_cluster)
 
@@ -384,7 +420,8 @@ class Shell:
             self._flush()
 
     def _watches(self, change: Change) -> bool:
-        raise NotImplementedError
+        """Whether this node acts on ``change`` (``_cluster_change``); none by default."""
+        return False
 
     def _cluster_change(self, change: Change) -> bool:
         """Act on one registry change (on the loop's turn); whether the session has actions to perform."""
@@ -414,6 +451,13 @@ class Shell:
             self.step(min(remaining, IDLE_WAIT))
 
     # ---------------------------------------------------------- subclasses
+    def _prepare(self, data: list) -> None:
+        """Work on what arrived that the session will want, done before its lock is taken (a negotiation)."""
+
+    def _throttled(self, now: float) -> dict:
+        """Connections whose next turns read less than ``Quotas.share`` (under the lock): the session's say."""
+        return {}
+
     def _feed(self, accepted, up, authenticated, data, gone, now: float) -> None:
         raise NotImplementedError
 

@@ -50,6 +50,7 @@ class _Conn:
     out: bytearray = field(default_factory=bytearray)
     read_bytes: int = HANDSHAKE_READ_BYTES
     backed_up: float | None = None  # since when ``out`` holds more than the pause threshold (not read meanwhile)
+    held: bool = False  # what it sent already waits to be handled: leave the rest in the kernel
 
 
 @dataclass(eq=False)
@@ -221,6 +222,12 @@ class Sockets:
         if c is not None:
             c.read_bytes = READ_BYTES
 
+    def hold(self, conn: int, held: bool) -> None:
+        """Stop reading ``conn`` (``held``) while what it sent waits to be handled, or read it again."""
+        c = self._conns.get(conn)
+        if c is not None:
+            c.held = held
+
     def pending_output(self, conn: int) -> int:
         c = self._conns.get(conn)
         return len(c.out) if c is not None else 0
@@ -258,7 +265,8 @@ class Sockets:
             poller.register(self._listener, select.POLLIN)
         fds = {}
         for conn, c in self._conns.items():
-            events = (_IN if c.backed_up is None else 0) | (select.POLLOUT if c.connecting or c.out else 0)
+            reading = c.backed_up is None and not c.held
+            events = (_IN if reading else 0) | (select.POLLOUT if c.connecting or c.out else 0)
             poller.register(c.sock, events)
             fds[c.sock.fileno()] = conn
         ready = poller.poll(max(0, math.ceil(timeout * 1000)))

@@ -19,6 +19,7 @@ import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
+from kvlend.cluster.etcd_members import EtcdMembers
 from kvlend.ports import spare_port
 from kvlend.security.certs import Authority, save_rank
 from kvlend_vllm import launch
@@ -39,6 +40,23 @@ class Rig:
         self.servers: list[launch.Server] = []
         self._authority = Authority.create()
         self._certs = os.path.join(logs, "certs")
+        self._etcd: list[EtcdMembers] = []
+        self._tool: dict[str, str] | None = None
+
+    def etcd(self) -> EtcdMembers:
+        """An etcd member run from this cluster's CA (TLS, client certificates required): the engines reach
+        it with their own certificates, ``tool_env`` gives ``kvlend cluster status`` a router's."""
+        members = EtcdMembers(1, authority=self._authority)
+        self._etcd.append(members)
+        return members
+
+    def tool_env(self) -> dict[str, str]:
+        """The environment of a command that reads the registry: a router certificate, for etcd and records."""
+        if self._tool is None:
+            self._tool = save_rank(self._authority.issue("rig-tool", "router"), os.path.join(self._certs, "tool"))
+        files = self._tool
+        return {**files, "KVLEND_ETCD_CA": files["KVLEND_CA"], "KVLEND_ETCD_CERT": files["KVLEND_CERT"],
+                "KVLEND_ETCD_KEY": files["KVLEND_KEY"]}
 
     def engine(self, name: str, config: dict | None = None, *, extra=(), env=None,
                dtype: str = "bfloat16", prefix_caching: bool = True, tp: int = 1) -> launch.Server:
@@ -105,6 +123,9 @@ class Rig:
         for server in reversed(self.servers):
             server.stop()
         self.servers.clear()
+        for members in self._etcd:
+            members.close()
+        self._etcd.clear()
 
 
 def post(url: str, body: dict, timeout: float = 120.0) -> dict:
@@ -167,13 +188,14 @@ def _tokens(answer: dict) -> dict:
     return {"tokens": choice["token_ids"], "finish": choice["finish_reason"]}
 
 
-def cluster_ranks(etcd: str, prefix: str, want: set[str], timeout: float) -> list[dict]:
+def cluster_ranks(rig: Rig, etcd: str, prefix: str, want: set[str], timeout: float) -> list[dict]:
     """``kvlend cluster status``'s live ranks once their identities are exactly ``want`` (or at the deadline)."""
     kvlend = os.path.join(os.path.dirname(sys.executable), "kvlend")  # the command users run
     deadline = time.monotonic() + timeout
     while True:
         out = subprocess.run([kvlend, "cluster", "status", "--etcd", etcd, "--prefix", prefix, "--json",
-                              "--timeout", "10"], capture_output=True, text=True, timeout=60)
+                              "--timeout", "10"], capture_output=True, text=True, timeout=60,
+                             env={**os.environ, **rig.tool_env()})
         if out.returncode != 0:
             raise AssertionError(f"kvlend cluster status failed: {out.stderr}")
         ranks = json.loads(out.stdout)["ranks"]

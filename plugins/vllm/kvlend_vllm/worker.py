@@ -77,12 +77,17 @@ def _request_amx() -> None:
 
 
 def _registry(settings: WorkerSettings):
-    """The rank's ``Registry`` in etcd, started, or None without ``etcd`` (its record goes up with the node)."""
+    """The rank's ``Registry`` in etcd, started, or None without ``etcd`` (its record goes up with the node,
+    signed with the rank's certificate; records are checked against its cluster CA).  It reaches etcd as
+    the ``KVLEND_ETCD_*`` variables say, or else over TLS with the rank's own certificate: etcd run from
+    the cluster CA with client certificates required, as ``EtcdMembers`` runs it."""
     if not settings.etcd:
         return None
     from kvlend.cluster.registry import Registry, etcd_security_from_env
 
-    return Registry(list(settings.etcd), settings.cluster_prefix, **etcd_security_from_env()).start()
+    security = etcd_security_from_env() or {"etcd_credentials": settings.credentials}
+    return Registry(list(settings.etcd), settings.cluster_prefix, cluster_ca=settings.credentials.ca_pem,
+                    **security).start()
 
 
 def _close(node, registry) -> None:
