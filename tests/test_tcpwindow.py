@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from kvlend.core.tcpwindow import DEFAULT_BUFFER, ReadWindow, parse_size, pinned_buffers, window_bytes
+from kvlend.core.layout import MemoryKind
+from kvlend.core.reads import ReadBatch
+from kvlend.core.tcpwindow import DEFAULT_BUFFER, ReadWindow, parse_size, pieces, pinned_buffers, window_bytes
 from kvlend.errors import ConfigError
 
 pytestmark = pytest.mark.unit
@@ -107,3 +110,35 @@ def test_the_window_holds_never_loses_and_keeps_order(limit, ops):
             posted[tag] = (0, sizes[tag])
             next(q for q in waiting.values() if tag in q).remove(tag)
     assert not any(waiting.values())
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.lists(st.integers(1, 500), min_size=1, max_size=6), min_size=1, max_size=4),
+       st.integers(1, 700))
+def test_pieces_cover_every_byte_once_in_order_and_none_exceeds_the_limit(batches_rows, limit):
+    batches, cursor = [], 0
+    for rows in batches_rows:
+        remote = np.array([(cursor + 10_000 * i, n, 0) for i, n in enumerate(rows)], dtype=np.uint64)
+        local = np.array([(7 + 20_000 * i, n, 1) for i, n in enumerate(rows)], dtype=np.uint64)
+        cursor += 1_000_000
+        batches.append(ReadBatch(MemoryKind.HOST, MemoryKind.HOST, remote, local))
+    cut = pieces(batches, limit)
+    assert all(sum(b.nbytes for b in piece) <= limit for piece in cut)
+    assert all(sum(b.nbytes for b in piece) == limit for piece in cut[:-1])  # only the last one is short
+
+    def spans(rows_of):
+        out = []
+        for b in rows_of:
+            for (ra, n, rd), (la, _, ld) in zip(b.remote.tolist(), b.local.tolist()):
+                out.extend((ra + k, la + k, rd, ld) for k in range(n))
+        return out
+
+    assert spans([b for piece in cut for b in piece]) == spans(batches)
+
+
+@pytest.mark.parametrize(("tls", "local"), [("", False), ("all", False), ("^ib", False), ("tcp", True),
+                                              ("tcp,cma", False), ("sm,tcp", False), ("rc,tcp", True)])
+def test_peers_on_this_host_read_over_tcp_only_where_ucx_tls_leaves_no_shared_memory(tls, local):
+    from kvlend_nixl.tcp import local_reads_over_tcp
+
+    assert local_reads_over_tcp({"UCX_TLS": tls} if tls else {}) is local

@@ -16,9 +16,12 @@ does not admit yet.
 from __future__ import annotations
 
 from collections import OrderedDict, deque
-from typing import Hashable, Mapping
+from typing import Hashable, Mapping, Sequence
+
+import numpy as np
 
 from ..errors import ConfigError
+from .reads import ReadBatch
 
 DEFAULT_BUFFER = 4 << 20  # bytes per socket buffer kvlend pins unless UCX_TCP_SNDBUF/RCVBUF say otherwise
 MIN_BUFFER = 128 << 10  # below this the window would serialise reads (and UCX's own 8 KiB tx buffer matters)
@@ -145,3 +148,36 @@ class ReadWindow:
     def _count(self, key: Hashable, tag: bytes, nbytes: int) -> None:
         self._posted[tag] = (key, nbytes)
         self._flying[key] = self._flying.get(key, 0) + nbytes
+
+
+def pieces(batches: Sequence[ReadBatch], limit: int) -> list[list[ReadBatch]]:
+    """``batches`` cut into consecutive pieces of at most ``limit`` bytes each, a descriptor longer than
+    what is left of a piece split across pieces: what a read larger than the window is posted as, one
+    piece at a time, so no read ever has more than the window in flight."""
+    out: list[list[ReadBatch]] = []
+    current: list[ReadBatch] = []
+    size = 0
+    for batch in batches:
+        remote: list[tuple[int, int, int]] = []
+        local: list[tuple[int, int, int]] = []
+        for (r_addr, length, r_dev), (l_addr, _, l_dev) in zip(batch.remote.tolist(), batch.local.tolist()):
+            done = 0
+            while done < length:
+                take = min(length - done, limit - size)
+                remote.append((r_addr + done, take, r_dev))
+                local.append((l_addr + done, take, l_dev))
+                done, size = done + take, size + take
+                if size == limit:
+                    current.append(_batch(batch, remote, local))
+                    out.append(current)
+                    current, remote, local, size = [], [], [], 0
+        if remote:
+            current.append(_batch(batch, remote, local))
+    if current:
+        out.append(current)
+    return out
+
+
+def _batch(like: ReadBatch, remote: list, local: list) -> ReadBatch:
+    return ReadBatch._planned(like.remote_kind, like.local_kind, np.array(remote, dtype=np.uint64).reshape(-1, 3),
+                              np.array(local, dtype=np.uint64).reshape(-1, 3))

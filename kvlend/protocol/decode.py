@@ -42,7 +42,7 @@ from typing import Any, Mapping
 
 from ..core.layout import PageLayout
 from ..core.negotiate import TransferPlan
-from ..core.tcpwindow import ReadWindow
+from ..core.tcpwindow import ReadWindow, pieces
 from ..core.text import printable
 from ..core.tracker import DeliveryTracker
 from ..errors import (
@@ -97,6 +97,7 @@ class DecodeSession(TicketClaims, PrefillMessages, Outbox):
         self._tags: dict[bytes, tuple[int, int]] = {}  # tag -> (fetch id, chunk)
         self._window = ReadWindow(read_window)  # bytes in flight per link (tcp: core/tcpwindow.py)
         self._held: dict[bytes, Post] = {}  # posts waiting for room in the window, by tag
+        self._pieces: dict[int, int] = {}  # chunk (seq) cut into pieces for the window -> pieces not yet landed
         self._timers: list[tuple[float, int]] = []  # (deadline or quiet_by, fetch id): a heap, stale ones skipped
         self._plans: dict[tuple, TransferPlan] = {}
         self._unreadable: OrderedDict[str, LayoutMismatch] = OrderedDict()  # remote layout id -> why refused
@@ -124,11 +125,14 @@ class DecodeSession(TicketClaims, PrefillMessages, Outbox):
         conn = self._by_endpoint.get((host, port))
         return conn if conn is not None else self.open(host, port, now)
 
-    def connected(self, conn: int, now: float) -> None:
-        """The shell's connection for ``conn`` is up: its TLS handshake starts."""
+    def connected(self, conn: int, now: float, windowed: bool = True) -> None:
+        """The shell's connection for ``conn`` is up: its TLS handshake starts.  ``windowed``: its reads
+        may go over tcp, so the read window applies (the shell knows a peer on this host reads over
+        shared memory)."""
         link = self._links.get(conn)
         if link is not None and link.state is LinkState.CONNECTING:
             link.conn = Connection(now)
+            link.windowed = windowed
             self._link_to(link, LinkEvent.CONNECTED)
 
     def authenticated(self, conn: int, identity: str, now: float) -> None:
@@ -282,7 +286,8 @@ class DecodeSession(TicketClaims, PrefillMessages, Outbox):
         if fetch is None:
             return
         fetch.tags.discard(tag)
-        if fetch.state is FetchState.READING:
+        whole = self._whole(entry[1], error)
+        if fetch.state is FetchState.READING and whole:
             if error is None:
                 self.tracker.done(fetch.key, entry[1])
                 if now < fetch.sure_until:
@@ -294,6 +299,18 @@ class DecodeSession(TicketClaims, PrefillMessages, Outbox):
                 else:
                     self._fail(fetch, error, now)
         self._progress(fetch, now)
+
+    def _whole(self, seq: int, error: KvlendError | None) -> bool:
+        """Whether chunk ``seq`` is settled by this completion: it was posted whole, or this was its last
+        piece to land, or the first of its pieces to fail (the others then count for nothing)."""
+        left = self._pieces.get(seq)
+        if left is None:
+            return True
+        if error is None and left > 1:
+            self._pieces[seq] = left - 1
+            return False
+        del self._pieces[seq]
+        return True
 
     # ------------------------------------------------------------------ time
     def tick(self, now: float) -> None:
@@ -457,23 +474,31 @@ class DecodeSession(TicketClaims, PrefillMessages, Outbox):
                 self._seq += 1  # read by an earlier lease, verified then
                 self.tracker.post(fetch.key, f"resumed-{self._seq}", kept)
                 self.tracker.done(fetch.key, f"resumed-{self._seq}")
+            windowed = self._links[fetch.link].windowed and self._window.limit is not None
             for batches, local in chunks:
                 self._seq += 1
-                tag = f"{self.name}:{self._seq}".encode()
                 self.tracker.post(fetch.key, self._seq, local)
-                tags.append(tag)
-                post = Post(fetch.link, batches, tag)
-                if self._window.submit(fetch.link, tag, nbytes(batches)):
-                    self._actions.append(post)
-                else:
-                    self._held[tag] = post
-                self._tags[tag] = (fetch.id, self._seq)
-                fetch.bytes += nbytes(batches)
+                size = nbytes(batches)
+                parts = pieces(batches, self._window.limit) if windowed and size > self._window.limit else [batches]
+                if len(parts) > 1:
+                    self._pieces[self._seq] = len(parts)
+                for i, part in enumerate(parts):
+                    tag = f"{self.name}:{self._seq}{f'.{i}' if len(parts) > 1 else ''}".encode()
+                    tags.append(tag)
+                    post = Post(fetch.link, part, tag)
+                    if not windowed or self._window.submit(fetch.link, tag, nbytes(part)):
+                        self._actions.append(post)
+                    else:
+                        self._held[tag] = post
+                    self._tags[tag] = (fetch.id, self._seq)
+                fetch.bytes += size
                 fetch.descriptors += sum(b.count for b in batches)
         except BaseException:
             del self._actions[mark:]
             for tag in tags:
-                self._tags.pop(tag, None)
+                entry = self._tags.pop(tag, None)
+                if entry is not None:
+                    self._pieces.pop(entry[1], None)
                 self._window.end(tag)
                 self._held.pop(tag, None)
             fetch.bytes, fetch.descriptors = counted
@@ -528,6 +553,7 @@ class DecodeSession(TicketClaims, PrefillMessages, Outbox):
         for tag in sorted(fetch.tags):
             if self._window.waiting(tag):  # never posted: nothing to stop
                 self._window.end(tag)
+                self._pieces.pop(self._tags[tag][1], None)
                 del self._held[tag], self._tags[tag]
                 fetch.tags.discard(tag)
             else:

@@ -122,7 +122,8 @@ class NixlBackend:
     ``thread_safe``: NIXL locks (RW) for use from several threads.
     ``backend_params``: further UCX backend parameters.  ``tcp_window``: where READs may go over
     tcp, ``read_window`` is the bytes a reader keeps in flight per peer (``kvlend_nixl.tcp``;
-    False: None, for measuring its cost); the socket buffers are pinned either way.
+    False: None, for measuring its cost); the socket buffers are pinned either way.  It applies to a
+    peer on this host only if ``read_window_local`` (``UCX_TLS`` leaves no shared-memory transport).
     """
 
     kind = "nixl"
@@ -165,6 +166,7 @@ class NixlBackend:
         self.name = name
         window = tcp.pin(os.environ) if tcp.carries_reads(os.environ, tcp.rdma_devices()) else None
         self.read_window: int | None = window if tcp_window else None
+        self.read_window_local = tcp.local_reads_over_tcp(os.environ)  # peers on this host need it too
         self._config = nixl.nixl_agent_config(enable_prog_thread=progress_thread, backends=[], sync_mode=sync)
         self._params = params
         self._agent: nixl.nixl_agent | None = self._start_agent()  # None: lost in a reset, made again on use

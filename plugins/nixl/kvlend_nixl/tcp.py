@@ -27,6 +27,19 @@ def carries_reads(env: MutableMapping[str, str], rdma_devices: bool) -> bool:
     return ("tcp" not in names) if tls.startswith("^") else ("tcp" in names or "all" in names)
 
 
+SHARED_MEMORY = frozenset({"sm", "shm", "cma", "posix", "sysv", "xpmem", "knem"})  # UCX's transports within a host
+
+
+def local_reads_over_tcp(env: MutableMapping[str, str]) -> bool:
+    """Whether reads from a peer on this host go over tcp too: ``UCX_TLS`` lists transports and none
+    of them moves bytes through shared memory (unset, ``all`` or an exclusion list leaves UCX its
+    shared-memory transports, which it prefers within a host)."""
+    tls = env.get("UCX_TLS", "").strip()
+    if not tls or tls == "all" or tls.startswith("^"):
+        return False
+    return not set(tls.split(",")) & (SHARED_MEMORY | {"all"})
+
+
 def rdma_devices() -> bool:
     try:
         return bool(os.listdir("/sys/class/infiniband"))
