@@ -1,6 +1,6 @@
 """Chaos soak on loopback: thousands of small requests, random aborts, delays and SIGKILLs;
-and chaos over ``UCX_TLS=tcp`` with two prefills SIGKILLed (``tests.support.chaos_ranks``; ``scripts/chaos`` SIGSTOPs
-them too).
+and chaos over ``UCX_TLS=tcp`` with two prefills SIGKILLed and SIGSTOPped (``tests.support.chaos_ranks``;
+``scripts/chaos`` runs it longer).
 
 One prefill and one decode child (``tests.support.fault_ranks``) at a time.  The decode
 declines some offers and sleeps past the TTL before a few fetches; the
@@ -139,14 +139,14 @@ def test_chaos_soak_serves_only_verified_kv_and_leaks_no_locks():
 
 
 def test_chaos_over_tcp_serves_only_verified_kv_and_ends_every_fetch_in_time():
-    """Two prefills SIGKILLed and restarted at random under a decode with 48 fetches in flight.
+    """Two prefills SIGKILLed and restarted, or SIGSTOPped for 1-10 s, at random, under a decode with
+    64 fetches in flight.
 
-    No SIGSTOPs here: a prefill resumed after its decode gave up on it still dies of SIGSEGV
-    inside UCX's progress now and then (about one 20 s run in two with stops only, none in five
-    with kills only; issue 22, finding 6, is open for it).  ``scripts/chaos`` stops them too, and
-    the test below covers one stop past the decode's deadline.
+    Before the tcp read window (``kvlend.core.tcpwindow``), a prefill resumed after its decode
+    gave up on it died of SIGSEGV inside UCX now and then (both prefills, in the one run at seed
+    200 with stops only measured here), and this test SIGKILLed only.
     """
-    report = chaos(CHAOS_S, seed=2026, stops=0.0)
+    report = chaos(CHAOS_S, seed=2026, inflight=64, stops=0.5)
     assert not report["violations"], report
     assert report["served"] >= 1 and report["started"] == report["served"] + report["failed"], report
 

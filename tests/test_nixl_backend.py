@@ -6,6 +6,7 @@ lender must (a peer's first read completes only after the target progressed).
 
 from __future__ import annotations
 
+import math
 import multiprocessing
 import multiprocessing.connection
 import os
@@ -543,3 +544,24 @@ def test_two_processes_read_then_survive_the_lender_dying():
         if proc.is_alive():
             proc.kill()
         reader.close()
+
+
+@pytest.mark.nixl
+def test_a_retired_agent_is_drained_and_its_read_reported_only_once_it_cannot_write():
+    p = Pair(abort_grace=0.2)
+    try:
+        p.reader.post_read(p.peer, [batch(p.src, p.dst, [0], [0], PAGE)], b"stuck")  # lands once the lender polls
+        p.reader.cancel(b"stuck")
+        end = time.monotonic() + DEADLINE
+        while p.reader.resets == 0 and time.monotonic() < end:
+            assert p.reader.poll() == []
+            time.sleep(1e-3)
+        [retired] = p.reader._retired
+        retired.until = math.inf  # the drain's own deadline is not what this test is about
+        assert poll_quietly(p.reader, 0.2) == [] and p.reader.in_flight == 1  # quarantined while it may write
+        [done] = p.drain([b"stuck"]).values()  # the lender answers: the retired agent drains
+        assert isinstance(done.error, TransferCancelled)
+        assert np.array_equal(p.dst[:PAGE], p.src[:PAGE])  # what landed during the drain, before the report
+        assert p.reader._retired == [] and p.reader.in_flight == 0  # closed once drained
+    finally:
+        p.close()

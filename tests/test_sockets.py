@@ -97,6 +97,14 @@ def test_connect_accept_and_data_both_ways(both):
     assert client.pending_output(1) == server.pending_output(7) == 0
 
 
+def test_a_loopback_peer_is_on_this_host_and_an_unknown_connection_is_not(both):
+    """What decides whether a link's reads may go over shared memory (no tcp read window) instead of tcp."""
+    server, client = both
+    connect_pair(server, client)
+    assert client.same_host(1) and server.same_host(7)
+    assert not client.same_host(99)
+
+
 def test_data_sent_while_connecting_is_delivered_once_up(both):
     server, client = both
     _, port = server.listen(HOST, 0)

@@ -25,6 +25,11 @@ is remembered by its layout id: a ticket naming that layout fails at once
 with the same ``LayoutMismatch``, and every lease this rank came for there is
 declined (a ``Claim`` over the refused link before its ``Bye``, over a link
 opened to say it) so its prefill frees the pages rather than at their TTL.
+
+With a ``read_window`` (the backend's, over tcp: ``core/tcpwindow.py``) the bytes of reads posted
+and not yet terminal per link stay within it; chunks over it wait, in order, and are posted by
+``take_actions`` as earlier ones end.  A waiting chunk counts as in flight for its fetch (the
+deadline still applies) and is simply dropped if the fetch fails.
 """
 
 from __future__ import annotations
@@ -37,6 +42,7 @@ from typing import Any, Mapping
 
 from ..core.layout import PageLayout
 from ..core.negotiate import TransferPlan
+from ..core.tcpwindow import ReadWindow, pieces
 from ..core.text import printable
 from ..core.tracker import DeliveryTracker
 from ..errors import (
@@ -74,7 +80,7 @@ class DecodeSession(TicketClaims, PrefillMessages, Outbox):
     """Reads leases from any number of prefill ranks into ``layout``'s pages."""
 
     def __init__(self, layout: PageLayout, backend_kind: str, *,
-                 name: str = "decode", config: NodeConfig = NodeConfig()) -> None:
+                 name: str = "decode", config: NodeConfig = NodeConfig(), read_window: int | None = None) -> None:
         self.layout = layout
         self.name = name
         self.config = config
@@ -89,6 +95,9 @@ class DecodeSession(TicketClaims, PrefillMessages, Outbox):
         self._live: dict[bytes, Fetch] = {}  # fetches not finished, by lease (one at most per lease)
         self._on_link: dict[int, dict[int, Fetch]] = {}  # fetches not finished, by link and id
         self._tags: dict[bytes, tuple[int, int]] = {}  # tag -> (fetch id, chunk)
+        self._window = ReadWindow(read_window)  # bytes in flight per link (tcp: core/tcpwindow.py)
+        self._held: dict[bytes, Post] = {}  # posts waiting for room in the window, by tag
+        self._pieces: dict[int, int] = {}  # chunk (seq) cut into pieces for the window -> pieces not yet landed
         self._timers: list[tuple[float, int]] = []  # (deadline or quiet_by, fetch id): a heap, stale ones skipped
         self._plans: dict[tuple, TransferPlan] = {}
         self._unreadable: OrderedDict[str, LayoutMismatch] = OrderedDict()  # remote layout id -> why refused
@@ -116,11 +125,14 @@ class DecodeSession(TicketClaims, PrefillMessages, Outbox):
         conn = self._by_endpoint.get((host, port))
         return conn if conn is not None else self.open(host, port, now)
 
-    def connected(self, conn: int, now: float) -> None:
-        """The shell's connection for ``conn`` is up: its TLS handshake starts."""
+    def connected(self, conn: int, now: float, windowed: bool = True) -> None:
+        """The shell's connection for ``conn`` is up: its TLS handshake starts.  ``windowed``: its reads
+        may go over tcp, so the read window applies (the shell knows a peer on this host reads over
+        shared memory)."""
         link = self._links.get(conn)
         if link is not None and link.state is LinkState.CONNECTING:
             link.conn = Connection(now)
+            link.windowed = windowed
             self._link_to(link, LinkEvent.CONNECTED)
 
     def authenticated(self, conn: int, identity: str, now: float) -> None:
@@ -266,6 +278,7 @@ class DecodeSession(TicketClaims, PrefillMessages, Outbox):
     # ----------------------------------------------------------- completions
     def completed(self, tag: bytes, error: KvlendError | None, now: float) -> None:
         """The backend is done with read ``tag`` (terminal: it will not write again)."""
+        self._window.end(tag)
         entry = self._tags.pop(tag, None)
         if entry is None:
             return
@@ -273,7 +286,8 @@ class DecodeSession(TicketClaims, PrefillMessages, Outbox):
         if fetch is None:
             return
         fetch.tags.discard(tag)
-        if fetch.state is FetchState.READING:
+        whole = self._whole(entry[1], error)
+        if fetch.state is FetchState.READING and whole:
             if error is None:
                 self.tracker.done(fetch.key, entry[1])
                 if now < fetch.sure_until:
@@ -285,6 +299,18 @@ class DecodeSession(TicketClaims, PrefillMessages, Outbox):
                 else:
                     self._fail(fetch, error, now)
         self._progress(fetch, now)
+
+    def _whole(self, seq: int, error: KvlendError | None) -> bool:
+        """Whether chunk ``seq`` is settled by this completion: it was posted whole, or this was its last
+        piece to land, or the first of its pieces to fail (the others then count for nothing)."""
+        left = self._pieces.get(seq)
+        if left is None:
+            return True
+        if error is None and left > 1:
+            self._pieces[seq] = left - 1
+            return False
+        del self._pieces[seq]
+        return True
 
     # ------------------------------------------------------------------ time
     def tick(self, now: float) -> None:
@@ -340,6 +366,18 @@ class DecodeSession(TicketClaims, PrefillMessages, Outbox):
         return at == f.deadline
 
     # --------------------------------------------------------------- outputs
+    def take_actions(self) -> list:
+        """The actions queued, and the posts the read window admits now that every change was made
+        (a fetch failing withdraws its waiting reads first, so none is posted for a link torn down)."""
+        for tag in self._window.admit():
+            self._actions.append(self._held.pop(tag))
+        return super().take_actions()
+
+    @property
+    def reads_waiting(self) -> int:
+        """Reads held back by the tcp read window."""
+        return len(self._held)
+
     def _connections(self):
         return ((conn, link.conn) for conn, link in self._links.items() if link.conn is not None)
 
@@ -436,19 +474,33 @@ class DecodeSession(TicketClaims, PrefillMessages, Outbox):
                 self._seq += 1  # read by an earlier lease, verified then
                 self.tracker.post(fetch.key, f"resumed-{self._seq}", kept)
                 self.tracker.done(fetch.key, f"resumed-{self._seq}")
+            windowed = self._links[fetch.link].windowed and self._window.limit is not None
             for batches, local in chunks:
                 self._seq += 1
-                tag = f"{self.name}:{self._seq}".encode()
                 self.tracker.post(fetch.key, self._seq, local)
-                self._actions.append(Post(fetch.link, batches, tag))
-                tags.append(tag)
-                self._tags[tag] = (fetch.id, self._seq)
-                fetch.bytes += nbytes(batches)
+                size = nbytes(batches)
+                parts = pieces(batches, self._window.limit) if windowed and size > self._window.limit else [batches]
+                if len(parts) > 1:
+                    self._pieces[self._seq] = len(parts)
+                for i, part in enumerate(parts):
+                    tag = f"{self.name}:{self._seq}{f'.{i}' if len(parts) > 1 else ''}".encode()
+                    tags.append(tag)
+                    post = Post(fetch.link, part, tag)
+                    if not windowed or self._window.submit(fetch.link, tag, nbytes(part)):
+                        self._actions.append(post)
+                    else:
+                        self._held[tag] = post
+                    self._tags[tag] = (fetch.id, self._seq)
+                fetch.bytes += size
                 fetch.descriptors += sum(b.count for b in batches)
         except BaseException:
             del self._actions[mark:]
             for tag in tags:
-                self._tags.pop(tag, None)
+                entry = self._tags.pop(tag, None)
+                if entry is not None:
+                    self._pieces.pop(entry[1], None)
+                self._window.end(tag)
+                self._held.pop(tag, None)
             fetch.bytes, fetch.descriptors = counted
             raise
         fetch.tags.update(tags)
@@ -499,7 +551,13 @@ class DecodeSession(TicketClaims, PrefillMessages, Outbox):
         heapq.heappush(self._timers, (fetch.quiet_by, fetch.id))
         self.tracker.abort(fetch.key)
         for tag in sorted(fetch.tags):
-            self._actions.append(Cancel(tag))
+            if self._window.waiting(tag):  # never posted: nothing to stop
+                self._window.end(tag)
+                self._pieces.pop(self._tags[tag][1], None)
+                del self._held[tag], self._tags[tag]
+                fetch.tags.discard(tag)
+            else:
+                self._actions.append(Cancel(tag))
         if not tell_prefill:
             fetch.offer = None  # the prefill already ended the lease: no Abort
         self._progress(fetch, now)

@@ -62,6 +62,7 @@ class PrefillLink:
     blind: int = 0  # unanswered heartbeats sent after ``beats`` was full (answered after those in it)
     next_beat: float = 0.0
     beat: float = 0.0  # heartbeat interval: ``heartbeat``, lowered to the shortest offer's ``beat_for(ttl)`` seen
+    windowed: bool = True  # its reads are kept within the session's read window (False: a peer on this host)
 
     def state_of(self, lease: bytes) -> LeaseState | None:
         record = self.leases.get(lease)

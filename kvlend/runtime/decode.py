@@ -187,7 +187,8 @@ class DecodeNode(Shell):
             "decode", (socket.gethostname() or "localhost")[:255], 0, layout, config, capacity, meta)
         backend.register(layout.regions)
         self.layout = layout
-        self.session = DecodeSession(layout, backend.kind, name=self.name, config=config)
+        self.session = DecodeSession(layout, backend.kind, name=self.name, config=config,
+                                     read_window=getattr(backend, "read_window", None))
         self.tracker = self.session.tracker
         self._handles: dict[int, FetchHandle] = {}
         self._finished: list[FetchHandle] = []
@@ -421,8 +422,9 @@ class DecodeNode(Shell):
     def _feed(self, accepted, up, authenticated, data, gone, now: float) -> None:
         for sock in accepted:
             sock.close()  # a decode listens to nobody
-        for conn in up:
-            self.session.connected(conn, now)
+        for conn in up:  # the tcp read window applies to links whose reads may go over tcp
+            windowed = getattr(self.backend, "read_window_local", True) or not self._sockets.same_host(conn)
+            self.session.connected(conn, now, windowed=windowed)
         for conn, identity in authenticated:
             self.session.authenticated(conn, identity, now)
         for conn, messages, error in data:

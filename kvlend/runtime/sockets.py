@@ -18,6 +18,7 @@ connection is dropped.
 from __future__ import annotations
 
 import errno
+import ipaddress
 import math
 import os
 import select
@@ -227,6 +228,16 @@ class Sockets:
         c = self._conns.get(conn)
         if c is not None:
             c.held = held
+
+    def same_host(self, conn: int) -> bool:
+        """Whether ``conn``'s peer is on this host: a loopback address, or the very address we reach it
+        from (False if unknown)."""
+        c = self._conns.get(conn)
+        try:
+            local, peer = c.sock.getsockname()[0], c.sock.getpeername()[0]
+        except (AttributeError, OSError, IndexError):
+            return False
+        return local == peer or ipaddress.ip_address(peer.split("%")[0]).is_loopback
 
     def pending_output(self, conn: int) -> int:
         c = self._conns.get(conn)

@@ -2,7 +2,7 @@
 
 ``run`` (the driver, what ``scripts/chaos`` and ``tests/test_chaos.py`` start) spawns two
 ``fault_ranks prefill`` ranks and one ``decode`` rank of this module, then for ``--seconds``
-SIGKILLs and restarts the prefills, or SIGSTOPs one for 1-7 s, at random.  The decode keeps
+SIGKILLs and restarts the prefills, or SIGSTOPs one for 1-10 s, at random.  The decode keeps
 ``--inflight`` fetches going (a share of them cancelled, a few of 8-16 MiB), and checks:
 
 * a fetch reported done holds the prefill's bytes, every one (the prefills scribble over a
@@ -208,7 +208,7 @@ def chaos(seconds: float, seed: int, inflight: int = 48, cancel: float = 0.05, s
           log=print) -> dict:
     """One run; its summary, with ``violations`` (empty when every check held).
 
-    ``stops``: the share of chaos events that SIGSTOP a prefill for 1-7 s rather than SIGKILL it.
+    ``stops``: the share of chaos events that SIGSTOP a prefill for 1-10 s rather than SIGKILL it.
     """
     saved = {name: os.environ.get(name) for name in TCP}
     os.environ.update(TCP)  # the children inherit it; this process's own agents must not
@@ -289,7 +289,7 @@ def _chaos(seconds: float, seed: int, inflight: int, cancel: float, stops: float
                 else:
                     events["stop"] += 1
                     os.kill(prefills[i].proc.pid, signal.SIGSTOP)
-                    stopped[i] = now + rng.uniform(1.0, 7.0)
+                    stopped[i] = now + rng.uniform(1.0, 10.0)
             time.sleep(0.05)
         chaos_s = time.monotonic() - start
         for i in list(stopped):

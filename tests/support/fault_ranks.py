@@ -95,7 +95,7 @@ def run_prefill(args) -> int:
         for name, table in tables.get(lease.request, {}).items():
             for layer in group_layers(layout, name):
                 slots(pools[layer])[table[table >= 0]] = 0xEE
-        ended.put((lease.request, reason))
+        ended.put((lease.request, reason, time.monotonic()))
 
     node = PrefillNode(layout, nixl(f"prefill{args.gen}"), Credentials.from_env(), config=config(args),
                        on_release=on_release)
@@ -107,8 +107,10 @@ def run_prefill(args) -> int:
     try:
         while stdin.line(0.002) != "stop":
             while not ended.empty():
-                request, reason = ended.get()
+                request, reason, at = ended.get()
                 counts[reason] += 1
+                if args.report_expired and reason == "expired":
+                    emit(ev="expired", request=request, t=at)  # CLOCK_MONOTONIC: comparable across processes
                 owner.pop(request, None)
                 for name, table in tables.pop(request, {}).items():  # gone already if its offer failed
                     free[name].release(table)
@@ -342,6 +344,7 @@ def main() -> int:
     p.add_argument("--big", type=float, default=0.0, help="prefill: share of requests of --big-tokens/2..--big-tokens")
     p.add_argument("--big-tokens", type=int, default=0)
     p.add_argument("--delay", type=float, default=0.0, help="prefill: longest random pause before an offer")
+    p.add_argument("--report-expired", action="store_true", help="prefill: an event per lease that expired")
     p.add_argument("--resume", action="append", default=[], metavar="NAME:SEED:TOKENS")
     p.add_argument("--connect", metavar="HOST:PORT")
     p.add_argument("--chaos", action="store_true")

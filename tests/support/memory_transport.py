@@ -425,7 +425,8 @@ class PrefillEnd:
 
 
 class DecodeEnd:
-    def __init__(self, world: World, name: str, pages: int, config: NodeConfig, certified: bool) -> None:
+    def __init__(self, world: World, name: str, pages: int, config: NodeConfig, certified: bool,
+                 read_window: int | None = None) -> None:
         self.world = world
         self.name = name
         self.certified = certified  # its certificate is from the cluster CA
@@ -436,7 +437,7 @@ class DecodeEnd:
         self.layout = make_layout(self.pools)
         self.memory = Memory(self.pools)
         self.metadata = f"memory:{name}:{next(_uid)}".encode()
-        self.session = DecodeSession(self.layout, KIND, name=name, config=config)
+        self.session = DecodeSession(self.layout, KIND, name=name, config=config, read_window=read_window)
         self.backend = MemoryBackend(world, self)
         self.free = {g: FreeList(pages, world.np_rng) for g in self.layout.groups}
         self.records: dict[int, Record] = {}
@@ -674,8 +675,8 @@ class World:
         return end
 
     def add_decode(self, name: str = "decode", *, pages: int = 256, config: NodeConfig = NodeConfig(),
-                   certified: bool = True) -> DecodeEnd:
-        end = DecodeEnd(self, name, pages, config, certified)
+                   certified: bool = True, read_window: int | None = None) -> DecodeEnd:
+        end = DecodeEnd(self, name, pages, config, certified, read_window)
         self.decodes.append(end)
         return end
 
@@ -1029,10 +1030,11 @@ def connected(world: World, prefill: PrefillEnd, decode: DecodeEnd) -> int:
 
 
 def rig(config: NodeConfig, *, decode_config: NodeConfig | None = None, seed: int = 0, offset: float = 0.0,
-        decode: str = "decode", **world_kw) -> tuple[World, PrefillEnd, DecodeEnd, int]:
+        decode: str = "decode", read_window: int | None = None,
+        **world_kw) -> tuple[World, PrefillEnd, DecodeEnd, int]:
     """A fresh world (``world_kw``) with one prefill on ``config`` and one decode on ``decode_config``
     (else ``config``) linked to it: ``(world, prefill, decode, link id)``."""
     world = World(seed, **world_kw)
     prefill = world.add_prefill(config=config, offset=offset)
-    end = world.add_decode(decode, config=decode_config or config)
+    end = world.add_decode(decode, config=decode_config or config, read_window=read_window)
     return world, prefill, end, connected(world, prefill, end)

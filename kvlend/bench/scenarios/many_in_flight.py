@@ -48,17 +48,21 @@ def run(lender: LenderProcess, backend, sizes: Sizes, progress) -> dict:
             for side, lend in enumerate(lenders):  # each request twice: once per kvlend run
                 tickets[side] = lend.call("tickets", {
                     "credentials": save_rank(ca.issue(f"bench-prefill-{side}", "prefill"), certs),
-                    "requests": [src for s_, src in requests if s_ == side] * 2})
+                    "requests": [src for s_, src in requests if s_ == side] * 3})
         order = [iter(t) for t in tickets]
         work = [(side, src, next(order[side])) for side, src in requests]
         work_ahead = [(side, src, next(order[side])) for side, src in requests]
+        work_open = [(side, src, next(order[side])) for side, src in requests]
         nbytes = sum(len(src) for _, src in requests) * 2 * PAGE_BYTES
         progress(f"scenario 5: {n} requests of 1..{S5_MAX_PAGES} pages ({nbytes >> 20} MiB) from 2 prefill "
                  f"processes, {sizes.s5_inflight} in flight: kvlend DecodeNode, then raw NIXL")
         runs = {}
-        for name, todo, config in (("kvlend", work, NodeConfig()), ("kvlend_read_ahead", work_ahead,
-                                                                     NodeConfig(read_ahead=True))):
-            node_backend = NixlBackend(f"bench-many-{name}-{os.getpid()}", timeout=XFER_TIMEOUT)
+        kinds = [("kvlend", work, NodeConfig(), True),
+                 ("kvlend_read_ahead", work_ahead, NodeConfig(read_ahead=True), True)]
+        if backend.read_window is not None:  # over tcp: the same run without the read window, for its cost
+            kinds.append(("kvlend_no_tcp_window", work_open, NodeConfig(), False))
+        for name, todo, config, windowed in kinds:
+            node_backend = NixlBackend(f"bench-many-{name}-{os.getpid()}", timeout=XFER_TIMEOUT, tcp_window=windowed)
             decode = DecodeNode(local, node_backend, ca.issue(f"bench-decode-{name.replace('_', '-')}", "decode"),
                                 config=config)
             try:
@@ -76,7 +80,8 @@ def run(lender: LenderProcess, backend, sizes: Sizes, progress) -> dict:
     return {"name": "many requests in flight", "count": n, "inflight": sizes.s5_inflight, "bytes": nbytes,
             "results": results,
             "ratios": {f"GB/s {k}/raw": results[k]["gbps"] / raw["gbps"] for k in runs},
-            "targets": {f"GB/s {k}/raw >= 0.80": results[k]["gbps"] >= 0.8 * raw["gbps"] for k in runs}}
+            "targets": {f"GB/s {k}/raw >= 0.80": results[k]["gbps"] >= 0.8 * raw["gbps"] for k in runs
+                        if k != "kvlend_no_tcp_window"}}
 
 
 class _Remote:

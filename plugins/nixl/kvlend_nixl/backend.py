@@ -20,8 +20,12 @@ only once its reads have settled.  If handles are still not terminal
 and rebuilt under the same name with the same regions and peers.  Every
 other read in flight then ends with ``BackendError``.  Where its reads land
 only while it is progressed (tcp, CPU copies, no progress thread) the old
-agent is retired: kept open, never progressed again, so a stopped peer that
-resumes does not meet a closed socket (which UCX answers with an abort).
+agent is retired: its unsettled reads stay with it, and it is progressed until
+they are terminal (their Completions wait until then: the destinations stay
+quarantined), then closed, so a stopped peer that resumes does not meet a
+closed socket (which UCX answers with an abort).  A drain that takes longer
+than ``abort_grace`` stops: the reads are reported, the agent is kept open and
+never progressed again, and ``close()`` drains it once more, with a deadline.
 Otherwise it is destroyed, which stops every write (50 ms over tcp).  A
 peer's death needs no escalation: NIXL reports the disconnect (ERR 14-18 ms
 after a SIGKILL), and nothing was written after it.
@@ -64,9 +68,11 @@ from kvlend.errors import BackendError, KvlendError, PeerLost, TransferCancelled
 from kvlend.metrics import METRICS
 from kvlend.transport import Completion, ReadBatch
 
+from . import tcp
 from .calls import MAX_NAME, Read, as_error, check_tag, peer_name, post, quietly, release
 from .memory import MEM, check_gpus, register as register_regions, spans as registered_spans
 from .nixl_build import api as nixl, bindings as _nb
+from .retired import Retired
 
 log = logging.getLogger(__name__)
 
@@ -114,7 +120,10 @@ class NixlBackend:
     ends with ``TransferTimeout``.  ``abort_grace``: seconds a cancelled,
     timed-out or orphaned read may take to stop before the agent is rebuilt.
     ``thread_safe``: NIXL locks (RW) for use from several threads.
-    ``backend_params``: further UCX backend parameters.
+    ``backend_params``: further UCX backend parameters.  ``tcp_window``: where READs may go over
+    tcp, ``read_window`` is the bytes a reader keeps in flight per peer (``kvlend_nixl.tcp``;
+    False: None, for measuring its cost); the socket buffers are pinned either way.  It applies to a
+    peer on this host only if ``read_window_local`` (``UCX_TLS`` leaves no shared-memory transport).
     """
 
     kind = "nixl"
@@ -130,6 +139,7 @@ class NixlBackend:
         abort_grace: float = 1.0,
         thread_safe: bool = False,
         backend_params: Mapping[str, str] | None = None,
+        tcp_window: bool = True,
     ) -> None:
         if name is None:
             name = f"kvlend-{os.getpid()}-{secrets.token_hex(4)}"
@@ -154,6 +164,9 @@ class NixlBackend:
         locking = thread_safe or num_threads > 0
         sync = nixl.nixl_thread_sync_t.NIXL_THREAD_SYNC_RW if locking else nixl.nixl_thread_sync_t.NIXL_THREAD_SYNC_NONE
         self.name = name
+        window = tcp.pin(os.environ) if tcp.carries_reads(os.environ, tcp.rdma_devices()) else None
+        self.read_window: int | None = window if tcp_window else None
+        self.read_window_local = tcp.local_reads_over_tcp(os.environ)  # peers on this host need it too
         self._config = nixl.nixl_agent_config(enable_prog_thread=progress_thread, backends=[], sync_mode=sync)
         self._params = params
         self._agent: nixl.nixl_agent | None = self._start_agent()  # None: lost in a reset, made again on use
@@ -169,7 +182,7 @@ class NixlBackend:
         self._resets = 0
         self._orphans = 0  # agents that outlived their reset
         self._retire = _progressed_only(progress_thread)
-        self._retired: list[nixl.nixl_agent] = []  # reset, never progressed again, kept open (oldest first)
+        self._retired: list[Retired] = []  # reset, drained or given up on, kept open (oldest first)
 
     def _start_agent(self) -> nixl.nixl_agent:
         try:
@@ -197,7 +210,7 @@ class NixlBackend:
     def in_flight(self) -> int:
         """Tags posted and not yet returned by ``poll()`` (quarantined ones included)."""
         with self._lock:
-            return len(self._reads) + len(self._completed)
+            return len(self._reads) + len(self._completed) + sum(len(r.reads) for r in self._retired if not r.reported)
 
     @property
     def resets(self) -> int:
@@ -418,7 +431,8 @@ class NixlBackend:
         """Progress the agent; return the reads that can no longer write, each exactly once."""
         with self._lock:
             if not self._closed and self._agent is None and quietly(self._rebuild) is not None:
-                out, self._completed = self._completed, []  # nothing is in flight without an agent
+                self._drain(time.monotonic())  # the retired agents still drain
+                out, self._completed = self._completed, []  # nothing else is in flight without an agent
                 return out
             try:
                 self._open_agent().get_new_notifs()  # progresses the worker (the target side needs it)
@@ -429,6 +443,7 @@ class NixlBackend:
                 if read.posted:
                     self._check(tag, read, now)
             self._settle()
+            self._drain(now)
             stuck = [t for t, r in self._reads.items() if r.posted and now - r.failed_at >= self.abort_grace]
             if stuck:
                 self._reset(f"reads {stuck} had not stopped {self.abort_grace:g} s after they were aborted")
@@ -488,12 +503,17 @@ class NixlBackend:
             return False
         log.warning("NIXL backend %r: rebuilding its agent: %s", self.name, why)
         now = time.monotonic()
-        for tag, read in self._reads.items():
+        retire = self._retire and not any(kind is MemoryKind.DEVICE for kind, *_ in self._registered)
+        draining = {}
+        for tag, read in list(self._reads.items()):
             read.fail(BackendError(f"read {tag!r} from peer {read.peer!r} aborted: {why}"), now)
+            if retire and not read.settled:  # drained with its agent; reported once it cannot write
+                draining[tag] = self._reads.pop(tag)
+                continue
             release(read.handles)  # no handle object may keep the agent alive
             read.handles, read.live = [], []
         self._leaving.clear()
-        self._drop_agent(list(self._reads))
+        self._drop_agent(list(self._reads), Retired(None, draining, now + self.abort_grace) if retire else None)
         self._resets += 1
         self._settle()
         if (exc := quietly(self._rebuild)) is not None:
@@ -513,26 +533,49 @@ class NixlBackend:
                 log.warning("NIXL backend %r: peer %r not reloaded after the reset: %s", self.name, peer, exc)
                 del self._peers[peer]
 
-    def _drop_agent(self, tags: list[bytes]) -> None:
-        """Retire the agent where its reads need it progressed to land, else destroy it.
+    def _drop_agent(self, tags: list[bytes], retired: Retired | None) -> None:
+        """Retire the agent (``retired``: its reads still posted) where its reads need it progressed
+        to land, else destroy it.
 
-        Retired: kept open, never progressed again.  Destroying closes its connections, and a
-        peer that was stopped with reads from it queued is aborted by UCX when it resumes (its
-        software GET reply meets the closed socket: ``ucs_fatal`` in ``ucp_request_try_send``,
-        plugins/nixl/README.md); kept open, that peer's replies land in a socket nobody reads.
-        Only the oldest beyond ``_MAX_RETIRED`` is destroyed.  GPU memory is always destroyed:
+        Retired: drained (``kvlend_nixl.retired``), then destroyed; one whose drain gave up is kept
+        open, never progressed again.  Destroying closes its connections, and a peer that was
+        stopped with reads from it queued is aborted by UCX when it resumes (its software GET reply
+        meets the closed socket: ``ucs_fatal`` in ``ucp_request_try_send``, plugins/nixl/README.md);
+        kept open, that peer's replies land in a socket nobody reads.  Only the oldest beyond
+        ``_MAX_RETIRED`` is destroyed (its reads reported first).  GPU memory is always destroyed:
         its copy engines write on their own.
         """
         doomed = [self._agent]  # never in a local variable: _destroy must drop the last reference
         self._agent = None
         self._registrations = []
-        if self._retire and not any(kind is MemoryKind.DEVICE for kind, *_ in self._registered):
-            self._retired.append(doomed.pop())
+        if retired is not None:
+            retired.agent = doomed.pop()
+            self._retired.append(retired)
             if len(self._retired) <= _MAX_RETIRED:
                 return
-            doomed.append(self._retired.pop(0))
-            tags = []  # its reads were reported when it was retired
+            self._retire_now(self._retired.pop(0), "too many retired agents")
+            return
         self._destroy(doomed, tags)
+
+    def _drain(self, now: float) -> None:
+        """Progress the retired agents still draining; report and close those drained, report those
+        whose drain ran out (never progressed again after)."""
+        for retired in [r for r in self._retired if not r.reported]:
+            if retired.drain():
+                self._retired.remove(retired)
+                self._retire_now(retired, "drained")
+            elif now >= retired.until:
+                log.warning("NIXL backend %r: a retired agent's %d reads did not drain within %g s; it is kept "
+                            "open and never progressed again", self.name, len(retired.reads), self.abort_grace)
+                self._completed.extend(retired.report())
+
+    def _retire_now(self, retired: Retired, why: str) -> None:
+        """Report ``retired``'s reads (if not yet) and destroy its agent."""
+        self._completed.extend(retired.report())
+        retired.release()
+        doomed, retired.agent = [retired.agent], None
+        log.info("NIXL backend %r: closing a retired agent (%s)", self.name, why)
+        self._destroy(doomed, list(retired.reads))
 
     def _destroy(self, doomed: list[nixl.nixl_agent], tags: list[bytes]) -> None:
         """Drop the agent in ``doomed``, and check it is gone: only then has UCX closed its connections.
@@ -580,8 +623,14 @@ class NixlBackend:
             self._spans = {}
             self._peers.clear()
             self._leaving.clear()
+            end = time.monotonic() + self.abort_grace  # at exit late answers may land: drain, then close
+            while not all([r.drain() for r in self._retired]) and time.monotonic() < end:
+                time.sleep(0.001)
             while self._retired:
-                self._destroy([self._retired.pop(0)], [])
+                retired = self._retired.pop(0)
+                retired.release()
+                doomed, retired.agent = [retired.agent], None
+                self._destroy(doomed, [])
 
 
 def _progressed_only(progress_thread: bool) -> bool:
