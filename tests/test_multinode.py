@@ -75,7 +75,8 @@ def test_broken_link_fails_typed_within_deadline_and_other_pair_completes():
     assert broken["verified"] is False and broken["link_down_at_s"] is not None
     failure = broken["failure"]
     assert failure["error"] in ("PeerLost", "TransferTimeout"), failure
-    assert failure["seconds"] <= failure["deadline"] + 2.0, failure
+    # Reported once nothing can land: the aborted reads' agent retired and drained (docs/faults.md).
+    assert failure["seconds"] <= failure["deadline"] + failure["grace"] + 2.0, failure
     assert broken["leases_not_released"] == 0  # the prefill's leases expired: no page stays locked
 
 
