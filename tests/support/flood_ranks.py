@@ -22,6 +22,7 @@ import numpy as np
 LAYERS, HEADS, PAGES, TOKENS = 4, 512, 256, 40
 COSTLY_TPP = 64  # the flooder's tokens per page in a costly handshake (ours: 1)
 GAP = 0.002  # seconds between the engine's lends (it lends between its steps)
+LENT_DEADLINE = 120.0  # seconds ``lent`` waits for the engine's lends to be done
 BURST = 1 << 20  # bytes of frames a flooder writes at once
 KINDS = ("claims", "refused_heartbeats", "empty_heartbeats", "costly_handshakes")
 
@@ -58,7 +59,8 @@ class _Lines(logging.Handler):
 
 def prefill_main(conn, env: dict) -> None:
     """Serve until ``stop``: ``tickets`` lends that many leases for the honest decode; ``lend`` starts the engine
-    lending (and releasing) every ``GAP`` s, ``lent`` stops it and answers each lend's seconds; ``logs`` answers
+    lending (and releasing) every ``GAP`` s that many times, ``lent`` waits for those (``LENT_DEADLINE`` at most)
+    and answers each lend's seconds; ``logs`` answers
     the ``kvlend.session`` lines (INFO and up) since the last ``logs``."""
     from kvlend.runtime import PrefillNode
     from kvlend.security.credentials import Credentials
@@ -76,9 +78,9 @@ def prefill_main(conn, env: dict) -> None:
     pages = table(lay)
     stop, took, engine = threading.Event(), [], None
 
-    def lend() -> None:
+    def lend(count: int) -> None:
         i = 0
-        while not stop.is_set():
+        while i < count and not stop.is_set():
             i += 1
             start = time.perf_counter()
             ticket = node.lend(f"engine-{i}", TOKENS, pages, lay.full_selection())
@@ -97,10 +99,11 @@ def prefill_main(conn, env: dict) -> None:
             elif command == "lend":
                 stop.clear()
                 took.clear()
-                engine = threading.Thread(target=lend, daemon=True)
+                engine = threading.Thread(target=lend, args=(args[0],), daemon=True)
                 engine.start()
                 conn.send("lending")
             elif command == "lent":
+                engine.join(LENT_DEADLINE)
                 stop.set()
                 engine.join(30.0)
                 conn.send(list(took))
