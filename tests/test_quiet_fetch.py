@@ -50,7 +50,8 @@ def reports() -> dict:
 def test_nothing_lands_after_a_failed_fetch_is_quiet_and_a_resume_is_exact(reports, scenario, error):
     r = reports[scenario]
     assert r["reads_in_flight"] > 0, f"no read was in flight when the failure struck: {r}"
-    assert r["state_after_deadline"] in ("reading", "cancelling"), r
+    # reads in flight as it failed: a fetch whose cancelled reads stopped at once goes straight to failed
+    assert r["state_after_deadline"] in ("reading", "cancelling", "failed"), r
     assert r["error"] == error and r["quiet"], r
     assert r["changed_after_quiet"] == 0, f"{r['changed_after_quiet']} bytes landed after the fetch was quiet: {r}"
     assert r["resume_error"] is None and r["exact"], r

@@ -29,7 +29,8 @@ def test_sizes_parse_like_ucx():
 def test_default_buffers_capped_at_the_host_limits():
     assert pinned_buffers({}, 32 * MiB, 32 * MiB) == (DEFAULT_BUFFER, DEFAULT_BUFFER)
     assert pinned_buffers({}, MiB, 2 * MiB) == (2 * MiB, MiB)
-    assert window_bytes(4 * MiB, 4 * MiB) == 2 * MiB
+    assert window_bytes(4 * MiB, 4 * MiB) == 4 * MiB
+    assert window_bytes(4 * MiB, 1 * MiB) == 1 * MiB
 
 
 def test_a_size_the_host_cannot_give_is_a_clear_error():

@@ -4,7 +4,7 @@
 resumes the target (its answers fill the sockets and the rest wait inside UCX) and SIGKILLs the
 reader; UCX then purges the waiting answers and crashes the target (docs/faults.md).  Without
 the window the target died in 9 of 9 runs here at 32-64 MiB (1 of 5 without ``_litter``: the
-crash depends on stale bytes); with the window's 2 MiB it never did.
+crash depends on stale bytes); with the window's 4 MiB it never did.
 """
 
 from __future__ import annotations

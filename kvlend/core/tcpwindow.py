@@ -5,8 +5,7 @@ answers in software; an answer that finds the socket full waits inside UCX, and 
 prefill when it purges such answers after the reader's socket closes.  An answer waits only once
 the reader's receive buffer, the prefill's send buffer and UCX's small send buffer are all full, so
 a reader that never has more bytes in flight to one prefill than the smaller of the two pinned
-socket buffers (halved: the kernel charges packet overhead against them) never makes one wait,
-whatever it does next: stop reading, die, or close.
+socket buffers never makes one wait, whatever it does next: stop reading, die, or close.
 
 Pure: the sizes come in as numbers, and ``ReadWindow`` is fed posts and ends.  The backend pins
 the buffers (``UCX_TCP_SNDBUF``/``UCX_TCP_RCVBUF``) and the session holds back reads the window
@@ -64,12 +63,13 @@ def pinned_buffers(env: Mapping[str, str], rmem_max: int, wmem_max: int) -> tupl
 
 
 def window_bytes(sndbuf: int, rcvbuf: int) -> int:
-    """Bytes of reads one reader may have in flight to one prefill: half the smaller pinned buffer.
+    """Bytes of reads one reader may have in flight to one prefill: the smaller pinned buffer.
 
-    Either buffer alone holds that much data (the kernel doubles the size asked for, to pay for
-    packet overhead), so with both sides pinned alike the two together never fill.
+    Either buffer alone holds about that much data (the kernel doubles the size asked for, to pay
+    for packet overhead), so the two together hold twice the window.  Measured with 4 MiB buffers
+    (docs/faults.md): 8 MiB in flight queued nothing in UCX, 16 MiB did.
     """
-    return min(sndbuf, rcvbuf) // 2
+    return min(sndbuf, rcvbuf)
 
 
 class ReadWindow:

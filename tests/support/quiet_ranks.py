@@ -209,7 +209,8 @@ def _past_deadline(node, handle, timeout: float) -> dict:
     """As the fetch's deadline strikes: its reads must still be in flight for the test to mean anything.
 
     Over tcp the read window keeps only a window's worth of reads posted, which lands within
-    milliseconds of the deadline, so the reads are counted when the fetch leaves ``reading``.
+    milliseconds of the deadline, so the reads are counted in the last look before the fetch
+    left ``reading`` (for ``cancelling``, or ``failed`` where the cancelled reads stopped at once).
     """
     end = time.monotonic() + timeout + 30.0
     before = 0
@@ -223,10 +224,20 @@ def _past_deadline(node, handle, timeout: float) -> dict:
 
 
 def _kill_when_reading(node, handle, prefill: Prefill) -> dict:
+    """SIGKILL the prefill while a read is posted, some 20 ms into the fetch's reads.
+
+    Over tcp the read window posts the next piece once one ended, so the kill waits for a moment
+    with one posted rather than striking between two."""
     end = time.monotonic() + 10.0
-    while handle.state.value == "claiming" and time.monotonic() < end:
-        time.sleep(0.001)
-    time.sleep(0.02)  # the reads are posted: let them get going
+
+    def reading() -> bool:
+        return handle.state.value == "reading" and node.backend.in_flight > 0
+
+    while not reading() and time.monotonic() < end:
+        time.sleep(0.0005)
+    time.sleep(0.02)  # let them get going
+    while not reading() and time.monotonic() < end:
+        time.sleep(0.0005)
     seen = {"state_after_deadline": handle.state.value, "reads_in_flight": node.backend.in_flight}
     prefill.kill()
     return seen
@@ -310,9 +321,10 @@ def _released_under_read(node, view, table, expected, prefill: Prefill) -> dict:
         time.sleep(0.001)
     in_flight = node.backend.in_flight
     prefill.release()
-    in_flight_after = node.backend.in_flight  # still reading once the engine released it
+    in_flight_after = 0  # still reading once the engine released it (over tcp: a window's worth at a time)
     while handle.state.value == "reading" and time.monotonic() < end + 30.0:
-        time.sleep(0.002)
+        in_flight_after = max(in_flight_after, node.backend.in_flight)
+        time.sleep(0.0005)
     state, bound = handle.state.value, handle.bound
     pages = bound // TPP
     reused = int((view[table[:pages]] != expected[:pages]).sum()) * 8
