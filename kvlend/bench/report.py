@@ -72,6 +72,7 @@ _SERIES = {"kvlend": "kvlend", "raw_same_descriptors": "raw NIXL, kvlend's descr
            "raw_nixl_notif": "raw NIXL, kvlend's descriptors", "raw_per_page": "raw NIXL, one descriptor per page",
            "raw_nixl_prepped": "raw NIXL, prepared page lists by index", "kvlend_node": "kvlend through the nodes",
            "kvlend_node_ahead": "kvlend through the nodes, reads ahead of the claim's answer",
+           "kvlend_node_no_window": "kvlend through the nodes, no tcp read window",
            "staging": "host staging (gather + read + scatter)", "raw_nixl": "raw NIXL, one descriptor",
            "memcpy": "memcpy (same process)"}
 

@@ -46,7 +46,8 @@ def _one(lender: LenderProcess, backend, nbytes: int, reps: int, progress) -> di
         kv["descriptors"] = len(local)
         kv["verified"] = reader.verified(methods["kvlend"], slots, slots)
         raw["verified"] = reader.verified(methods["raw_nixl"], slots, slots)
-        nodes = _through_nodes(lender, reader, slots, reps, progress) if backend.read_window is not None else {}
+        windowed = backend.read_window is not None and backend.read_window_local  # the lender is on this host
+        nodes = _through_nodes(lender, reader, slots, reps, progress) if windowed else {}
     finally:
         reader.close()
     floor = TARGETS.get(nbytes, 0.90)

@@ -59,7 +59,7 @@ def run(lender: LenderProcess, backend, sizes: Sizes, progress) -> dict:
         runs = {}
         kinds = [("kvlend", work, NodeConfig(), True),
                  ("kvlend_read_ahead", work_ahead, NodeConfig(read_ahead=True), True)]
-        if backend.read_window is not None:  # over tcp: the same run without the read window, for its cost
+        if backend.read_window is not None and backend.read_window_local:  # over tcp: without the window, its cost
             kinds.append(("kvlend_no_tcp_window", work_open, NodeConfig(), False))
         for name, todo, config, windowed in kinds:
             node_backend = NixlBackend(f"bench-many-{name}-{os.getpid()}", timeout=XFER_TIMEOUT, tcp_window=windowed)
