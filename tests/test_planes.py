@@ -13,6 +13,7 @@ from __future__ import annotations
 import ast
 import graphlib
 import pathlib
+import re
 import subprocess
 import sys
 
@@ -127,6 +128,25 @@ def test_no_plane_imports_upward():
             where = f"{path.relative_to(ROOT)} imports {name}"
             assert target in ALLOWED[plane], f"{where}: the {plane} plane may not import the {target} plane"
             assert lazy or (plane, target) not in LAZY_ONLY, f"{where} when imported: only inside a function"
+
+
+def design_table() -> dict[str, set[str]]:
+    """docs/design.md's planes table: each row's plane and what it may import, named as ``ALLOWED`` names them."""
+    def name(cell: str, bench: str) -> str:
+        cell = cell.removesuffix("/").removesuffix(".py")
+        cell = {f"plugins/{folder.name}": package for package, folder in PLUGINS.items()}.get(cell, cell)
+        return f"{cell}.bench" if bench else cell
+
+    text = (ROOT / "docs" / "design.md").read_text()
+    rows = [line.split(" | ") for line in text.split("## Planes")[1].split("\n## ")[0].splitlines()
+            if line.startswith("| `")]
+    return {name(*re.match(r"\| `([^`]+)`( bench)?", row[0]).groups()):
+            {name(*m) for m in re.findall(r"`([^`]+)`( bench)?", row[2])} for row in rows}
+
+
+@pytest.mark.unit
+def test_design_table_says_what_each_plane_may_import():
+    assert design_table() == ALLOWED
 
 
 @pytest.mark.unit
