@@ -217,6 +217,16 @@ def _run_demo(args: argparse.Namespace) -> int:
     return EXIT_OK if report["verified"] else EXIT_MISMATCH
 
 
+def _nixl_bench():
+    """The bench lives with the plugin it measures; this is the one import of a plugin in kvlend, made only
+    when the command runs, so ``kvlend`` and ``kvlend bench --help`` work without the plugin installed."""
+    try:
+        from kvlend_nixl import bench
+    except ImportError as exc:
+        raise CliError(f"bench needs the NIXL plugin (pip install plugins/nixl): {exc}") from None
+    return bench
+
+
 def _add_bench(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--scenario", default="1,2,3,4,5,6,7",
                         help="comma-separated scenarios to run: 1 large contiguous read, 2 model-shaped "
@@ -232,8 +242,6 @@ def _add_bench(parser: argparse.ArgumentParser) -> None:
 
 
 def _run_bench(args: argparse.Namespace) -> int:
-    from . import bench  # lazily: it needs the NIXL plugin
-
     try:
         scenarios = [int(s) for s in args.scenario.split(",") if s.strip()]
     except ValueError:
@@ -242,15 +250,13 @@ def _run_bench(args: argparse.Namespace) -> int:
         raise CliError("--scenario: name at least one scenario, like 1,2,3,4,5,6,7")
     if args.reps is not None and args.reps < 1:
         raise CliError(f"--reps: must be >= 1, got {args.reps}")
+    bench = _nixl_bench()
     if args.plot:
         bench.pyplot()
         folder = Path(args.plot).resolve().parent
         if not folder.is_dir() or not os.access(folder, os.W_OK):
             raise CliError(f"--plot: cannot write into {folder}")
-    try:
-        report = bench.run(scenarios, args.quick, args.reps)
-    except ImportError as exc:
-        raise CliError(f"bench needs the NIXL plugin (pip install plugins/nixl): {exc}") from None
+    report = bench.run(scenarios, args.quick, args.reps)
     print(json.dumps(report, indent=1) if args.json else bench.format_report(report))
     if args.plot:
         try:

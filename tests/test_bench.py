@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 
 from kvlend import cli
-from kvlend.bench.pools import fragmented, min_descriptors
-from kvlend.bench.reference import in_process_read
-from kvlend.bench.report import format_report, throughputs
+from kvlend_nixl.bench.pools import fragmented, min_descriptors
+from kvlend_nixl.bench.reference import in_process_read
+from kvlend_nixl.bench.report import format_report, throughputs
 
 pytestmark = pytest.mark.system
 

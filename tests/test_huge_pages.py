@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from kvlend.core.layout import MemoryKind, MemoryRegion
-from kvlend_nixl.huge_pages import HUGE_PAGE, back_with_huge_pages
+from kvlend.transport.huge_pages import HUGE_PAGE, back_with_huge_pages
 
 pytestmark = pytest.mark.unit
 

@@ -104,3 +104,14 @@ def test_the_connector_refuses_what_it_does_not_understand_before_the_workers_st
     assert "pipeline parallel size must be 1, got 2" in got["pp"]
     assert "decode_context_parallel_size must be 1, got 2" in got["dcp"]
     assert got["producer_tp"] is None and got["consumer_tp"] is None
+
+
+def test_the_connector_imports_without_nixl():
+    """The connector finds its backend through the registry when it starts: importing it needs neither the
+    NIXL plugin nor a NIXL build (``None`` in ``sys.modules`` makes their import fail)."""
+    assert os.path.exists(launch.VLLM_VENV_PYTHON), "no .venv-vllm: scripts/test runs scripts/vllm-setup first"
+    blocked = ("kvlend_nixl", "nixl", "nixl_cu13", "nixl_cu12")
+    probe = f"import sys; sys.modules.update(dict.fromkeys({blocked!r})); import kvlend_vllm.connector"
+    out = subprocess.run([launch.VLLM_VENV_PYTHON, "-c", probe], capture_output=True, text=True, timeout=180,
+                         env=child_env())
+    assert out.returncode == 0, out.stderr[-2000:]

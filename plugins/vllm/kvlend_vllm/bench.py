@@ -18,7 +18,7 @@ time each connector reports for itself in vLLM's ``/metrics``
 ``vllm:nixl_xfer_time_seconds``; and kvlend's whole fetch, claim to done ack,
 ``vllm:kvlend_xfer_time_seconds``), mean per request, and the descriptors each posts
 per request (``vllm:kvlend_num_descriptors``, ``vllm:nixl_num_descriptors``).  Once every
-pair is stopped, kvlend's own read in process (``kvlend.bench.reference``) of each plain
+pair is stopped, kvlend's own read in process (``kvlend_nixl.bench.reference``) of each plain
 kvlend row's bytes and descriptors per request is timed: the yardstick its reads inside
 vLLM are held to (issue 26: at most 1.3x).  Ratios are baseline/kvlend:
 above 1 means kvlend is faster.  ``nixl:N`` is NixlConnector with ``num_threads``
@@ -255,11 +255,11 @@ def table(merged: list[dict]) -> str:
 
 
 def yardsticks(merged: list[dict], reps: int = 20) -> None:
-    """Time kvlend's own read in process (``kvlend.bench.reference``) of each plain kvlend row's bytes and
+    """Time kvlend's own read in process (``kvlend_nixl.bench.reference``) of each plain kvlend row's bytes and
     descriptors per request, with the engines stopped, and add it to the row: ``in_process_read_ms`` and
     ``read_vs_in_process`` (the p50 of the row's reads in vLLM, from kvlend's fetch lines, over it; the
     target is at most 1.3)."""
-    from kvlend.bench.reference import in_process_read
+    from kvlend_nixl.bench.reference import in_process_read
 
     for m in merged:
         if m["connector"] != "kvlend" or not m.get("mib_per_request") or not m.get("descriptors_per_request"):

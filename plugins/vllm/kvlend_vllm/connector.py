@@ -34,7 +34,7 @@ from vllm.v1.request import RequestStatus
 from kvlend.errors import ConfigError, KvlendError
 from kvlend.protocol.config import NodeConfig
 from kvlend.security.credentials import Credentials
-from kvlend_nixl.huge_pages import back_with_huge_pages
+from kvlend.transport.huge_pages import back_with_huge_pages
 
 from .layout import GROUP, CacheGroup, StateShape, layout_from_kv_caches, model_digest, scope_of, state_scope
 from .scheduler import LENT_STATUSES, ConsumerScheduler, Endpoint, ProducerScheduler, StepPlan

@@ -8,12 +8,13 @@ from typing import Callable
 
 import numpy as np
 
-from ..core.layout import PageLayout
-from ..core.lender import Lender
-from ..core.negotiate import negotiate
-from ..core.plan import plan_reads
-from ..core.tracker import DeliveryTracker
-from ..errors import KvlendError
+from kvlend.core.layout import PageLayout
+from kvlend.core.lender import Lender
+from kvlend.core.negotiate import negotiate
+from kvlend.core.plan import plan_reads
+from kvlend.core.tracker import DeliveryTracker
+from kvlend.errors import KvlendError
+
 from .lender_process import LenderProcess
 from .pools import GROUP, descriptor_rows, expected_ok, host_region, make_pools
 from .timing import XFER_TIMEOUT, BenchError, backoff

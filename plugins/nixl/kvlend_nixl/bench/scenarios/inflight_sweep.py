@@ -8,6 +8,7 @@ import tempfile
 
 import numpy as np
 
+from ...backend import NixlBackend
 from ..fetching import keep_in_flight
 from ..lender_process import LenderProcess
 from ..pools import PAGE_BYTES, fragmented, make_pools
@@ -22,10 +23,8 @@ def run(lender: LenderProcess, backend, sizes: Sizes, progress) -> dict:
     """For each count of prefill ranks (PrefillNodes in the two lender processes, several per process),
     one DecodeNode redeems tickets of ``S7_PAGES`` pages each with ``k`` fetches in flight, for each
     ``k``; reported: this process's CPU per request (its node loop and the driver) and requests/s."""
-    from kvlend_nixl import NixlBackend
-
-    from ...runtime import DecodeNode
-    from ...security.certs import Authority
+    from kvlend.runtime import DecodeNode
+    from kvlend.security.certs import Authority
 
     lenders = [lender, LenderProcess()]
     counts = {k: max(sizes.s7_requests, 3 * k) for k in sizes.s7_inflight}
@@ -65,7 +64,7 @@ def run(lender: LenderProcess, backend, sizes: Sizes, progress) -> dict:
 def _lend(lenders: list[LenderProcess], peers: int, counts: list[int], ca) -> list[list]:
     """``peers`` PrefillNodes (node j in lender process j % 2), each lending its share of every batch
     of ``counts`` requests, round robin; the batches of (node, source slots, ticket)."""
-    from ...security.certs import save_rank
+    from kvlend.security.certs import save_rank
 
     rng = np.random.default_rng(7 + peers)
     batches = [[(i % peers, fragmented(POOL, S7_PAGES, seed=int(rng.integers(1 << 30)))) for i in range(n)]

@@ -10,7 +10,9 @@ from functools import partial
 
 import numpy as np
 
-from ...protocol.config import NodeConfig
+from kvlend.protocol.config import NodeConfig
+
+from ...backend import NixlBackend
 from ..lender_process import LenderProcess
 from ..pools import GROUP, PAGE_BYTES, TPP, descriptor_rows
 from ..reader import Reader
@@ -63,10 +65,8 @@ def _one(lender: LenderProcess, backend, nbytes: int, reps: int, progress) -> di
 def _through_nodes(lender: LenderProcess, reader: Reader, slots: np.ndarray, reps: int, progress) -> dict:
     """The same lease fetched by a DecodeNode from a PrefillNode in the lender process, with the tcp read
     window and without it (its cost), timed round-robin; each fetch redeems a ticket of its own."""
-    from kvlend_nixl import NixlBackend
-
-    from ...runtime import DecodeNode
-    from ...security.certs import Authority, save_rank
+    from kvlend.runtime import DecodeNode
+    from kvlend.security.certs import Authority, save_rank
 
     nbytes = len(slots) * 2 * PAGE_BYTES
     kinds = {"kvlend_node": True, "kvlend_node_no_window": False}

@@ -10,16 +10,17 @@ import time
 
 import numpy as np
 
-from ..core.layout import PageLayout
-from ..errors import KvlendError
+from kvlend.core.layout import PageLayout
+from kvlend.errors import KvlendError
+
+from ..backend import NixlBackend
+from ..nixl_build import api
 from .pools import GROUP, TPP, descriptor_rows, host_region, make_pools
 from .timing import CALL_TIMEOUT, XFER_TIMEOUT, BenchError
 
 
 def lender_main(conn) -> None:
     """The lender process: owns source pools, answers commands, keeps its agent progressed."""
-    from kvlend_nixl import NixlBackend
-
     backend = NixlBackend(f"bench-lender-{os.getpid()}", timeout=XFER_TIMEOUT)
     agent = backend._agent  # raw NIXL: the target only has to be progressed
     arrays: list[np.ndarray] = []
@@ -94,10 +95,8 @@ _NODES = itertools.count()  # agent names: several nodes may live in one lender 
 def _ticket_prefill(layout: PageLayout, arg: dict):
     """A started PrefillNode over the lender's current pools, and a ticket for each source table in
     ``arg['requests']`` (locks stack: pages lent by several tickets are locked once per ticket)."""
-    from kvlend_nixl import NixlBackend
-
-    from ..runtime import PrefillNode
-    from ..security.credentials import Credentials
+    from kvlend.runtime import PrefillNode
+    from kvlend.security.credentials import Credentials
 
     node = PrefillNode(layout, NixlBackend(f"bench-node-{os.getpid()}-{next(_NODES)}"),
                        Credentials.from_env(arg["credentials"]))
@@ -110,10 +109,8 @@ def _ticket_prefill(layout: PageLayout, arg: dict):
 
 def _stream_prefill(layout: PageLayout, arg: dict):
     """Scenario 6's PrefillNode over the lender's current pools."""
-    from kvlend_nixl import NixlBackend
-
-    from ..runtime import PrefillNode
-    from ..security.credentials import Credentials
+    from kvlend.runtime import PrefillNode
+    from kvlend.security.credentials import Credentials
 
     node = PrefillNode(layout, NixlBackend(f"bench-stream-{os.getpid()}", timeout=XFER_TIMEOUT),
                        Credentials.from_env(arg["credentials"]))
@@ -147,10 +144,8 @@ def _cold_prefill(arg: dict):
     """A PrefillNode on its own agent; a thread offers ``arg['pages']`` pages once a decode connects."""
     import threading
 
-    from kvlend_nixl import NixlBackend
-
-    from ..runtime import PrefillNode
-    from ..security.credentials import Credentials
+    from kvlend.runtime import PrefillNode
+    from kvlend.security.credentials import Credentials
 
     arrays, layout = make_pools(arg["pages"], 1, False, fill=True)
     node = PrefillNode(layout, NixlBackend(f"cold-prefill-{os.getpid()}"), Credentials.from_env(arg["credentials"]))
@@ -174,8 +169,6 @@ class _Closer:
 
 def _cold_listener(arg: dict):
     """A raw NIXL agent with its listener on ``arg['port']`` and one stamped buffer."""
-    from kvlend_nixl.nixl_build import api
-
     buf = np.arange(arg["bytes"] // 8, dtype=np.uint64)
     agent = api.nixl_agent("cold-listener", api.nixl_agent_config(enable_listen_thread=True, listen_port=arg["port"]))
     reg = agent.register_memory(descriptor_rows(np.array([buf.ctypes.data]), np.array([buf.nbytes])), "DRAM")

@@ -8,7 +8,9 @@ import time
 
 import numpy as np
 
-from ...protocol.config import NodeConfig
+from kvlend.protocol.config import NodeConfig
+
+from ...backend import NixlBackend
 from ..lender_process import LenderProcess
 from ..pools import GROUP, PAGE_BYTES, TPP, expected_ok, fragmented
 from ..reader import Reader
@@ -83,10 +85,8 @@ def _node_path(lender: LenderProcess, reader: Reader, src: np.ndarray, dst: np.n
     with the claim, from the ticket's page table."""
     import tempfile
 
-    from kvlend_nixl import NixlBackend
-
-    from ...runtime import DecodeNode
-    from ...security.certs import Authority, save_rank
+    from kvlend.runtime import DecodeNode
+    from kvlend.security.certs import Authority, save_rank
 
     warmup = 5  # the first wires UCX up and does the TLS handshake
     ca = Authority.create()

@@ -8,11 +8,13 @@ import time
 
 import numpy as np
 
-from ...core.layout import PageLayout
-from ...core.lender import Lender
-from ...core.negotiate import negotiate
-from ...core.plan import plan_reads
-from ...protocol.config import NodeConfig
+from kvlend.core.layout import PageLayout
+from kvlend.core.lender import Lender
+from kvlend.core.negotiate import negotiate
+from kvlend.core.plan import plan_reads
+from kvlend.protocol.config import NodeConfig
+
+from ...backend import NixlBackend
 from ..fetching import keep_in_flight
 from ..lender_process import LenderProcess
 from ..pools import GROUP, PAGE_BYTES, TPP, expected_ok, fragmented, make_pools
@@ -26,10 +28,8 @@ def run(lender: LenderProcess, backend, sizes: Sizes, progress) -> dict:
     descriptors at the same concurrency, each with a notification); aggregate GB/s and requests/s."""
     import tempfile
 
-    from kvlend_nixl import NixlBackend
-
-    from ...runtime import DecodeNode
-    from ...security.certs import Authority, save_rank
+    from kvlend.runtime import DecodeNode
+    from kvlend.security.certs import Authority, save_rank
 
     rng = np.random.default_rng(5)
     pool = 8 * S5_MAX_PAGES

@@ -8,7 +8,7 @@ from typing import Callable
 
 import numpy as np
 
-from ..errors import KvlendError
+from kvlend.errors import KvlendError
 
 CALL_TIMEOUT = 120.0  # seconds for one lender command (pool allocation of a few GiB included)
 XFER_TIMEOUT = 30.0

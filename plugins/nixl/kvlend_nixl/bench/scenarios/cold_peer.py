@@ -8,7 +8,10 @@ import time
 
 import numpy as np
 
-from ...ports import spare_port
+from kvlend.ports import spare_port
+
+from ...backend import NixlBackend
+from ...nixl_build import api
 from ..lender_process import LenderProcess
 from ..pools import GROUP, PAGE_BYTES, descriptor_rows, expected_ok, make_pools
 from ..sizes import Sizes
@@ -19,11 +22,8 @@ def run(lender: LenderProcess, backend, sizes: Sizes, progress) -> dict:
     """First contact to first verified byte: kvlend's control channel vs NIXL's listener (one sample each)."""
     import tempfile
 
-    from kvlend_nixl import NixlBackend
-    from kvlend_nixl.nixl_build import api
-
-    from ...runtime import DecodeNode
-    from ...security.certs import Authority, save_rank
+    from kvlend.runtime import DecodeNode
+    from kvlend.security.certs import Authority, save_rank
 
     n = sizes.s3_pages
     ca = Authority.create()  # a throwaway cluster: the lender loads its rank's files, then they go

@@ -7,6 +7,7 @@ import os
 
 import numpy as np
 
+from ..backend import NixlBackend
 from .lender_process import LenderProcess
 from .pools import PAGE_BYTES, TPP
 from .reader import Reader
@@ -17,8 +18,6 @@ def in_process_read(nbytes: int, descriptors: int, reps: int = 20) -> dict:
     """p50 of ``Reader.kvlend`` (lend, plan, post, poll, tracker, release; two agents, two processes)
     reading about ``nbytes`` laid out as ``descriptors`` contiguous runs: K and V regions of
     ``descriptors // 2`` layers, one lease of contiguous pages in each (so one descriptor per region)."""
-    from kvlend_nixl import NixlBackend
-
     layers = max(1, descriptors // 2)
     pages = max(1, round(nbytes / (2 * layers * PAGE_BYTES)))
     slots = np.arange(pages, dtype=np.int64)

@@ -8,6 +8,7 @@ import time
 
 import numpy as np
 
+from ...backend import NixlBackend
 from ..lender_process import LenderProcess
 from ..pools import GROUP, PAGE_BYTES, TPP, expected_ok, fragmented
 from ..reader import Reader
@@ -21,10 +22,8 @@ def run(lender: LenderProcess, backend, sizes: Sizes, progress) -> dict:
     Measured: from the last chunk's end to "decode may start" (the fetch done, ack included)."""
     import tempfile
 
-    from kvlend_nixl import NixlBackend
-
-    from ...runtime import DecodeNode
-    from ...security.certs import Authority, save_rank
+    from kvlend.runtime import DecodeNode
+    from kvlend.security.certs import Authority, save_rank
 
     pages, chunk = sizes.s6_pages, sizes.s6_chunk_pages
     reader = Reader(lender, backend, pages, sizes.s6_layers, False, 0)

@@ -18,6 +18,7 @@ import os
 import platform
 import sys
 
+from ..backend import NixlBackend
 from .lender_process import LenderProcess
 from .scenarios import SCENARIOS
 from .sizes import FULL, QUICK
@@ -42,8 +43,6 @@ def _read(path: str) -> str:
 
 def run(scenarios: list[int], quick: bool, reps: int | None, progress=None) -> dict:
     """Run the scenarios; the lender process is always terminated."""
-    from kvlend_nixl import NixlBackend
-
     progress = progress or (lambda line: print(line, file=sys.stderr, flush=True))
     sizes = QUICK if quick else FULL
     if reps is not None:  # S1/S2 repetitions; S3 and S5 keep their own request counts

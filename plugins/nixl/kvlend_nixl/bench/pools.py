@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..core.layout import MemoryKind, MemoryRegion, PageLayout, layout_from_pools
+from kvlend.core.layout import MemoryKind, MemoryRegion, PageLayout, layout_from_pools
 
 HEADS, TPP, HEAD_DIM = 8, 16, 128  # Llama-3-8B-like: 32 KiB per K (or V) page per layer, 2-byte elements
 PAGE_BYTES = HEADS * TPP * HEAD_DIM * 2
