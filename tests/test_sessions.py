@@ -1,6 +1,6 @@
 """PrefillSession and DecodeSession together, sans-IO: an in-memory network, backend and clock.
 
-No sockets, no NIXL, no threads: ``memory_transport.World`` executes the
+No sockets, no NIXL, no threads: ``kvlend.testing.World`` executes the
 sessions' actions, copies real bytes between numpy pools and checks the
 contract on every step (nothing lands in a finished fetch, a fetch finishes
 only once its reads are terminal, ``Done``/``Abort`` release a lease only
@@ -43,8 +43,8 @@ from kvlend.protocol.connection import AUTH_TIMEOUT
 from kvlend.protocol.decode import DecodeSession, FetchState
 from kvlend.protocol.ticket import Ticket
 from kvlend.protocol.wire import Abort, Bye, Claim, Handshake, Renewed, encode_frame
-from tests.support.kvcache import group_layers, slots
-from tests.support.memory_transport import KIND, SCRIBBLE, ContractError, World, finish_all, rig
+from kvlend.testing import KIND, SCRIBBLE, ContractError, World, finish_all, rig
+from kvlend.testing.kvcache import group_layers, slots
 from tests.support.wire import decode_all
 
 pytestmark = pytest.mark.unit
