@@ -23,7 +23,7 @@ from kvlend.protocol.config import NodeConfig, Quotas
 from kvlend.protocol.connection import FrameReader
 from kvlend.protocol.negotiations import Negotiations
 from kvlend.protocol.wire import Abort, Bye, Claim, Handshake, Heartbeat, Offer, Renewed, encode_frame
-from tests.support.memory_transport import KIND
+from kvlend.testing import KIND
 from tests.test_hostile_sessions import Peer, at, collect, prefill, session_lines
 
 pytestmark = pytest.mark.unit

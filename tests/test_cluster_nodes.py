@@ -31,10 +31,7 @@ from kvlend.cluster.router import Router
 from kvlend.core.lender import LEASE_ID_BYTES
 from kvlend.errors import ConfigError, LeaseUnknown, PeerLost, RegistryError
 from kvlend.runtime import DecodeNode, NodeConfig, PrefillNode, Ticket
-from tests.support.agents import nixl
-from tests.support.certs import CA, creds
-from tests.support.etcd import Raw
-from tests.support.kvcache import (
+from kvlend.testing.kvcache import (
     SENTINEL,
     TPP,
     FreeList,
@@ -45,6 +42,9 @@ from tests.support.kvcache import (
     prefill_request,
     slots,
 )
+from tests.support.agents import nixl
+from tests.support.certs import CA, creds
+from tests.support.etcd import Raw
 from tests.support.nodes import wait_until
 
 pytestmark = pytest.mark.system

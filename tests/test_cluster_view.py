@@ -983,11 +983,12 @@ class ViewRegistry:
 
 def test_router_counts_what_it_routed_and_cools_down_a_failed_prefill():
     from kvlend.cluster import Router
+    from kvlend.testing import FakeClock
 
     view = new_view()
     view.reset(1, [(key("p0"), rec("p0", load=0).encode()), (key("p1"), rec("p1", load=0).encode())])
-    clock = [100.0]
-    router = Router(ViewRegistry(view), LOCAL, clock=lambda: clock[0])
+    clock = FakeClock(100.0)
+    router = Router(ViewRegistry(view), LOCAL, clock=clock)
     assert [router.pick().identity for _ in range(4)] == ["p0", "p1", "p0", "p1"]  # its own routed counts spread them
     assert router.routed == {"p0": 2, "p1": 2}
     for identity in ("p0", "p0", "p1", "p1"):
@@ -995,7 +996,7 @@ def test_router_counts_what_it_routed_and_cools_down_a_failed_prefill():
     assert router.routed == {}
     router.failed("p0")  # died: it fails at once, so it would look idle until its record leaves
     assert {router.pick().identity for _ in range(3)} == {"p1"}
-    clock[0] += ViewRegistry.ttl  # the cool-down (the registry's TTL) is over
+    clock.advance(ViewRegistry.ttl)  # the cool-down (the registry's TTL) is over
     assert router.pick().identity == "p0"
     router.failed("p0"), router.failed("p1")
     with pytest.raises(RegistryError, match="excluded"):

@@ -25,7 +25,7 @@ from kvlend.errors import (
 )
 from kvlend.protocol.codes import Code, code_of, detail_of, lease_error, link_error
 from kvlend.protocol.wire import PROTOCOL_VERSION, Abort, Bye, DoneAck, FrameDecoder, encode_frame
-from tests.support.memory_transport import World
+from kvlend.testing import World
 
 pytestmark = pytest.mark.unit
 

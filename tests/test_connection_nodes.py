@@ -23,9 +23,9 @@ from kvlend.runtime import DecodeNode, NodeConfig, PrefillNode
 from kvlend.runtime.tls import TlsChannel
 from kvlend.security.certs import Authority
 from kvlend.security.credentials import Credentials
+from kvlend.testing.kvcache import FreeList, group_layers, make_layout, make_pools, pattern, prefill_request, slots
 from tests.support.agents import nixl
 from tests.support.certs import CA, creds
-from tests.support.kvcache import FreeList, group_layers, make_layout, make_pools, pattern, prefill_request, slots
 from tests.support.nodes import read_until_eof, wait_until
 
 pytestmark = pytest.mark.nixl

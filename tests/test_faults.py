@@ -26,9 +26,9 @@ from kvlend.protocol.codes import Code
 from kvlend.protocol.wire import Done, DoneAck, Heartbeat
 from kvlend.runtime import DecodeNode, NodeConfig
 from kvlend.security.certs import Authority
+from kvlend.testing.kvcache import prefill_request
 from tests.support.agents import nixl
 from tests.support.certs import creds
-from tests.support.kvcache import prefill_request
 from tests.support.nodes import (
     DEADLINE,
     DECODE_CONFIG,

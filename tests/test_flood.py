@@ -36,8 +36,8 @@ from kvlend.errors import PeerLost
 from kvlend.protocol.codes import Code
 from kvlend.protocol.prefill import MAX_PENDING_PER_SOURCE
 from kvlend.protocol.wire import MAX_FRAME_BYTES, Bye, Claim, Heartbeat
+from kvlend.testing.kvcache import prefill_request
 from tests.support.certs import creds
-from tests.support.kvcache import prefill_request
 from tests.support.nodes import DEADLINE, DST_PAGES, SRC_PAGES, fetch_and_verify, free_lists, rig, wait_until
 from tests.support.raw_peer import RawDecode
 from tests.support.wire import nested_empty_maps

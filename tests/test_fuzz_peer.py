@@ -48,9 +48,9 @@ from kvlend.protocol.wire import (
     message_from_wire,
 )
 from kvlend.runtime.tls import TlsChannel
+from kvlend.testing.kvcache import prefill_request
 from tests.support import layout_fuzz as lf, wire as tw
 from tests.support.certs import creds
-from tests.support.kvcache import prefill_request
 from tests.support.nodes import (
     DEADLINE,
     DST_PAGES,

@@ -35,7 +35,7 @@ from kvlend.protocol.wire import (
     Renewed,
     encode_frame,
 )
-from tests.support.memory_transport import KIND, World
+from kvlend.testing import KIND, World
 
 pytestmark = pytest.mark.unit
 

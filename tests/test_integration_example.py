@@ -1,4 +1,5 @@
-"""The integration guide's example runs and verifies (real NIXL agents); the guide names only real API."""
+"""The integration guide's examples run and verify (real NIXL agents; the in-memory world); the guide names only
+real API."""
 
 from __future__ import annotations
 
@@ -109,3 +110,11 @@ def test_the_config_fields_the_guide_names_exist(field):
     from kvlend.runtime import NodeConfig
 
     assert field in {f.name for f in dataclasses.fields(NodeConfig)}
+
+
+@pytest.mark.unit
+def test_the_guides_in_memory_example_runs_as_written():
+    """The block under "Testing your integration without NIXL" is this test's code: the two cannot drift."""
+    section = GUIDE.split("## 10. Testing your integration without NIXL", 1)[1]
+    block = re.search(r"```python\n(.*?)```", section, re.S).group(1)
+    exec(compile(block, "docs/integration.md", "exec"), {})  # its asserts are the checks

@@ -15,9 +15,9 @@ import numpy as np
 import pytest
 
 from kvlend.runtime import DecodeNode, NodeConfig, PrefillNode
+from kvlend.testing.kvcache import FreeList, expected_pages, make_layout, make_pools, prefill_request, slots
 from tests.support.agents import nixl
 from tests.support.certs import creds
-from tests.support.kvcache import FreeList, expected_pages, make_layout, make_pools, prefill_request, slots
 
 pytestmark = pytest.mark.nixl
 

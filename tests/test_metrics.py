@@ -11,9 +11,9 @@ import pytest
 from kvlend.errors import KvlendError
 from kvlend.metrics import METRICS, SPECS, Metrics
 from kvlend.runtime import DecodeNode, NodeConfig, PrefillNode
+from kvlend.testing.kvcache import FreeList, make_layout, make_pools, prefill_request
 from tests.support.agents import nixl
 from tests.support.certs import creds
-from tests.support.kvcache import FreeList, make_layout, make_pools, prefill_request
 
 pytestmark = pytest.mark.nixl
 

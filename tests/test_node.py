@@ -35,10 +35,10 @@ from kvlend.protocol.wire import Done
 from kvlend.runtime import DecodeNode, Link, NodeConfig, PrefillNode
 from kvlend.runtime.clock import lease_clock
 from kvlend.security.certs import Authority, save_rank
+from kvlend.testing.kvcache import TPP, make_layout, make_pools, prefill_request, slots
 from tests.support.agents import nixl
 from tests.support.certs import creds
 from tests.support.children import child_env
-from tests.support.kvcache import TPP, make_layout, make_pools, prefill_request, slots
 from tests.support.nodes import (
     DEADLINE,
     DECODE_CONFIG,
@@ -279,7 +279,7 @@ import numpy as np
 from kvlend.runtime import PrefillNode
 from kvlend.security.credentials import Credentials
 from tests.support.agents import nixl
-from tests.support.kvcache import FreeList, make_layout, make_pools, prefill_request
+from kvlend.testing.kvcache import FreeList, make_layout, make_pools, prefill_request
 
 n_leases, max_tokens, window, deadline_s = map(int, sys.argv[1:5])
 pools = make_pools(256)

@@ -20,8 +20,8 @@ from kvlend.core.layout import PageLayout
 from kvlend.errors import PeerLost
 from kvlend.protocol.config import NodeConfig
 from kvlend.protocol.wire import Bye, Handshake, Heartbeat
+from kvlend.testing.kvcache import prefill_request
 from tests.support.certs import creds
-from tests.support.kvcache import prefill_request
 from tests.support.nodes import DEADLINE, SRC_PAGES, free_lists, rig, wait_until
 from tests.support.raw_peer import RawDecode
 

@@ -4,7 +4,7 @@ A prefill lends a request's pages while its chunked prefill still runs
 (``PrefillSession.lend(..., ready=)``) and grows the lease chunk by chunk
 (``PrefillSession.extend``); the decode it is bound to hears each ``Extend`` and
 posts the new pages' reads at once, sends ``Done`` only once the lease is final
-and every read landed.  Over ``memory_transport`` (in-memory network, backend
+and every read landed.  Over ``kvlend.testing`` (in-memory network, backend
 and fake clock, with the contract checked on every step) pages a prefill has
 not computed yet hold ``UNCOMPUTED`` bytes until their extension commits them,
 so a read posted too early, or a bound counting one, breaks the transport's
@@ -38,8 +38,7 @@ from kvlend.protocol.config import NodeConfig, Quotas
 from kvlend.protocol.decode import DecodeSession, FetchState
 from kvlend.protocol.prefill import PrefillSession
 from kvlend.protocol.wire import Extend, Offer
-from tests.support.kvcache import SENTINEL, FreeList, group_layers, make_layout, make_pools, pattern, slots
-from tests.support.memory_transport import (
+from kvlend.testing import (
     KIND,
     ContractError,
     DecodeEnd,
@@ -52,6 +51,7 @@ from tests.support.memory_transport import (
     finish_all,
     rig as memory_rig,
 )
+from kvlend.testing.kvcache import SENTINEL, FreeList, group_layers, make_layout, make_pools, pattern, slots
 from tests.support.profiles import examples
 
 pytestmark = pytest.mark.unit
@@ -158,7 +158,7 @@ def add_hybrid(world: World, *, config: NodeConfig = CFG):
 
 # ------------------------------------------------------------------ helpers
 def rig(config: NodeConfig = CFG, *, seed: int = 0, hybrid: bool = False, **world_kw):
-    """``memory_transport.rig``, or the same with a hybrid model's ends (``hybrid``)."""
+    """``kvlend.testing.rig``, or the same with a hybrid model's ends (``hybrid``)."""
     if not hybrid:
         return memory_rig(config, seed=seed, **world_kw)
     world = World(seed, **world_kw)

@@ -1,6 +1,6 @@
 """Per-peer quotas, sans-IO: every limit of ``Quotas`` refused with a ``QuotaExceeded`` naming it.
 
-Real ``PrefillSession`` and ``DecodeSession`` over ``memory_transport.World``
+Real ``PrefillSession`` and ``DecodeSession`` over ``kvlend.testing.World``
 (fake clock, in-memory network and backend).  Each refusal happens before
 any state changes: no lock is taken, no lease is bound, nothing is renewed.
 Also: a layout claiming an enormous page ratio is refused in under 10 ms,
@@ -29,7 +29,7 @@ from kvlend.errors import (
 )
 from kvlend.protocol.config import NodeConfig, Quotas
 from kvlend.protocol.decode import DecodeSession, FetchState
-from tests.support.memory_transport import World, finish_all, rig as memory_rig
+from kvlend.testing import World, finish_all, rig as memory_rig
 
 pytestmark = pytest.mark.unit
 
@@ -42,7 +42,7 @@ def config(**quotas) -> NodeConfig:
 
 
 def rig(prefill_config: NodeConfig = CFG, **kw):
-    """``memory_transport.rig`` with the quotas under test on the prefill only."""
+    """``kvlend.testing.rig`` with the quotas under test on the prefill only."""
     return memory_rig(prefill_config, decode_config=CFG, **kw)
 
 

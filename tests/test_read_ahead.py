@@ -1,7 +1,7 @@
 """Reads that start with the claim: a small lease's ticket carries its page table (sans-IO, in memory).
 
 The decode posts the reads when it sends the claim; they count for the bound only once the claim's
-answer confirms the lease and the very pages the ticket named.  ``memory_transport.World`` checks on
+answer confirms the lease and the very pages the ticket named.  ``kvlend.testing.World`` checks on
 every step that a bound never names bytes that are not there and nothing lands in a finished fetch.
 """
 
@@ -18,7 +18,7 @@ from kvlend.errors import LeaseUnknown, ProtocolError
 from kvlend.protocol.config import NodeConfig
 from kvlend.protocol.decode import FetchState
 from kvlend.protocol.ticket import MAX_TICKET_ROWS, Ticket
-from tests.support.memory_transport import World, finish_all, rig
+from kvlend.testing import World, finish_all, rig
 from tests.support.profiles import examples
 
 pytestmark = pytest.mark.unit

@@ -1,4 +1,4 @@
-"""The decode session under a tcp read window, sans-IO (``tests.support.memory_transport``): reads over the
+"""The decode session under a tcp read window, sans-IO (``kvlend.testing``): reads over the
 window wait in order, are posted as earlier ones end, none is lost, and a fetch's deadline still applies."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import pytest
 from kvlend.errors import TransferTimeout
 from kvlend.protocol.config import NodeConfig
 from kvlend.protocol.decode import FetchState
-from tests.support.memory_transport import rig
+from kvlend.testing import rig
 
 pytestmark = pytest.mark.unit
 

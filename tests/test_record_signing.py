@@ -21,7 +21,7 @@ from kvlend.cluster.records import layout_digest
 from kvlend.cluster.signing import DOMAIN, VERIFIED_KEPT, RecordSigner, RecordVerifier
 from kvlend.errors import RegistryError
 from kvlend.security.certs import Authority
-from tests.support.kvcache import make_layout, make_pools
+from kvlend.testing.kvcache import make_layout, make_pools
 
 pytestmark = pytest.mark.unit
 

@@ -37,8 +37,8 @@ from kvlend.errors import ConfigError, RegistryError
 from kvlend.ports import spare_port
 from kvlend.security.certs import Authority, save_rank
 from kvlend.security.credentials import Credentials
+from kvlend.testing.kvcache import make_layout, make_pools
 from tests.support.etcd import Raw
-from tests.support.kvcache import make_layout, make_pools
 
 pytestmark = pytest.mark.system
 

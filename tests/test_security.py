@@ -39,9 +39,9 @@ from kvlend.runtime import DecodeNode, NodeConfig, PrefillNode, reload_on_sighup
 from kvlend.runtime.certificates import CertWatch
 from kvlend.security.certs import Authority, save_rank
 from kvlend.security.credentials import CERT_ENV, KEY_ENV, Credentials
+from kvlend.testing.kvcache import SENTINEL, group_layers, make_layout, make_pools, pattern, prefill_request, slots
 from tests.support.agents import nixl
 from tests.support.certs import CA, creds
-from tests.support.kvcache import SENTINEL, group_layers, make_layout, make_pools, pattern, prefill_request, slots
 from tests.support.nodes import (
     DEADLINE,
     DECODE_CONFIG,

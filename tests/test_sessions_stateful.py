@@ -1,7 +1,7 @@
 """Random interleavings of everything that can happen to the sessions (hypothesis stateful).
 
 Two prefills and one decode (which may die and restart under the same name)
-over ``memory_transport``: leases lent behind tickets or pushed, fetches
+over ``kvlend.testing``: leases lent behind tickets or pushed, fetches
 started, reads completed ok, failed, or landing late in any order, cancels,
 small clock steps (heartbeats and their renewals flow) and large jumps,
 heartbeats held back, links cut, ranks killed and restarted, fetch starts that
@@ -34,7 +34,7 @@ from kvlend.errors import KvlendError, PageRangeError, PeerLost, ProtocolError, 
 from kvlend.protocol import states
 from kvlend.protocol.config import NodeConfig
 from kvlend.protocol.decode import FetchState
-from tests.support.memory_transport import ContractError, World
+from kvlend.testing import ContractError, World
 from tests.support.profiles import examples
 
 pytestmark = pytest.mark.unit

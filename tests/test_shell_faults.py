@@ -20,9 +20,9 @@ from kvlend.protocol.config import Quotas
 from kvlend.protocol.connection import Connection
 from kvlend.protocol.wire import Claim
 from kvlend.runtime import DecodeNode, NodeConfig, PrefillNode
+from kvlend.testing.kvcache import FreeList, expected_pages, make_layout, make_pools, prefill_request, slots
 from tests.support.agents import nixl
 from tests.support.certs import creds
-from tests.support.kvcache import FreeList, expected_pages, make_layout, make_pools, prefill_request, slots
 from tests.support.nodes import wait_until
 from tests.support.raw_peer import RawDecode
 from tests.support.wire import wire_text

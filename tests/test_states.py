@@ -20,7 +20,7 @@ from kvlend.protocol.states import (
     LoanEvent,
     LoanState,
 )
-from tests.support.memory_transport import World, finish_all
+from kvlend.testing import World, finish_all
 
 pytestmark = pytest.mark.unit
 

@@ -23,9 +23,9 @@ import pytest
 
 from kvlend.errors import TransferTimeout
 from kvlend.runtime import DecodeNode, NodeConfig, PrefillNode, Ticket
+from kvlend.testing.kvcache import FreeList, group_layers, make_layout, make_pools, pattern, prefill_request, slots
 from tests.support.agents import nixl
 from tests.support.certs import creds
-from tests.support.kvcache import FreeList, group_layers, make_layout, make_pools, pattern, prefill_request, slots
 
 pytestmark = pytest.mark.nixl
 

@@ -1,9 +1,11 @@
 """What the test modules share; no test module imports from another.
 
-In one process: ``kvcache`` (a toy paged KV cache in numpy), ``certs`` (the tests' CA), ``wire``
-(hand-built messages and frames, wire fuzzers), ``layout_fuzz`` (hostile layout encodings),
-``strategies`` (hypothesis layouts), ``reference`` (brute-force references), ``profiles`` (hypothesis
-example counts), ``memory_transport`` (sessions over an in-memory network, backend and clock).
+The toy paged KV cache and the in-memory world (sessions over an in-memory network, backend and
+fake clock) are public API: ``kvlend.testing``.
+In one process: ``certs`` (the tests' CA), ``wire`` (hand-built messages and frames, wire fuzzers),
+``layout_fuzz`` (hostile layout encodings), ``strategies`` (hypothesis layouts), ``reference``
+(brute-force references), ``profiles`` (hypothesis example counts), ``sessions`` (what the
+``test_sessions_*`` files share).
 Over real NIXL agents: ``agents`` and ``nodes`` (a started prefill and a connected decode).
 With other processes or services: ``children`` (how a child is started), ``ranks`` (the parent's
 handle on a rank child), ``raw_peer``, ``etcd``, ``example_pair`` and ``vllm_rig``.

@@ -32,10 +32,10 @@ import numpy as np
 from kvlend.errors import KvlendError, PeerLost, TransferTimeout
 from kvlend.runtime import DecodeNode, NodeConfig
 from kvlend.security.credentials import Credentials
+from kvlend.testing.kvcache import SENTINEL, TPP, FreeList, group_layers, make_layout, make_pools, slots
 
 from .agents import nixl
 from .fault_ranks import Stdin, emit, verify
-from .kvcache import SENTINEL, TPP, FreeList, group_layers, make_layout, make_pools, slots
 
 PAGES = 3072  # per layer pool, both sides
 HEAD_DIM = 256  # 8 KiB slots: a full-attention token page is 16 KiB over its two layers

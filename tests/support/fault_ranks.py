@@ -39,9 +39,19 @@ import numpy as np
 from kvlend.errors import KvlendError, PeerLost, TransferTimeout
 from kvlend.runtime import DecodeNode, NodeConfig, PrefillNode
 from kvlend.security.credentials import Credentials
+from kvlend.testing.kvcache import (
+    SENTINEL,
+    TPP,
+    FreeList,
+    group_layers,
+    make_layout,
+    make_pools,
+    pattern,
+    prefill_request,
+    slots,
+)
 
 from .agents import nixl
-from .kvcache import SENTINEL, TPP, FreeList, group_layers, make_layout, make_pools, pattern, prefill_request, slots
 
 MARK = "@@kvlend "
 SRC_PAGES = 512

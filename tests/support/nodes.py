@@ -13,10 +13,10 @@ from kvlend.core.layout import PageLayout
 from kvlend.protocol.wire import LeaseOffer
 from kvlend.runtime import DecodeNode, FetchResult, Link, NodeConfig, PrefillNode
 from kvlend.runtime.clock import lease_clock
+from kvlend.testing.kvcache import SENTINEL, TPP, FreeList, group_layers, make_layout, make_pools, pattern, slots
 
 from .agents import nixl
 from .certs import creds
-from .kvcache import SENTINEL, TPP, FreeList, group_layers, make_layout, make_pools, pattern, slots
 
 DEADLINE = 10.0  # seconds any single wait may take before the test fails
 SRC_PAGES = 256

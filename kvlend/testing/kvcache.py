@@ -1,14 +1,15 @@
 """A toy paged KV cache in numpy: pools, layouts, seeded page contents and a free list.
 
-Both ranks of a node test build the same layout from these, so the decode
-side can recompute what any lent page must hold from a request's seed.
+Both ends of a ``World`` (and both ranks of a test over real nodes) build the
+same layout from these, so the decode side can recompute what any lent page
+must hold from a request's seed.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from kvlend.core.layout import PageLayout, layout_from_pools
+from ..core.layout import PageLayout, layout_from_pools
 
 TPP = 4  # tokens per page: small pages keep a thousand leases fast
 LAYERS = 4
