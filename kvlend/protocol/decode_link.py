@@ -115,6 +115,7 @@ def grown_offer(link: PrefillLink, offer: LeaseOffer, message: Extend) -> LeaseO
     if not offer.ready < message.ready <= offer.num_tokens:
         raise PeerProtocolError(f"prefill {link.peer} extended lease {message.lease.hex()} from {offer.ready} to "
                             f"{message.ready} tokens (of {offer.num_tokens})")
+    assert link.plan is not None  # offers come over ready links
     unknown = sorted(map(repr, set(message.pages) - set(link.plan.remote.groups)))
     if unknown:
         raise PeerProtocolError(f"prefill {link.peer} extended lease {message.lease.hex()} with unknown groups "
@@ -130,6 +131,7 @@ def check_committed(link: PrefillLink, lease: bytes, pages: Mapping[str, Any], r
     naming more would have its reader count bytes it has not computed."""
     if ready == num_tokens:
         return
+    assert link.plan is not None  # offers come over ready links
     remote = link.plan.remote
     for group, gp in pages.items():
         if not len(gp):
