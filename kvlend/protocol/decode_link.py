@@ -54,10 +54,10 @@ class PrefillLink:
     peer: str | None = None  # the prefill's identity: its certificate's name
     backend_peer: bool = False  # AddPeer was asked for
     handshake_ms: float = 0.0
-    leases: dict = field(default_factory=dict)  # lease id -> LinkLease, one state each (``lease_to``)
+    leases: dict[bytes, LinkLease] = field(default_factory=dict)  # one state each (``lease_to``)
     # state -> {id: LinkLease}, oldest first
-    by_state: dict = field(default_factory=lambda: {s: {} for s in LeaseState})
-    _offered: dict = field(default_factory=dict)  # held or offered: id -> LinkLease, in the order the offers came
+    by_state: dict[LeaseState, dict[bytes, LinkLease]] = field(default_factory=lambda: {s: {} for s in LeaseState})
+    _offered: dict[bytes, LinkLease] = field(default_factory=dict)  # held or offered, in the order the offers came
     beats: deque = field(default_factory=deque)  # (sent at, lease ids) of heartbeats not yet answered
     blind: int = 0  # unanswered heartbeats sent after ``beats`` was full (answered after those in it)
     next_beat: float = 0.0
@@ -97,7 +97,7 @@ class PrefillLink:
     @property
     def offers(self) -> dict[bytes, LeaseOffer]:
         """Offers not yet fetched or declined (held or pushed), in the order they came."""
-        return {lease: record.offer for lease, record in self._offered.items()}
+        return {lease: record.offer for lease, record in self._offered.items() if record.offer is not None}
 
     @property
     def sure(self) -> dict[bytes, float]:
