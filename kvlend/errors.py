@@ -8,6 +8,10 @@ says what went wrong and the message names the offending field or value.
 class KvlendError(Exception):
     """Base class of every error kvlend raises on purpose."""
 
+    # Set on the error a fetch fails with (``Fetch.error``): its request and safe-resume bound.
+    request: str
+    bound: int
+
 
 class LayoutError(KvlendError, ValueError):
     """A PageLayout (or its encoding) is invalid."""

@@ -99,7 +99,7 @@ class PageLayout:
         regions = {r.name: r for r in self.regions}
         seen_keys: dict[tuple[int, str], str] = {}
         group_kinds: dict[str, LayerKind] = {}
-        spans: dict[str, list[tuple[int, int, str]]] = {}
+        spans: dict[str, list[tuple[int, int, str, str]]] = {}
         for b in self.buffers:
             where = f"buffer {b.name!r}"
             region = regions.get(b.region)

@@ -4,7 +4,7 @@ capped lists, enum values by name."""
 from __future__ import annotations
 
 from enum import Enum
-from typing import Any
+from typing import Any, TypeVar
 
 from ..errors import LayoutError
 from .layout_checks import show
@@ -53,7 +53,10 @@ def capped_list(obj: Any, where: str, cap: int) -> list:
     return obj
 
 
-def parse_enum(enum: type[Enum], value: Any, where: str):
+_E = TypeVar("_E", bound=Enum)
+
+
+def parse_enum(enum: type[_E], value: Any, where: str) -> _E:
     # Only strings reach the Enum lookup: its own error message would repr a
     # deeply nested peer value and overflow the stack.
     if isinstance(value, str):

@@ -399,7 +399,7 @@ class Lender:
 
         Checked against ``peer``'s quotas in ``limits`` first (a lease already its own is not counted twice).
         """
-        peer = check_peer(peer)
+        check_peer(peer)
         lease = self.check_read(lease_id, peer, now)
         if lease.peer == peer:
             return lease
@@ -413,7 +413,7 @@ class Lender:
         ``prompt_digest``: the digest of the claimer's own prompt; ``PromptMismatch`` unless it is the
         lease's (a lease lent without one takes any).
         """
-        peer = check_peer(peer)
+        check_peer(peer)
         lease = self.check_read(lease_id, peer, now)
         if lease.prompt_digest is not None and (
                 not isinstance(prompt_digest, bytes) or not hmac.compare_digest(prompt_digest, lease.prompt_digest)):
@@ -495,8 +495,9 @@ class Lender:
     def settle(self, lease_id: bytes) -> Lease | None:
         """The reader of a lease released with ``hold`` is quiet: drop its locks; None if none are held."""
         loan = self._held.pop(lease_id, None)
-        if loan is None:
-            return None
+        return None if loan is None else self._unlock(loan)
+
+    def _unlock(self, loan: _Loan) -> Lease:
         for slots in loan.locked:
             self.locks.unlock_slots(slots)
         return loan.lease
@@ -511,7 +512,8 @@ class Lender:
             if not self._current(entry):
                 continue
             lease_id = entry[2]
-            out.append(self._end(lease_id, _EXPIRED) if lease_id in self._live else self.settle(lease_id))
+            out.append(self._end(lease_id, _EXPIRED) if lease_id in self._live
+                       else self._unlock(self._held.pop(lease_id)))  # held (a current entry is live or held)
         return out
 
     def leases_of(self, peer: str | None) -> list[Lease]:

@@ -11,7 +11,7 @@ counts a region's slots.
 
 from __future__ import annotations
 
-from typing import Any, Iterable
+from typing import Any, Iterable, NoReturn
 
 import numpy as np
 
@@ -42,8 +42,11 @@ class PageLocks:
     def _region(self, region: Any) -> np.ndarray:
         counts = self._counts.get(region) if isinstance(region, str) else None
         if counts is None:
-            raise PageRangeError(f"region: no region {region!r}; have {sorted(self._counts)}")
+            self._no_region(region)
         return counts
+
+    def _no_region(self, region: Any) -> NoReturn:
+        raise PageRangeError(f"region: no region {region!r}; have {sorted(self._counts)}")
 
     def _ordinals(self, region: str, ordinals: Any) -> tuple[np.ndarray, np.ndarray]:
         counts = self._region(region)
@@ -62,11 +65,12 @@ class PageLocks:
         Returns the flat slots to change (sorted, unique) and how many times
         each is listed (None: once each).
         """
-        regions, parts = [], []
+        regions: list[int] = []
+        parts: list[np.ndarray] = []
         for region, ordinals in items:
             index = self._index.get(region) if isinstance(region, str) else None
             if index is None:
-                self._region(region)  # raises, naming the region
+                self._no_region(region)
             if not (type(ordinals) is np.ndarray and ordinals.dtype == np.int64 and ordinals.ndim == 1):
                 ordinals = int_array(f"ordinals of region {region!r}", ordinals)
             if ordinals.size:
@@ -138,15 +142,17 @@ class PageLocks:
         if not pages.size:
             return
         before = self._flat[pages]
+        step: np.ndarray | int
         if n is None:
-            n = 1
+            step = 1
             over = before == _INT32_MAX
         else:
+            step = n
             over = before.astype(np.int64) + n > _INT32_MAX
         if over.any():
             region, _ = self._region_of(int(pages[np.argmax(over)]))
             raise PageRangeError(f"region {region!r}: a page lock count would exceed {_INT32_MAX}")
-        self._flat[pages] = before + n
+        self._flat[pages] = before + step
 
     def unlock_many(self, items: Iterable[tuple[str, Any]]) -> None:
         """``unlock`` for several (region, ordinals) at once; all or nothing."""

@@ -192,10 +192,10 @@ class _Negotiation:
         if count > self.max_pieces:
             raise NegotiationLimit("max_pieces", count, self.max_pieces, "pieces", None, None,
                                    "mapping these layouts needs pieces:")
-        matched = [(lb, rb, job.build()) for lb, rb, job in matched]
+        built = [(lb, rb, job.build()) for lb, rb, job in matched]
         return TransferPlan(
             kind=IDENTITY if identity else MAPPED, local=self.local, remote=self.remote,
-            group_map=MappingProxyType(group_map), pairs=_pairs(self.local, matched, ratio, identity),
+            group_map=MappingProxyType(group_map), pairs=_pairs(self.local, built, ratio, identity),
             uncovered=tuple(sorted(uncovered)), read_elsewhere=tuple(sorted(elsewhere)),
         )
 
@@ -262,11 +262,11 @@ class _Negotiation:
         return " (its kept window)" if window == layout.kept_window else ""
 
     # --------------------------------------------------------- buffer matching
-    def _match(self, ratio: tuple[int, int], sources: range):
+    def _match(self, ratio: tuple[int, int], sources: range) -> tuple[list[_Matched], set[int], list[str]]:
         remote_by_key = {b.identity.key: b for b in self.remote.buffers}
         local_keys = {b.identity.key for b in self.local.buffers}
         pp_differs = self.local.replica.pp_size != self.remote.replica.pp_size
-        matched: list[tuple[BufferDesc, BufferDesc, _Job]] = []
+        matched: list[_Matched] = []
         uncovered: set[int] = set()
         elsewhere: list[str] = []
         for lb in self.local.buffers:
@@ -280,7 +280,7 @@ class _Negotiation:
             pieces = self._pieces(lb, rb, ratio, sources)
             if pieces is None:
                 elsewhere.append(rb.name)
-            elif pieces:
+            elif isinstance(pieces, _Job):  # not [] (refused)
                 matched.append((lb, rb, pieces))
         if not pp_differs:
             for rb in self.remote.buffers:
@@ -358,7 +358,7 @@ class _Negotiation:
             heads = (0, 0, gl.heads)
         return _Job((lb, rb, gl.order, parts, (gr.heads, gl.heads), gl.bytes_per_head, heads, (tr, tl), (m, s)))
 
-    def _group_map(self, matched) -> dict[str, str]:
+    def _group_map(self, matched: list[_Matched]) -> dict[str, str]:
         """Remote group -> local group; refuses a group whose buffers land in two groups."""
         forward: dict[str, str] = {}
         backward: dict[str, str] = {}
@@ -371,7 +371,8 @@ class _Negotiation:
         return forward
 
 
-def _pairs(local: PageLayout, matched, ratio: tuple[int, int], identity: bool) -> tuple[RegionPair, ...]:
+def _pairs(local: PageLayout, matched: list[tuple[BufferDesc, BufferDesc, list[Piece]]], ratio: tuple[int, int],
+           identity: bool) -> tuple[RegionPair, ...]:
     """Group the pieces by (remote region, local region, remote group, local group), in local order."""
     tables: dict[tuple[str, str, str, str], list[Piece]] = {}
     ratios: dict[tuple[str, str, str, str], tuple[int, int]] = {}
@@ -423,6 +424,9 @@ class _Job:
 
     def build(self) -> list[Piece]:
         return _slices(*self.args)
+
+
+_Matched = tuple[BufferDesc, BufferDesc, _Job]  # a local buffer, the remote one it reads, and how
 
 
 def _slices(lb: BufferDesc, rb: BufferDesc, order: HeadOrder, parts: int, heads: tuple[int, int],

@@ -23,6 +23,8 @@ from .plan_lists import small_reads
 from .reads import ReadBatch
 
 _U64 = np.uint64
+# Descriptors of one segment: (src, dst, length) columns, and (rows, src device, dst device) per region pair.
+_Columns = tuple[np.ndarray, np.ndarray, np.ndarray, list[tuple[int, int, int]]]
 
 
 class _Pages:
@@ -62,7 +64,7 @@ class _Work:
     def key(self) -> tuple[str, str]:
         return self.pair.remote_group, self.pair.local_group
 
-    def columns(self, group: _Pages) -> tuple[np.ndarray, np.ndarray, np.ndarray, list[tuple[int, int, int]]]:
+    def columns(self, group: _Pages) -> _Columns:
         src, dst, lengths = _runs(self.pair, list(self.pieces), group, self.remote, self.local)
         return src, dst, lengths, [(src.size, self.remote.device_id, self.local.device_id)]
 
@@ -78,7 +80,7 @@ class _Block:
     table: np.ndarray  # uint64 (pairs, 5): src base, src stride, dst base, dst stride, length
     devices: tuple[tuple[int, int], ...]  # (src, dst) device per pair
 
-    def columns(self, group: _Pages) -> tuple[np.ndarray, np.ndarray, np.ndarray, list[tuple[int, int, int]]]:
+    def columns(self, group: _Pages) -> _Columns:
         """(src, dst, length) of every descriptor, pair by pair, and (rows, src device, dst device) per pair."""
         t, n = self.table, group.src_slots.size
         src = (t[:, 0:1] + group.src_slots * t[:, 1:2]).ravel()
@@ -124,15 +126,17 @@ def plan_reads(
     pages = _resolve(plan, spec, src, dst)
     out = []
     for kinds, segments in spec.batches:
-        parts, first = [], None
+        parts: list[_Columns] = []
+        first = 0  # the order of the first segment with reads
         for seg in segments:
             group = pages.get(seg.key)
             if group is None or not group.ordinals.size:
                 continue
             cols = seg.columns(group)
             if cols[0].size:
+                if not parts:
+                    first = seg.order
                 parts.append(cols)
-                first = seg.order if first is None else first
         if parts:
             out.append((first, _batch(kinds, parts)))
     return [batch for _, batch in sorted(out, key=lambda item: item[0])]
@@ -313,7 +317,7 @@ def _runs(pair: RegionPair, pieces: list[Piece], group: _Pages, rr: MemoryRegion
     return src, dst, lengths
 
 
-def _batch(kinds, parts) -> ReadBatch:
+def _batch(kinds: tuple[MemoryKind, MemoryKind], parts: list[_Columns]) -> ReadBatch:
     """Concatenate the region pairs' descriptors in plan order and merge neighbours contiguous on
     both sides (and on the same devices) into maximal runs."""
     if len(parts) == 1:
@@ -325,6 +329,8 @@ def _batch(kinds, parts) -> ReadBatch:
     brk[0] = True
     np.not_equal(src[:-1] + lengths[:-1], src[1:], out=brk[1:])
     brk[1:] |= dst[:-1] + lengths[:-1] != dst[1:]
+    src_dev: np.ndarray | int  # per descriptor, or one for all
+    dst_dev: np.ndarray | int
     if any(d[1:] != devices[0][1:] for d in devices):
         counts = [d[0] for d in devices]
         src_dev = np.repeat(np.array([d[1] for d in devices], dtype=_U64), counts)
@@ -336,7 +342,7 @@ def _batch(kinds, parts) -> ReadBatch:
     if starts.size < src.size:
         lengths = np.add.reduceat(lengths, starts)
         src, dst = src[starts], dst[starts]
-        if not isinstance(src_dev, int):
+        if isinstance(src_dev, np.ndarray) and isinstance(dst_dev, np.ndarray):  # set together
             src_dev, dst_dev = src_dev[starts], dst_dev[starts]
     remote, local = np.empty((src.size, 3), dtype=_U64), np.empty((src.size, 3), dtype=_U64)
     remote[:, 0], remote[:, 1], remote[:, 2] = src, lengths, src_dev

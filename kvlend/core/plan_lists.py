@@ -14,18 +14,24 @@ Property tests check both paths give the same batches.
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import TYPE_CHECKING
 
 import numpy as np
 
+from .negotiate import TransferPlan
 from .pages import GroupPages
 from .reads import ReadBatch
+
+if TYPE_CHECKING:  # plan imports this module
+    from .plan import _Spec
 
 # Measured on 2 vCPUs, 16 fragmented pages over K and V (12 descriptors): 15 against 20 us warm,
 # 34 against 46 us after an 8 MiB copy; at 24 pages (26 descriptors) the vectorised path is ahead.
 SMALL_PAGES = 16
 
 
-def small_reads(plan, spec, src: Mapping[str, GroupPages], dst: Mapping[str, np.ndarray]) -> list[ReadBatch] | None:
+def small_reads(plan: TransferPlan, spec: _Spec, src: Mapping[str, GroupPages],
+                dst: Mapping[str, np.ndarray]) -> list[ReadBatch] | None:
     """The batches ``plan.plan_reads`` would return, or None where this path does not apply.
 
     The caller checked that ``spec`` has one batch of ``_Block`` segments only (``spec.lists``).

@@ -143,7 +143,7 @@ class ReadWindow:
 
     def _fits(self, key: Hashable, nbytes: int) -> bool:
         flying = self._flying.get(key, 0)
-        return flying == 0 or flying + nbytes <= self.limit
+        return flying == 0 or self.limit is None or flying + nbytes <= self.limit
 
     def _count(self, key: Hashable, tag: bytes, nbytes: int) -> None:
         self._posted[tag] = (key, nbytes)

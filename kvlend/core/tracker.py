@@ -153,9 +153,10 @@ class DeliveryTracker:
 
     def done(self, request: str, chunk_id: Hashable) -> bool:
         """The chunk's reads completed: its pages count as delivered. False if ignored (aborted)."""
-        r, chunk = self._settle(request, chunk_id)
-        if chunk is None:
+        settled = self._settle(request, chunk_id)
+        if settled is None:
             return False
+        r, chunk = settled
         for name, idx in chunk.items():
             have = r.delivered[name]
             r.missing -= idx.size - int(np.count_nonzero(have[idx]))
@@ -166,17 +167,19 @@ class DeliveryTracker:
 
     def fail(self, request: str, chunk_id: Hashable, error: BaseException | None = None) -> bool:
         """The chunk's reads failed: nothing it names counts. False if ignored (aborted)."""
-        r, chunk = self._settle(request, chunk_id)
-        if chunk is None:
+        settled = self._settle(request, chunk_id)
+        if settled is None:
             return False
+        r, _ = settled
         r.errors[chunk_id] = error
         self._failed += 1
         return True
 
-    def _settle(self, request: str, chunk_id: Hashable) -> tuple[_Request | None, dict | None]:
+    def _settle(self, request: str, chunk_id: Hashable) -> tuple[_Request, dict[str, np.ndarray]] | None:
+        """The chunk's request and pages, taken off those pending; None if ignored (its request aborted)."""
         if request in self._aborted and request not in self._requests:
             self._ignored += 1
-            return None, None
+            return None
         r = self._get(request)
         if chunk_id not in r.pending:
             state = "already settled" if chunk_id in r.settled else "never posted"
@@ -185,7 +188,7 @@ class DeliveryTracker:
         r.settled.add(chunk_id)
         if r.aborted:
             self._ignored += 1
-            return r, None
+            return None
         return r, chunk
 
     # ------------------------------------------------------------- queries

@@ -38,7 +38,7 @@ import heapq
 import logging
 import math
 from collections import OrderedDict
-from typing import Any, Mapping
+from typing import Any, Iterator, Mapping
 
 from ..core.layout import PageLayout
 from ..core.negotiate import TransferPlan
@@ -65,7 +65,7 @@ from .connection import Connection
 from .decode_claims import TicketClaims
 from .decode_link import PLAN_CACHE, PrefillLink, where
 from .decode_messages import PrefillMessages
-from .fetch import Fetch, check_destination, clone_error, nbytes, plan_work, resume_point, timeout_arg
+from .fetch import Fetch, Work, check_destination, clone_error, nbytes, plan_work, resume_point, timeout_arg
 from .states import TERMINAL, FetchEvent, FetchState, LeaseEvent, LeaseState, LinkEvent, LinkState
 from .wire import Abort, Bye, Done, Handshake, Heartbeat, LeaseOffer, Message
 
@@ -140,6 +140,7 @@ class DecodeSession(TicketClaims, PrefillMessages, Outbox):
         link = self._links.get(conn)
         if link is None or link.state is not LinkState.TLS:
             return
+        assert link.conn is not None  # set on CONNECTED
         try:
             link.conn.authenticate(identity)
         except KvlendError as exc:
@@ -208,6 +209,7 @@ class DecodeSession(TicketClaims, PrefillMessages, Outbox):
         link = self._links.get(conn)
         if link is None:
             return None
+        assert link.state is not None  # opened
         return {"endpoint": link.endpoint, "peer": link.peer, "state": link.state.value,
                 "handshake_ms": link.handshake_ms, "plan": link.plan}
 
@@ -238,6 +240,7 @@ class DecodeSession(TicketClaims, PrefillMessages, Outbox):
                                 "(fetched, declined or withdrawn): ask the prefill to lend it again")
         resume_from = resume_point(resume_from, offer.num_tokens)
         offer = held.offer  # as grown by any extension since it was offered
+        assert link.plan is not None  # ready
         work = self._work(link.plan, offer, dst, resume_from)  # may raise: nothing changed yet
         fetch = self._new_fetch(conn, offer.id, offer.num_tokens, dst, resume_from, now, timeout, FetchEvent.TAKE)
         fetch.sure_until = held.sure if held.sure is not None else -math.inf
@@ -253,6 +256,7 @@ class DecodeSession(TicketClaims, PrefillMessages, Outbox):
             raise UsageError(f"lease {offer.id.hex()} is being fetched: cancel the fetch instead")
         if link.state_of(offer.id) in (LeaseState.HELD, LeaseState.OFFERED):
             link.lease_to(offer.id, LeaseEvent.DECLINE)
+        assert link.conn is not None  # ready
         link.conn.send(Abort(offer.id, Code.CANCELLED, reason[:_REASON]))
 
     def cancel(self, fetch_id: int, now: float) -> None:
@@ -336,6 +340,7 @@ class DecodeSession(TicketClaims, PrefillMessages, Outbox):
             if link.state is LinkState.READY and now >= link.next_beat:
                 leases = self._renewable(link)
                 if leases:
+                    assert link.conn is not None  # ready
                     link.conn.send(Heartbeat(tuple(leases)))
                     if link.blind or len(link.beats) >= _BEATS_KEPT:
                         link.blind += 1  # its answer will confirm nothing
@@ -378,7 +383,7 @@ class DecodeSession(TicketClaims, PrefillMessages, Outbox):
         """Reads held back by the tcp read window."""
         return len(self._held)
 
-    def _connections(self):
+    def _connections(self) -> Iterator[tuple[int, Connection]]:
         return ((conn, link.conn) for conn, link in self._links.items() if link.conn is not None)
 
     # -------------------------------------------------------------- messages
@@ -402,7 +407,7 @@ class DecodeSession(TicketClaims, PrefillMessages, Outbox):
                                                                   f" (open: {sorted(self._links)})"))
         return link
 
-    def _new_fetch(self, conn: int, lease: bytes, num_tokens: int, dst, resume_from: int, now: float,
+    def _new_fetch(self, conn: int, lease: bytes, num_tokens: int, dst: Mapping[str, Any], resume_from: int, now: float,
                    timeout: float, start: FetchEvent) -> Fetch:
         self._next_fetch += 1
         fetch = Fetch(self._next_fetch, conn, lease, num_tokens, dst, resume_from, now, now + timeout,
@@ -436,11 +441,11 @@ class DecodeSession(TicketClaims, PrefillMessages, Outbox):
 
 
     def _work(self, plan: TransferPlan, offer: LeaseOffer, dst: Mapping[str, Any], resume_from: int,
-              done_rows: Mapping[str, Any] | None = None):
+              done_rows: Mapping[str, Any] | None = None) -> Work:
         """``plan_work`` in this session's chunks: computed before any state changes, so a bad table fails first."""
         return plan_work(plan, offer, dst, resume_from, self.config.chunk_pages, done_rows)
 
-    def _begin(self, fetch: Fetch, offer: LeaseOffer, work, now: float, created: bool) -> None:
+    def _begin(self, fetch: Fetch, offer: LeaseOffer, work: Work, now: float, created: bool) -> None:
         """Track the fetch and post its chunks; all or nothing.
 
         On failure everything is undone and the exception propagates; a fetch ``created`` for
@@ -459,8 +464,9 @@ class DecodeSession(TicketClaims, PrefillMessages, Outbox):
                 self._unindex(fetch)
             raise
 
-    def _post_work(self, fetch: Fetch, work, now: float, begin: bool) -> None:
+    def _post_work(self, fetch: Fetch, work: Work, now: float, begin: bool) -> None:
         """Post ``work``'s chunks (tracking the fetch first if ``begin``); the posts are all or nothing."""
+        assert fetch.offer is not None  # set by ``_begin``
         chunks, kept, needed, read = work
         mark = len(self._actions)
         tags: list[bytes] = []
@@ -474,19 +480,19 @@ class DecodeSession(TicketClaims, PrefillMessages, Outbox):
                 self._seq += 1  # read by an earlier lease, verified then
                 self.tracker.post(fetch.key, f"resumed-{self._seq}", kept)
                 self.tracker.done(fetch.key, f"resumed-{self._seq}")
-            windowed = self._links[fetch.link].windowed and self._window.limit is not None
+            limit = self._window.limit if self._links[fetch.link].windowed else None  # None: no window applies
             for batches, local in chunks:
                 self._seq += 1
                 self.tracker.post(fetch.key, self._seq, local)
                 size = nbytes(batches)
-                parts = pieces(batches, self._window.limit) if windowed and size > self._window.limit else [batches]
+                parts = pieces(batches, limit) if limit is not None and size > limit else [batches]
                 if len(parts) > 1:
                     self._pieces[self._seq] = len(parts)
                 for i, part in enumerate(parts):
                     tag = f"{self.name}:{self._seq}{f'.{i}' if len(parts) > 1 else ''}".encode()
                     tags.append(tag)
                     post = Post(fetch.link, part, tag)
-                    if not windowed or self._window.submit(fetch.link, tag, nbytes(part)):
+                    if limit is None or self._window.submit(fetch.link, tag, nbytes(part)):
                         self._actions.append(post)
                     else:
                         self._held[tag] = post
@@ -518,14 +524,18 @@ class DecodeSession(TicketClaims, PrefillMessages, Outbox):
         if fetch.tags:
             return
         if fetch.state is FetchState.READING:
+            assert fetch.offer is not None  # reading one
             if not fetch.offer.final:
                 return  # a progressive lease: the prefill has more to lend (``Extend``)
             self._move(fetch, FetchEvent.LAND)
             fetch.landed = now
-            self._links[fetch.link].conn.send(Done(fetch.lease, self.tracker.bound(fetch.key)))
+            connection = self._links[fetch.link].conn
+            assert connection is not None  # a fetch reads over a ready link
+            connection.send(Done(fetch.lease, self.tracker.bound(fetch.key)))
         elif fetch.state is FetchState.CANCELLING:
             link = self._links.get(fetch.link)
             if link is not None and link.state is LinkState.READY and fetch.offer is not None:
+                assert link.conn is not None and fetch.error is not None  # ready; set as it failed
                 link.conn.send(Abort.of(fetch.lease, fetch.error))
             self._finish(fetch, FetchEvent.QUIET, fetch.error, now)
 
@@ -536,6 +546,7 @@ class DecodeSession(TicketClaims, PrefillMessages, Outbox):
         link = self._links.get(fetch.link)
         if fetch.state is FetchState.CLAIMING:
             if tell_prefill and link is not None and link.state is LinkState.READY and fetch.claimed_at is not None:
+                assert link.conn is not None  # ready
                 link.conn.send(Abort.of(fetch.lease, error))
                 link.lease_to(fetch.lease, LeaseEvent.ABANDON)
             self._finish(fetch, FetchEvent.FAIL, error, now)

@@ -3,7 +3,7 @@ leases given back, and reads posted from a ticket's page table before the claim'
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+from typing import TYPE_CHECKING, Any, Mapping
 
 import numpy as np
 
@@ -24,9 +24,41 @@ from .states import FetchEvent, FetchState, LeaseEvent, LeaseState, LinkState
 from .ticket import Ticket
 from .wire import Abort, Claim, LeaseOffer
 
+if TYPE_CHECKING:
+    from collections import OrderedDict
+
+    from ..core.negotiate import TransferPlan
+    from ..core.tracker import DeliveryTracker
+    from ..errors import LayoutMismatch
+    from .config import NodeConfig
+    from .fetch import Work
+
 
 class TicketClaims:
     """``DecodeSession``'s ticket methods (a mixin: it uses the session's links, fetches and config)."""
+
+    if TYPE_CHECKING:  # what it uses of the session, for the type checker (decode.py defines them)
+        config: NodeConfig
+        tracker: DeliveryTracker
+        _links: dict[int, PrefillLink]
+        _by_endpoint: dict[tuple[str, int], int]
+        _live: dict[bytes, Fetch]
+        _declined: OrderedDict[bytes, None]
+        _unreadable: OrderedDict[str, LayoutMismatch]
+
+        def link_to(self, host: str, port: int, now: float) -> int: ...
+        def fetch_offer(self, conn: int, offer: LeaseOffer, dst: Mapping[str, Any], now: float,
+                        resume_from: int = 0, timeout: float | None = None) -> Fetch: ...
+        def decline(self, conn: int, offer: LeaseOffer, reason: str) -> None: ...
+        def _check_size(self, num_tokens: int) -> None: ...
+        def _check_not_fetching(self, lease: bytes) -> None: ...
+        def _new_fetch(self, conn: int, lease: bytes, num_tokens: int, dst: Mapping[str, Any], resume_from: int,
+                       now: float, timeout: float, start: FetchEvent) -> Fetch: ...
+        def _move(self, fetch: Fetch, event: FetchEvent) -> None: ...
+        def _work(self, plan: TransferPlan, offer: LeaseOffer, dst: Mapping[str, Any], resume_from: int,
+                  done_rows: Mapping[str, Any] | None = None) -> Work: ...
+        def _begin(self, fetch: Fetch, offer: LeaseOffer, work: Work, now: float, created: bool) -> None: ...
+        def _fail(self, fetch: Fetch, error: KvlendError, now: float, tell_prefill: bool = True) -> None: ...
 
     def fetch_ticket(self, ticket: Ticket, dst: Mapping[str, Any], now: float, resume_from: int = 0,
                      timeout: float | None = None, prompt_digest: bytes | None = None) -> Fetch:
@@ -44,18 +76,19 @@ class TicketClaims:
         if not isinstance(dst, Mapping):
             raise PageRangeError(f"dst: must map local groups to page tables, got {type(dst).__name__}")
         self._check_not_fetching(ticket.lease)
-        known = self._by_endpoint.get(ticket.endpoint)
-        if known is not None and self._links[known].plan is not None:
-            check_destination(self._links[known].plan, dst, ticket.num_tokens)
+        linked = self._by_endpoint.get(ticket.endpoint)
+        plan = self._links[linked].plan if linked is not None else None
+        if plan is not None:
+            check_destination(plan, dst, ticket.num_tokens)
         self._check_issuer(ticket)
         self._check_claimed(ticket, digest)
-        refusal = self._unreadable.get(ticket.layout_id)
-        if refusal is not None:  # no plan can read it: fail now, and let its prefill free the pages
+        unreadable = self._unreadable.get(ticket.layout_id)
+        if unreadable is not None:  # no plan can read it: fail now, and let its prefill free the pages
             self._decline(ticket, digest, now)
             conn = self._by_endpoint.get(ticket.endpoint, 0)  # 0: none (declined before): the fetch needs none
             fetch = self._new_fetch(conn, ticket.lease, ticket.num_tokens, dst, resume_from, now, timeout,
                                     FetchEvent.REDEEM)
-            self._fail(fetch, clone_error(refusal), now, tell_prefill=False)
+            self._fail(fetch, clone_error(unreadable), now, tell_prefill=False)
             return fetch
         conn = self.link_to(ticket.host, ticket.port, now)
         link = self._links[conn]
@@ -63,7 +96,8 @@ class TicketClaims:
         known = link.leases.get(ticket.lease)
         if known is not None and known.offer is not None and known.offer.num_tokens == ticket.num_tokens:
             return self.fetch_offer(conn, known.offer, dst, now, resume_from, timeout)  # claimed ahead, answered
-        refusal = sent = None  # sent: None too for a claim queued until the link is ready
+        refusal: tuple | None = None
+        sent: float | None = None  # None too for a claim queued until the link is ready
         if known is not None and known.state not in (LeaseState.ABANDONED, LeaseState.DECLINING):
             # its claim ahead, refusal, or an offer not what the ticket says (claim again: the answer fails it)
             refusal, sent = known.refusal, known.sent
@@ -110,6 +144,7 @@ class TicketClaims:
         if link.state is LinkState.READY:
             claim = link.lease_to(ticket.lease, LeaseEvent.CLAIM)
             claim.sent, claim.digest = now, digest
+            assert link.conn is not None  # ready
             link.conn.send(Claim(ticket.lease, digest))
         else:
             link.lease_to(ticket.lease, LeaseEvent.QUEUE).digest = digest
@@ -118,8 +153,7 @@ class TicketClaims:
         """``PromptMismatch`` if ``ticket``'s lease was claimed ahead for another prompt than ``digest``'s."""
         conn = self._by_endpoint.get(ticket.endpoint)
         known = self._links[conn].leases.get(ticket.lease) if conn is not None else None
-        claimed = known is not None and known.state in (*CLAIMED_AHEAD, LeaseState.HELD)
-        if claimed and known.digest != digest:
+        if known is not None and known.state in (*CLAIMED_AHEAD, LeaseState.HELD) and known.digest != digest:
             raise PromptMismatch(f"lease {ticket.lease.hex()} was claimed for another prompt than this fetch's")
 
     def _decline(self, ticket: Ticket, digest: bytes, now: float) -> None:
@@ -162,12 +196,15 @@ class TicketClaims:
             link.lease_to(ticket.lease, LeaseEvent.UNCLAIM)
         elif state in (LeaseState.CLAIMED, LeaseState.RECLAIMED):  # sent: its answer may still come, dropped then
             link.lease_to(ticket.lease, LeaseEvent.UNCLAIM)
+            assert link.conn is not None  # a claim went out on it
             link.conn.send(Abort(ticket.lease, Code.CANCELLED, UNCLAIM_DETAIL))
         elif state in (LeaseState.HELD, LeaseState.OFFERED) and link.state is LinkState.READY:
+            assert conn is not None and known is not None and known.offer is not None  # held or offered: an offer
             self.decline(conn, known.offer, UNCLAIM_DETAIL)
 
     def _claim(self, link: PrefillLink, fetch: Fetch, now: float) -> None:
         fetch.claimed_at = now
+        assert link.conn is not None  # ready
         link.conn.send(Claim(fetch.lease, fetch.prompt_digest))
         self._read_ahead(link, fetch, now)
 
@@ -181,6 +218,7 @@ class TicketClaims:
         does a fetch bound to its prompt: no byte moves before the prefill checked the prompt digest.
         """
         ticket = fetch.ticket
+        assert link.plan is not None  # ready
         if not self.config.read_ahead or fetch.prompt_digest or ticket is None or ticket.pages is None \
                 or ticket.layout_id != link.plan.remote.layout_id \
                 or not set(ticket.pages) <= set(link.plan.remote.groups):
@@ -202,6 +240,7 @@ class TicketClaims:
         if fetch.state is FetchState.CANCELLING:
             return  # it ends once quiet, and its abort releases the lease
         ahead = fetch.offer
+        assert ahead is not None and fetch.claimed_at is not None  # read ahead from a claimed ticket's pages
         same = (offer.num_tokens == fetch.num_tokens and offer.final and offer.selection == ahead.selection
                 and offer.pages.keys() == ahead.pages.keys()
                 and all(np.array_equal(offer.pages[g].token_pages, ahead.pages[g].token_pages)

@@ -54,10 +54,10 @@ class PrefillLink:
     peer: str | None = None  # the prefill's identity: its certificate's name
     backend_peer: bool = False  # AddPeer was asked for
     handshake_ms: float = 0.0
-    leases: dict = field(default_factory=dict)  # lease id -> LinkLease, one state each (``lease_to``)
+    leases: dict[bytes, LinkLease] = field(default_factory=dict)  # one state each (``lease_to``)
     # state -> {id: LinkLease}, oldest first
-    by_state: dict = field(default_factory=lambda: {s: {} for s in LeaseState})
-    _offered: dict = field(default_factory=dict)  # held or offered: id -> LinkLease, in the order the offers came
+    by_state: dict[LeaseState, dict[bytes, LinkLease]] = field(default_factory=lambda: {s: {} for s in LeaseState})
+    _offered: dict[bytes, LinkLease] = field(default_factory=dict)  # held or offered, in the order the offers came
     beats: deque = field(default_factory=deque)  # (sent at, lease ids) of heartbeats not yet answered
     blind: int = 0  # unanswered heartbeats sent after ``beats`` was full (answered after those in it)
     next_beat: float = 0.0
@@ -97,7 +97,7 @@ class PrefillLink:
     @property
     def offers(self) -> dict[bytes, LeaseOffer]:
         """Offers not yet fetched or declined (held or pushed), in the order they came."""
-        return {lease: record.offer for lease, record in self._offered.items()}
+        return {lease: record.offer for lease, record in self._offered.items() if record.offer is not None}
 
     @property
     def sure(self) -> dict[bytes, float]:
@@ -115,6 +115,7 @@ def grown_offer(link: PrefillLink, offer: LeaseOffer, message: Extend) -> LeaseO
     if not offer.ready < message.ready <= offer.num_tokens:
         raise PeerProtocolError(f"prefill {link.peer} extended lease {message.lease.hex()} from {offer.ready} to "
                             f"{message.ready} tokens (of {offer.num_tokens})")
+    assert link.plan is not None  # offers come over ready links
     unknown = sorted(map(repr, set(message.pages) - set(link.plan.remote.groups)))
     if unknown:
         raise PeerProtocolError(f"prefill {link.peer} extended lease {message.lease.hex()} with unknown groups "
@@ -130,6 +131,7 @@ def check_committed(link: PrefillLink, lease: bytes, pages: Mapping[str, Any], r
     naming more would have its reader count bytes it has not computed."""
     if ready == num_tokens:
         return
+    assert link.plan is not None  # offers come over ready links
     remote = link.plan.remote
     for group, gp in pages.items():
         if not len(gp):

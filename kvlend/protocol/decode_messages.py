@@ -4,6 +4,7 @@ withdrawals and done acks, each checked before it changes anything (``PeerProtoc
 from __future__ import annotations
 
 import logging
+from typing import TYPE_CHECKING, Any, Mapping
 
 from ..core.layout import PageLayout
 from ..core.negotiate import negotiate
@@ -15,13 +16,47 @@ from .decode_link import PLAN_CACHE, UNCLAIM_DETAIL, PrefillLink, check_committe
 from .fetch import Fetch
 from .prefill import peer_layout
 from .states import FetchEvent, FetchState, IllegalTransition, LeaseEvent, LeaseState, LinkEvent, LinkState
-from .wire import Abort, Bye, Claim, DoneAck, Extend, LeaseOffer, Message, Offer, Renewed
+from .wire import Abort, Bye, Claim, DoneAck, Extend, Handshake, LeaseOffer, Message, Offer, Renewed
+
+if TYPE_CHECKING:
+    from collections import OrderedDict
+
+    from ..core.negotiate import TransferPlan
+    from ..core.tracker import DeliveryTracker
+    from .config import NodeConfig
+    from .fetch import Work
 
 log = logging.getLogger("kvlend.session")
 
 
 class PrefillMessages:
     """``DecodeSession``'s handlers of what a prefill sends (a mixin: it uses the session's links and fetches)."""
+
+    if TYPE_CHECKING:  # what it uses of the session, for the type checker (decode.py defines them)
+        layout: PageLayout
+        config: NodeConfig
+        tracker: DeliveryTracker
+        _kind: str
+        _actions: list
+        _events: list
+        _live: dict[bytes, Fetch]
+        _plans: dict[tuple, TransferPlan]
+        _unreadable: OrderedDict[str, LayoutMismatch]
+
+        def _check_size(self, num_tokens: int) -> None: ...
+        def _claim(self, link: PrefillLink, fetch: Fetch, now: float) -> None: ...
+        def _confirm(self, fetch: Fetch, offer: LeaseOffer, now: float) -> None: ...
+        def _link_to(self, link: PrefillLink, event: LinkEvent) -> None: ...
+        def _fail_link(self, conn: int, error: KvlendError, now: float, bye: Code | None = None) -> None: ...
+        def _waiting(self, link: PrefillLink) -> list[Fetch]: ...
+        def _fetch_of(self, conn: int, lease: bytes, state: FetchState) -> Fetch | None: ...
+        def _move(self, fetch: Fetch, event: FetchEvent) -> None: ...
+        def _work(self, plan: TransferPlan, offer: LeaseOffer, dst: Mapping[str, Any], resume_from: int,
+                  done_rows: Mapping[str, Any] | None = None) -> Work: ...
+        def _begin(self, fetch: Fetch, offer: LeaseOffer, work: Work, now: float, created: bool) -> None: ...
+        def _post_work(self, fetch: Fetch, work: Work, now: float, begin: bool) -> None: ...
+        def _fail(self, fetch: Fetch, error: KvlendError, now: float, tell_prefill: bool = True) -> None: ...
+        def _finish(self, fetch: Fetch, event: FetchEvent, error: KvlendError | None, now: float) -> None: ...
 
     def _handle(self, conn: int, link: PrefillLink, message: Message, now: float) -> None:
         if link.state is LinkState.HANDSHAKE:
@@ -47,6 +82,7 @@ class PrefillMessages:
         if isinstance(message, Bye):
             raise link_error(message.code, f"prefill {link.peer} refused the handshake: {message.detail}")
         remote = peer_layout(message, self._kind)
+        assert isinstance(message, Handshake)  # checked by peer_layout
         # Addresses are not part of a layout id, but the plan holds them: a restarted
         # prefill with the same layout elsewhere in memory needs its own plan.
         key = (self.layout.layout_id, remote.layout_id, tuple((r.name, r.address) for r in remote.regions))
@@ -71,6 +107,7 @@ class PrefillMessages:
         link.next_beat = now + link.beat
         link.backend_peer = True
         self._actions.append(AddPeer(conn, message.metadata))
+        assert link.peer is not None and link.conn is not None  # authenticated
         self._events.append(PeerReady(conn, link.peer))
         log.info("handshake with %s: %s", printable(link.peer), plan.summary().splitlines()[0])
         for fetch in self._waiting(link):
@@ -96,6 +133,7 @@ class PrefillMessages:
         came_for = [(f.lease, f.prompt_digest) for f in self._waiting(link)]
         came_for += [(lease, known.digest) for state in (LeaseState.QUEUED, LeaseState.UNCLAIMED, LeaseState.DECLINING)
                      for lease, known in link.by_state[state].items()]
+        assert link.conn is not None  # it sent its layout
         for lease, digest in dict(came_for).items():
             link.conn.send(Claim(lease, digest))  # refused as we are, a claim gives the lease back
         self._fail_link(conn, refusal, now, bye=code_of(refusal))  # the claims go out before the bye
@@ -105,6 +143,7 @@ class PrefillMessages:
         if state in (LeaseState.ABANDONED, LeaseState.RECLAIMED):  # the answer to a claim we gave up (and aborted)
             link.lease_to(offer.id, LeaseEvent.OFFER)
             return
+        assert link.plan is not None and link.conn is not None  # offers come over ready links
         unknown = sorted(map(repr, set(offer.pages) - set(link.plan.remote.groups)))
         if unknown:
             raise PeerProtocolError(f"prefill {link.peer} offered lease {offer.id.hex()} with unknown groups "
@@ -122,6 +161,7 @@ class PrefillMessages:
                 return
         if fetch is None and state is LeaseState.CLAIMED:  # claimed ahead: held (and heartbeated) for its fetch
             sent = link.leases[offer.id].sent
+            assert sent is not None  # claimed
             held = link.lease_to(offer.id, LeaseEvent.OFFER)
             held.offer = offer
             held.sure = sent + offer.ttl - self.config.beat_for(offer.ttl)  # renewed when our claim came
@@ -142,6 +182,7 @@ class PrefillMessages:
                                             f"said {fetch.num_tokens}"), now)
             return
         fetch.request = offer.request
+        assert fetch.claimed_at is not None  # the answer to its claim
         # The prefill renewed the lease when the claim arrived, which was after we sent it.
         fetch.sure_until = fetch.claimed_at + offer.ttl - self.config.beat_for(offer.ttl)
         try:
@@ -169,6 +210,7 @@ class PrefillMessages:
             if self._fetch_of(conn, message.lease, FetchState.ACKING) is not None:
                 raise PeerProtocolError(f"prefill {link.peer} extended lease {message.lease.hex()} after it was final")
             return  # a fetch that failed, or a claim given up: nothing to read
+        assert fetch.offer is not None and link.plan is not None  # reading it, over a ready link
         grown = grown_offer(link, fetch.offer, message)  # a malformed extension fails the link
         try:
             work = self._work(link.plan, grown, fetch.dst, fetch.resume_from, fetch.read_rows)
@@ -213,6 +255,7 @@ class PrefillMessages:
         if offered or state in (LeaseState.CLAIMED, LeaseState.RECLAIMED):
             link.lease_to(message.lease, LeaseEvent.WITHDRAW).refusal = message.code, message.detail
         if offered:
+            assert link.conn is not None  # ready
             link.conn.send(Abort(message.lease, Code.CANCELLED, "withdrawn before it was read"))
         fetch = self._live.get(message.lease)
         if fetch is not None and fetch.link == conn:

@@ -7,6 +7,7 @@ the chunks to post, before anything changes, so a bad destination table fails fi
 
 from __future__ import annotations
 
+import builtins
 import math
 from dataclasses import dataclass, field
 from typing import Any, Mapping
@@ -54,11 +55,12 @@ class Fetch:
     read_rows: dict = field(default_factory=dict)  # remote group -> token pages read or skipped so far
     ticket: Ticket | None = None  # redeemed from this ticket (its page table lets reads start with the claim)
     confirmed: bool = True  # False while reads posted from the ticket's pages await the claim's answer
-    prompt_digest: bytes = b""  # what its claim carries: the digest of the prompt it reads for (empty: none)
+    prompt_digest: builtins.bytes = b""  # what its claim carries: the digest of the prompt it reads for (empty: none)
     _state: FetchState | None = field(default=None, repr=False)  # changed only by ``states.transition``'s moves
 
     @property
     def state(self) -> FetchState:
+        assert self._state is not None  # moved on creation (``DecodeSession._new_fetch``)
         return self._state
 
     @property
@@ -84,8 +86,14 @@ class Fetch:
         return f"fetch-{self.id}"
 
 
+# plan_work's result: the chunks (the descriptors of each, and the local pages they deliver), the local pages
+# skipped below resume_from, the local pages the tracker waits for, and the remote rows read.
+Work = tuple[list[tuple[list[ReadBatch], dict[str, np.ndarray]]], dict[str, np.ndarray], dict[str, np.ndarray],
+             dict[str, np.ndarray]]
+
+
 def plan_work(plan: TransferPlan, offer: LeaseOffer, dst: Mapping[str, Any], resume_from: int, chunk_pages: int,
-              done_rows: Mapping[str, np.ndarray] | None = None):
+              done_rows: Mapping[str, np.ndarray] | None = None) -> Work:
     """Every chunk's descriptors and local pages, what the tracker waits for, and the remote rows
     this reads; of a grown offer, only rows not read (or skipped) before (``done_rows``)."""
     given = offer.pages if not done_rows else {

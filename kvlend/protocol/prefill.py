@@ -45,7 +45,7 @@ from __future__ import annotations
 import logging
 import math
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any, Iterator, Mapping
 
 from ..core.layout import PageLayout, RowSelection
 from ..core.lender import Lease, Lender
@@ -224,6 +224,7 @@ class PrefillSession(Outbox):
         self._peer_to(peer, PeerEvent.AUTHENTICATED)
         self._peer_to(peer, PeerEvent.REFUSE)
         peer.banned = why
+        assert peer.name is not None  # authenticated
         peer.refused_until = now + min(AUTH_TIMEOUT, self._handshakes.left(peer.name, now))
 
     def closed(self, conn: int, now: float, why: str = "connection closed", refused: bool = False) -> None:
@@ -289,7 +290,7 @@ class PrefillSession(Outbox):
         loaned = self._loans.lent(lease_id)
         merged = None if loaned is None or not meta else check_offer("", {**loaned.meta, **meta})
         lease, added = self.lender.extend(lease_id, ready, pages, now, self._limits)
-        if merged is not None:
+        if loaned is not None and merged is not None:
             loaned.meta = merged  # an offer made later (a claim) carries it whole
         conn = None if loaned is None else loaned.reader
         if conn is not None and conn in self._peers:  # a reader that has the offer; a later claim gets it all
@@ -342,11 +343,13 @@ class PrefillSession(Outbox):
         for conn, peer in list(self._peers.items()):
             if peer.state is PeerState.PENDING and now > peer.conn.deadline:
                 self._drop(conn, f"no TLS handshake within {AUTH_TIMEOUT:.3g} s", notify=False)
-            elif peer.state is PeerState.REFUSED and now > peer.refused_until and peer.banned is not None:
-                self._drop(conn, peer.banned, logging.DEBUG, code=Code.QUOTA_EXCEEDED)  # its ban's line said why
-            elif peer.state is PeerState.REFUSED and now > peer.refused_until:
-                self._drop(conn, f"its layout was refused and it did not leave within {AUTH_TIMEOUT:.3g} s",
-                           code=Code.TIMEOUT)
+            elif peer.state is PeerState.REFUSED:
+                assert peer.refused_until is not None  # set as it was refused
+                if now > peer.refused_until and peer.banned is not None:
+                    self._drop(conn, peer.banned, logging.DEBUG, code=Code.QUOTA_EXCEEDED)  # its ban's line said why
+                elif now > peer.refused_until:
+                    self._drop(conn, f"its layout was refused and it did not leave within {AUTH_TIMEOUT:.3g} s",
+                               code=Code.TIMEOUT)
             elif peer.state is PeerState.AUTHENTICATED and now > peer.layout_by:
                 late = PeerProtocolError(f"no handshake within handshake_timeout "
                                          f"{self.config.handshake_timeout:.3g} s of authenticating")
@@ -355,9 +358,10 @@ class PrefillSession(Outbox):
             lease_id, waiting = next(iter(self._waiting.items()))
             if now <= waiting.deadline:
                 break
-            conn = waiting.reader
+            reader = waiting.reader
+            assert reader is not None  # a waiting claim's connection
             self._loans.to(lease_id, LoanEvent.TIMEOUT)
-            self._peers[conn].conn.send(Abort.of(lease_id, LeaseUnknown(
+            self._peers[reader].conn.send(Abort.of(lease_id, LeaseUnknown(
                 f"lease {lease_id.hex()} was not lent within claim_wait {self.config.claim_wait:.3g} s")))
         for lease in self.lender.expire(now):
             loan = self._loans.get(lease.id)
@@ -391,12 +395,13 @@ class PrefillSession(Outbox):
         return min(times) if times else None
 
     # --------------------------------------------------------------- outputs
-    def _connections(self):
+    def _connections(self) -> Iterator[tuple[int, Connection]]:
         return ((conn, peer.conn) for conn, peer in self._peers.items())
 
     # -------------------------------------------------------------- handling
     def _handle(self, conn: int, peer: _Peer, message: Message, now: float) -> None:
         name = peer.name
+        assert name is not None  # authenticated: it sends messages
         if peer.banned is not None:
             return  # sent before it heard of its backoff: it gets its bye, nothing else
         if peer.state is PeerState.REFUSED:
@@ -439,6 +444,7 @@ class PrefillSession(Outbox):
         What was not renewed is one summary line, at most every ``LOG_EVERY`` s per peer.
         """
         name = peer.name
+        assert name is not None  # ready
         cap = self.config.quotas.max_heartbeat_ids
         if not leases:
             self._strike(peer, now, "sent an empty heartbeat")
@@ -476,7 +482,7 @@ class PrefillSession(Outbox):
         except KvlendError:
             return self.lender.known(lease_id)
 
-    def _held(self, lease_id: bytes, name: str, now: float):
+    def _held(self, lease_id: bytes, name: str, now: float) -> Lease:
         """The live lease if ``name`` holds it; ``LeaseDenied`` for a ticket's lease nobody claimed yet,
         which no decode may renew or end before its holder claims it."""
         lease = self.lender.check_read(lease_id, name, now)
@@ -496,6 +502,7 @@ class PrefillSession(Outbox):
 
     def _strike(self, peer: _Peer, now: float, what: str) -> None:
         """``peer`` sent what no honest decode sends: throttled, and past ``max_strikes`` dropped."""
+        assert peer.strikes is not None  # authenticated
         if peer.strikes.strike(now):
             quotas = self.config.quotas
             raise QuotaExceeded("max_strikes", math.ceil(peer.strikes.count), quotas.max_strikes,
@@ -504,6 +511,7 @@ class PrefillSession(Outbox):
 
     def _handshake(self, conn: int, peer: _Peer, message: Message, now: float) -> None:
         layout = peer_layout(message, self._kind)
+        assert isinstance(message, Handshake) and peer.name is not None  # checked by peer_layout; authenticated
         try:
             # Refuse a decode we cannot serve before it sees a lease: computed once per layout (the shell may have
             # done it off the lock), at most one new one per identity's backoff, its cost capped by the quotas.
@@ -534,6 +542,7 @@ class PrefillSession(Outbox):
             raise _Goodbye(message.detail)
         if not isinstance(message, Claim):
             raise PeerProtocolError(f"unexpected {message.TYPE} from decode rank {peer.name}, whose layout was refused")
+        assert peer.name is not None  # authenticated
         try:
             self.lender.claim(message.lease, peer.name, now, self._limits, prompt_digest=message.digest or None)
         except KvlendError as exc:
@@ -545,7 +554,7 @@ class PrefillSession(Outbox):
         log.info("lease %s declined by %s: it cannot read our layout", message.lease.hex(), printable(peer.name))
         self._end(message.lease, "aborted")
 
-    def _claim(self, peer: _Peer, lease_id: bytes, digest: bytes, now: float, conn: int | None = None) -> None:
+    def _claim(self, peer: _Peer, lease_id: bytes, digest: bytes, now: float, conn: int | None = None) -> bool:
         """Bind a ticket's lease to this peer and send its offer, renewed from now, if ``digest`` is its prompt's.
 
         A lease never lent (yet) waits up to ``claim_wait`` for the lend when ``conn`` is given,
@@ -554,6 +563,7 @@ class PrefillSession(Outbox):
         or waiting becomes one the peer may name in its heartbeats: a refused one never does.
         """
         cap = self.config.quotas.max_heartbeat_ids
+        assert peer.name is not None  # ready
         known = self.lender.known(lease_id)
         if conn is not None and self.config.claim_wait > 0 and not known:
             if (lease_id not in self._waiting

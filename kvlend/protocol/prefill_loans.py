@@ -24,7 +24,7 @@ class Loan:
 
 _KEEPS = {LoanState.WAITING: {"reader", "deadline", "digest"}, LoanState.LENT: {"meta"},
           LoanState.OFFERED: {"meta", "reader"}, LoanState.HELD: {"reader"}, LoanState.GONE: set()}
-_CLEARED = {"meta": {}, "reader": None, "deadline": math.inf, "digest": b""}
+_CLEARED: dict[str, Any] = {"meta": {}, "reader": None, "deadline": math.inf, "digest": b""}
 
 
 class Loans:
@@ -56,7 +56,7 @@ class Loans:
     def waiting_count(self, conn: int) -> int:
         return len(self._waiting_on.get(conn, ()))
 
-    def to(self, lease_id: bytes, event: LoanEvent, **data) -> Loan:
+    def to(self, lease_id: bytes, event: LoanEvent, **data: Any) -> Loan:
         """The one place a loan's state changes: checked against ``states.LOAN``; what the new state does not
         hold is cleared, ``data`` set, and the indexes follow (a loan ``gone`` is forgotten)."""
         loan = self.all.get(lease_id) or Loan()
@@ -64,6 +64,7 @@ class Loans:
         if before is not None:
             del self.by_state[before][lease_id]
         if before is LoanState.WAITING:
+            assert loan.reader is not None  # a waiting claim's connection
             on = self._waiting_on[loan.reader]
             del on[lease_id]
             if not on:
@@ -78,5 +79,6 @@ class Loans:
             return loan
         self.all[lease_id] = self.by_state[after][lease_id] = loan
         if after is LoanState.WAITING:
+            assert loan.reader is not None  # a waiting claim's connection
             self._waiting_on.setdefault(loan.reader, {})[lease_id] = None
         return loan

@@ -25,7 +25,7 @@ lent, offered on a connection, or released but held until that reader is quiet.
 from __future__ import annotations
 
 from enum import Enum
-from typing import Mapping
+from typing import Mapping, TypeVar
 
 
 class IllegalTransition(RuntimeError):
@@ -240,7 +240,10 @@ del S, E
 TABLES: dict[str, Mapping] = {"fetch": FETCH, "link": LINK, "peer": PEER, "lease": LEASE, "loan": LOAN}
 
 
-def transition(name: str, state, event):
+_State = TypeVar("_State", bound=Enum)
+
+
+def transition(name: str, state: _State | None, event: Enum) -> _State:
     """The state ``event`` moves an object of table ``name`` to from ``state``; ``IllegalTransition``
     if the table has no such move."""
     try:
@@ -258,5 +261,5 @@ def markdown() -> str:
     return "\n\n".join(parts) + "\n"
 
 
-def _label(value) -> str:
+def _label(value: Enum | None) -> str:
     return "(new)" if value is None else f"`{value.value}`"

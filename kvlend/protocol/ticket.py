@@ -24,7 +24,7 @@ import binascii
 import ipaddress
 import re
 from dataclasses import dataclass, field, replace
-from typing import Mapping
+from typing import Any, Mapping
 
 import msgpack
 import numpy as np
@@ -63,8 +63,8 @@ class Ticket:
         problem = host_problem(self.host)
         if problem is not None:
             raise UsageError(f"ticket.host: expected an IP address or a DNS name: {problem}")
-        for name, value, low, high in (("port", self.port, 1, 65535), ("num_tokens", self.num_tokens, 1, 1 << 40)):
-            if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+        for name, number, low, high in (("port", self.port, 1, 65535), ("num_tokens", self.num_tokens, 1, 1 << 40)):
+            if isinstance(number, bool) or not isinstance(number, int) or not low <= number <= high:
                 raise UsageError(f"ticket.{name}: expected an int in [{low}, {high}]")
         if self.pages is not None:
             pages = self.pages
@@ -100,7 +100,8 @@ class Ticket:
         if not isinstance(obj, list) or len(obj) != 8 or obj[0] != TICKET_VERSION or type(obj[0]) is not int:
             raise UsageError(f"ticket: expected [version {TICKET_VERSION}, lease, host, port, prefill, "
                                 "num_tokens, layout_id, pages]")
-        return cls(*obj[1:7], pages=None if obj[7] is None else _pages(obj[7]))
+        lease, host, port, prefill, num_tokens, layout_id = obj[1:7]
+        return cls(lease, host, port, prefill, num_tokens, layout_id, pages=None if obj[7] is None else _pages(obj[7]))
 
     def with_pages(self, pages: Mapping[str, GroupPages]) -> Ticket:
         """This ticket carrying ``pages`` when they are few enough (``MAX_TICKET_ROWS``), else as it is."""
@@ -124,7 +125,7 @@ class Ticket:
         return cls.decode(data)
 
 
-def host_problem(host) -> str | None:
+def host_problem(host: Any) -> str | None:
     """What makes ``host`` neither an IP literal nor a DNS name by the RFC 1123 rules (None: it is one), so a
     ticket's host reaches the resolver only as a name it can look up."""
     if not isinstance(host, str):
@@ -149,7 +150,7 @@ def host_problem(host) -> str | None:
     return None
 
 
-def _pages(v) -> dict[str, GroupPages]:
+def _pages(v: Any) -> dict[str, GroupPages]:
     """A ticket's ``{group: [token_pages, ordinals]}`` (little-endian int32), checked like an offer's."""
     if not isinstance(v, dict) or not 0 < len(v) <= _MAX_GROUPS:
         raise UsageError(f"ticket.pages: expected a map of 1..{_MAX_GROUPS} groups")

@@ -19,7 +19,7 @@ import math
 import struct
 from dataclasses import dataclass, field, fields
 from functools import cached_property
-from typing import Any, ClassVar, Mapping
+from typing import Any, Callable, ClassVar, Mapping
 
 import msgpack
 import numpy as np
@@ -72,8 +72,9 @@ def _to_wire_value(v: Any) -> Any:
     return v
 
 
-def _typed(kind, name: str, max_len: int | None = None, exact_len: int | None = None):
-    def check(v: Any, where: str):
+def _typed(kind: type[Any], name: str, max_len: int | None = None,
+           exact_len: int | None = None) -> Callable[[Any, str], Any]:
+    def check(v: Any, where: str) -> Any:
         if isinstance(v, bool) and kind is not bool or not isinstance(v, kind):
             raise PeerProtocolError(f"{where}: expected {name}, got {type(v).__name__}")
         if exact_len is not None and len(v) != exact_len:
@@ -152,7 +153,8 @@ class LeaseOffer:
     selection: RowSelection
     ttl: float
     meta: Mapping[str, Any] = field(default_factory=dict)
-    ready: int | None = None
+    # None (left out): num_tokens. __post_init__ sets it, so every reader sees an int.
+    ready: int = None  # type: ignore[assignment]
 
     def __post_init__(self) -> None:
         if self.ready is None:
