@@ -5,7 +5,8 @@ fake clock) are public API: ``kvlend.testing``.
 In one process: ``certs`` (the tests' CA), ``wire`` (hand-built messages and frames, wire fuzzers),
 ``layout_fuzz`` (hostile layout encodings), ``strategies`` (hypothesis layouts), ``reference``
 (brute-force references), ``profiles`` (hypothesis example counts), ``sessions`` (what the
-``test_sessions_*`` files share).
+``test_sessions_*`` files share), ``progressive`` (what the ``test_progressive_sessions*`` files share:
+hybrid ends and helpers).
 Over real NIXL agents: ``agents`` and ``nodes`` (a started prefill and a connected decode).
 With other processes or services: ``children`` (how a child is started), ``ranks`` (the parent's
 handle on a rank child), ``raw_peer``, ``etcd``, ``example_pair`` and ``vllm_rig``.
