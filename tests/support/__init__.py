@@ -10,7 +10,8 @@ hybrid ends and helpers), ``cluster_view`` (test layouts and records for the ``t
 record and pick files).
 Over real NIXL agents: ``agents`` and ``nodes`` (a started prefill and a connected decode).
 With other processes or services: ``children`` (how a child is started), ``ranks`` (the parent's
-handle on a rank child), ``raw_peer``, ``etcd``, ``example_pair`` and ``vllm_rig``.
+handle on a rank child), ``raw_peer``, ``etcd``, ``registry`` (the ``test_registry*`` files' etcd
+fixtures and helpers), ``example_pair`` and ``vllm_rig``.
 Child processes, run as ``python -m tests.support.<name>``: ``fault_ranks``, ``chaos_ranks``,
 ``progressive_rank``; ``quiet_ranks`` holds ``multiprocessing`` targets.
 """
