@@ -31,8 +31,8 @@ import sys
 
 from cluster.decode import run_decode  # examples/, this script's folder
 from cluster.prefill import run_prefill
+from kvlend.demo.workload import run_rank
 from kvlend.security.credentials import Credentials
-from workload import run_rank
 
 
 def main(argv=None) -> int:

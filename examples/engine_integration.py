@@ -1,6 +1,6 @@
 """kvlend wired into an engine, end to end, in one process (the guide: docs/integration.md).
 
-A prefill engine (the toy model of ``toy_engine.py`` and its paged KV cache,
+A prefill engine (the toy model of ``kvlend.demo.toy_engine`` and its paged KV cache,
 16 tokens per page) lends each prompt's pages through a ``PrefillNode`` and
 exports a *ticket* as text.  A router (here a plain queue) carries the text
 to a decode engine with a cache of its own (8 tokens per page, a second NIXL
@@ -23,16 +23,14 @@ import sys
 import time
 from collections import deque
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-
-import toy_engine
 from kvlend import prompt_digest
 from kvlend.core.fetchplan import destination_pages
+from kvlend.demo import toy_engine
+from kvlend.demo.workload import run_rank
 from kvlend.errors import TransferCancelled, TransferTimeout
 from kvlend.runtime import DecodeNode, NodeConfig, PrefillNode, Ticket
 from kvlend.security.certs import Authority
 from kvlend.transport import load_backend
-from workload import run_rank
 
 REQUESTS = 4
 CANCELLED = "req-1"  # the decode engine cancels this request's first fetch on purpose

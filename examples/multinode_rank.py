@@ -25,11 +25,11 @@ import time
 import numpy as np
 
 from kvlend.core.layout import ReplicaRank, layout_from_pools
+from kvlend.demo.workload import run_rank
 from kvlend.errors import KvlendError
 from kvlend.runtime import DecodeNode, NodeConfig, PrefillNode, reload_on_sighup
 from kvlend.security.credentials import Credentials
 from kvlend.transport import load_backend
-from workload import run_rank  # examples/, this script's folder
 
 DTYPE = np.float16
 

@@ -14,7 +14,6 @@ strings), or, named ``*.msgpack``, the bytes of ``PageLayout.encode()``.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import os
 import sys
@@ -46,7 +45,6 @@ environment:
   KVLEND_CA, KVLEND_CERT, KVLEND_KEY  a rank's TLS credentials: the cluster CA certificate, its
                                       certificate and key (kvlend certs; the demo makes its own)
   KVLEND_LOG                          log level of the example ranks (default WARNING)
-  KVLEND_EXAMPLES                     where demo finds examples/pair.py (default: the checkout's)
   NIXL_LOG_LEVEL                      NIXL's log level (default: NIXL's INFO lowered to WARNING)
   UCX_NET_DEVICES, UCX_TLS            which devices and transports UCX may use
 """
@@ -185,32 +183,15 @@ def _run_layout_check(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def _examples_dir() -> Path:
-    """The repository's examples/ (the demo's toy engine lives there, not in the package)."""
-    path = Path(os.environ.get("KVLEND_EXAMPLES", Path(__file__).resolve().parents[1] / "examples"))
-    if not (path / "pair.py").is_file():
-        raise CliError(f"no examples/pair.py under {path}: run from a kvlend checkout or set $KVLEND_EXAMPLES")
-    return path
-
-
-def _example(name: str):
-    """Import ``examples/<name>.py`` (it puts examples/ on sys.path itself)."""
-    path = _examples_dir() / f"{name}.py"
-    spec = importlib.util.spec_from_file_location(f"kvlend_examples_{name}", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def _add_demo(parser: argparse.ArgumentParser) -> None:
-    try:
-        _example("pair").build_parser(parser)
-    except CliError:
-        pass  # reported when the command runs
+    from .demo import pair  # here, not at the top: importing kvlend.cli loads none of the demo
+
+    pair.build_parser(parser)
 
 
 def _run_demo(args: argparse.Namespace) -> int:
-    pair = _example("pair")
+    from .demo import pair
+
     pair.check_args(args)
     report = pair.run_pair(args)
     print(json.dumps(report) if args.json else pair.format_report(report))
@@ -381,8 +362,7 @@ COMMANDS: tuple[Command, ...] = (
             _add_demo, _run_demo,
             "exit status: 0 every request verified, 1 a request did not verify or a rank exited non-zero "
             "after the report, 2 bad options or a rank failed before reporting (one line on stderr). "
-            "Environment: KVLEND_LOG sets the ranks' log level, "
-            "KVLEND_EXAMPLES where examples/pair.py is."),
+            "Environment: KVLEND_LOG sets the ranks' log level."),
     Command(("bench",), "measure kvlend's reads against raw NIXL, memcpy, per-page and staging baselines",
             _add_bench, _run_bench),
     Command(("certs", "ca"), "create a cluster certificate authority", _add_certs_ca, _run_certs_ca),

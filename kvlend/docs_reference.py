@@ -32,8 +32,8 @@ COMMAND = "python -m kvlend.docs_reference"
 
 # Entry points whose parsers are built inside ``main()``: (how it is run, file under ROOT).
 ENTRY_POINTS = (
-    ("python examples/prefill.py", "examples/prefill.py"),
-    ("python examples/decode.py", "examples/decode.py"),
+    ("python -m kvlend.demo.prefill", "kvlend/demo/prefill.py"),
+    ("python -m kvlend.demo.decode", "kvlend/demo/decode.py"),
     ("python examples/multinode_rank.py", "examples/multinode_rank.py"),
     ("python examples/cluster_rank.py", "examples/cluster_rank.py"),
     ("scripts/multinode-loopback", "scripts/multinode-loopback"),
@@ -77,7 +77,6 @@ ENVIRONMENT = {
     "KVLEND_LOOP_NICE": ("`-10`", "nice value of kvlend's loop thread inside a vLLM worker (negative needs "
                                  "CAP_SYS_NICE; without it the thread keeps its priority)"),
     "KVLEND_MODEL_DIR": ("`~/.cache/kvlend/models`", "where the local vLLM test models are built and cached"),
-    "KVLEND_EXAMPLES": ("the checkout's `examples/`", "where `kvlend demo` finds `pair.py` and the toy engine"),
     "KVLEND_ETCD_ENDPOINTS": ("`127.0.0.1:2379`", "etcd endpoints `kvlend cluster status` reads"),
     "KVLEND_CLUSTER_PREFIX": ("`/kvlend/default`", "the cluster's key prefix in etcd"),
     "KVLEND_ETCD_USER": ("none", "etcd's own authentication, with `KVLEND_ETCD_PASSWORD`: both or neither"),
@@ -198,19 +197,29 @@ def entry_point(relative: str) -> tuple[argparse.ArgumentParser, str]:
     """The parser ``main()`` of the file at ``relative`` builds (the file is imported, never run), and
     the file's docstring."""
     path = ROOT / relative
-    if (path.parent / "__init__.py").is_file():  # a plugin's module: import it by its name
-        return _main_parser(importlib.import_module(f"{path.parent.name}.{path.stem}"), relative)
+    if (path.parent / "__init__.py").is_file():  # a package's module: import it by its name
+        return _main_parser(importlib.import_module(_module_name(path)), relative)
     name = "kvlend_reference_" + re.sub(r"\W", "_", path.stem)
     loader = importlib.machinery.SourceFileLoader(name, str(path))  # scripts have no .py suffix
     module = importlib.util.module_from_spec(importlib.util.spec_from_loader(name, loader))
     sys.modules[name] = module  # dataclasses look their module up while the file runs
-    search_path = list(sys.path)  # the examples put their own folder on it
+    search_path = list(sys.path)
+    sys.path.insert(0, str(path.parent))  # as when it runs: a script's own folder comes first
     try:
         loader.exec_module(module)
         return _main_parser(module, relative)
     finally:
         del sys.modules[name]
         sys.path[:] = search_path
+
+
+def _module_name(path: Path) -> str:
+    """The dotted name of the module at ``path``, from the outermost package folder above it."""
+    parts = [path.stem]
+    while (path.parent / "__init__.py").is_file():
+        path = path.parent
+        parts.insert(0, path.name)
+    return ".".join(parts)
 
 
 def _main_parser(module, relative: str) -> tuple[argparse.ArgumentParser, str]:
@@ -407,7 +416,7 @@ def render() -> str:
         "",
         "Every `kvlend` command takes `--debug` (before or after its name) to show tracebacks; otherwise an "
         "error is one line on stderr, `kvlend: error: ...`. `kvlend demo` takes the options of "
-        "`examples/pair.py`, which passes them on to its ranks.",
+        "`kvlend.demo.pair`, which passes them on to its ranks.",
         "",
     ]
     lines += _kvlend_commands()

@@ -15,6 +15,7 @@ import torch
 
 from kvlend import cli
 from kvlend.core.layout import LayerKind, MemoryKind, PageLayout, RowSelection, layout_from_pools
+from kvlend.demo import decode, pair
 from kvlend.errors import ConfigError
 from kvlend.security.credentials import CA_ENV, CERT_ENV, KEY_ENV, Credentials
 
@@ -244,16 +245,15 @@ def test_demo_options_default_to_two_prefills_and_16_in_flight():
 
 @pytest.mark.unit
 def test_demo_launches_every_prefill_rank_and_one_decode_connected_to_all():
-    pair = cli._example("pair")
     args = demo_args("--prefills", "3", "--inflight", "5", "--requests", "9")
     for rank in range(3):
         argv = pair.prefill_argv(args, rank)
-        assert argv[1].endswith("prefill.py")
-        flags = dict(zip(argv[2::2], argv[3::2]))
+        assert argv[1:3] == ["-m", "kvlend.demo.prefill"]
+        flags = dict(zip(argv[3::2], argv[4::2]))
         assert flags["--prefills"] == "3" and flags["--rank"] == str(rank) and flags["--requests"] == "9"
         assert int(flags["--max-inflight"]) >= 5  # each rank lends enough ahead to fill the decode's window
     argv = pair.decode_argv(args, ["127.0.0.1:1001", "127.0.0.1:1002", "127.0.0.1:1003"], "/tmp/report.json")
-    assert argv[1].endswith("decode.py")
+    assert argv[1:3] == ["-m", "kvlend.demo.decode"]
     connect = [argv[i + 1] for i, a in enumerate(argv) if a == "--connect"]
     assert connect == ["127.0.0.1:1001", "127.0.0.1:1002", "127.0.0.1:1003"]
     assert argv[argv.index("--inflight") + 1] == "5"
@@ -261,9 +261,6 @@ def test_demo_launches_every_prefill_rank_and_one_decode_connected_to_all():
 
 @pytest.mark.unit
 def test_demo_issues_every_rank_its_own_certificate_and_writes_no_ca_key(tmp_path, monkeypatch):
-    pair = cli._example("pair")
-    monkeypatch.syspath_prepend(str(EXAMPLES.parent))
-    decode = importlib.import_module("decode")  # not cli._example: its dataclasses need a module of their own
     prefills, decode_env = pair.rank_envs(demo_args("--prefills", "2", "--decode-tp", "2"), str(tmp_path))
     assert [Credentials.from_env(env).identity for env in prefills] == ["prefill-0", "prefill-1"]
     for name, value in decode_env.items():
@@ -296,7 +293,6 @@ def test_demo_refuses_bad_concurrency_options_before_starting_a_rank(capsys, arg
 
 @pytest.mark.unit
 def test_demo_text_report_says_how_many_were_in_flight():
-    pair = cli._example("pair")
     text = pair.format_report(SAMPLE_REPORT)
     lines = [line.strip() for line in text.splitlines()]
     assert "in flight             16 (max seen 12) from 2 prefill ranks" in lines

@@ -18,7 +18,7 @@ README = (ROOT / "README.md").read_text()
 PAGES = sorted([ROOT / "README.md", ROOT / "BENCHMARKS.md", *(ROOT / "docs").glob("*.md"),
                 *(ROOT / "plugins").glob("*/README.md")])
 LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")
-# A repository path in backticks, e.g. `scripts/demo --json` or `examples/pair.py`.
+# A repository path in backticks, e.g. `scripts/demo --json` or `examples/engine_integration.py`.
 REPO_PATH = re.compile(r"`(?:\.venv/bin/python |python )?((?:scripts|examples|kvlend|plugins|tests|docs)/[\w./-]+)")
 
 
@@ -54,7 +54,7 @@ def test_the_check_mode_says_so(capsys, tmp_path, monkeypatch, rendered):
 
 def test_the_scan_finds_what_we_know_is_read():
     names = set(docs_reference.environment_reads())
-    assert {"KVLEND_CA", "KVLEND_CERT", "KVLEND_KEY", "KVLEND_LOG", "KVLEND_EXAMPLES", "NIXL_LOG_LEVEL",
+    assert {"KVLEND_CA", "KVLEND_CERT", "KVLEND_KEY", "KVLEND_LOG", "NIXL_LOG_LEVEL",
             "KVLEND_PYTHON", "PYTHON", "KVLEND_CHAOS_S"} <= names
 
 

@@ -20,7 +20,7 @@ from collections import deque
 import numpy as np
 import pytest
 
-import toy_engine  # examples/ (pyproject's pytest pythonpath)
+from kvlend.demo import toy_engine
 from kvlend.errors import AuthError, KvlendError, PeerLost, TransferTimeout
 from kvlend.protocol.codes import Code
 from kvlend.protocol.wire import Done, DoneAck, Heartbeat

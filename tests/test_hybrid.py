@@ -14,9 +14,9 @@ import dataclasses
 import pytest
 import torch
 
-import toy_engine as te  # examples/ (pyproject's pytest pythonpath)
 from kvlend.core.layout import LayerKind, MemoryKind, Role, SelectionMode
 from kvlend.core.lender import Lender
+from kvlend.demo import toy_engine as te
 from tests.support.example_pair import expected_bytes, pair
 
 HYBRID = te.preset("hybrid")

@@ -40,9 +40,9 @@ def test_engine_integration_example_verifies():
 
 
 def _classes() -> dict[str, object]:
-    import toy_engine  # examples/ (pyproject's pytest pythonpath)
     from kvlend.core.layout import PageLayout
     from kvlend.core.lender import Lease
+    from kvlend.demo import toy_engine
     from kvlend.metrics import METRICS
     from kvlend.protocol.wire import LeaseOffer
     from kvlend.runtime import DecodeNode, FetchHandle, FetchResult, Link, NodeConfig, PrefillNode, Ticket

@@ -17,9 +17,9 @@ import time
 import numpy as np
 import pytest
 
-import toy_engine as te  # examples/ (pyproject's pytest pythonpath)
 from kvlend.core.layout import HeadOrder, PageLayout, ReplicaRank
 from kvlend.core.negotiate import negotiate
+from kvlend.demo import toy_engine as te
 from kvlend.errors import LayoutMismatch, PeerLost
 from kvlend.runtime import DecodeNode, NodeConfig, PrefillNode
 from tests.support.agents import nixl

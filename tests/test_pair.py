@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-import toy_engine  # examples/ (pyproject's pytest pythonpath)
-from tests.support.children import EXAMPLES, ROOT
+from kvlend.demo import toy_engine
+from tests.support.children import ROOT
 from tests.support.example_pair import run_json
 
 pytestmark = pytest.mark.system
@@ -37,7 +37,7 @@ def expected(requests: int, max_len: int, min_len: int = 8, seed: int = 0) -> tu
 
 
 def test_example_pair_verifies_every_request():
-    report = run_json([sys.executable, str(EXAMPLES / "pair.py"), "--json", "--requests", "12", "--max-len", "200",
+    report = run_json([sys.executable, "-m", "kvlend.demo.pair", "--json", "--requests", "12", "--max-len", "200",
                        "--timeout", "30"])
     assert report["verified"] is True
     assert report["mismatched"] == []
@@ -70,7 +70,7 @@ def test_chunked_prefill_lent_progressively_verifies_and_reports_both_modes():
     """``--progressive both``: even requests are lent as their chunks commit, odd ones once prefill is
     done; every request's tokens equal the chunked single-process reference, every page was read."""
     requests, min_len, max_len = 6, 300, 700
-    report = run_json([sys.executable, str(EXAMPLES / "pair.py"), "--json", "--requests", str(requests),
+    report = run_json([sys.executable, "-m", "kvlend.demo.pair", "--json", "--requests", str(requests),
                        "--min-len", str(min_len), "--max-len", str(max_len), "--chunk-tokens", "128",
                        "--progressive", "both", "--prefills", "1", "--inflight", "3", "--timeout", "60"])
     tokens, nbytes = expected(requests, max_len, min_len)

@@ -25,7 +25,7 @@ EXAMPLES = ROOT / "examples"
 PLUGINS = {"kvlend_nixl": ROOT / "plugins" / "nixl", "kvlend_vllm": ROOT / "plugins" / "vllm"}
 PURE = ("core", "protocol")
 PURE_CLUSTER = ("kvlend.cluster.records", "kvlend.cluster.view")  # the cluster plane's pure half
-KVLEND = ("core", "protocol", "transport", "security", "cluster", "runtime", "metrics", "ports")
+KVLEND = ("core", "protocol", "transport", "security", "cluster", "runtime", "metrics", "ports", "demo")
 # What each plane may import (besides errors and itself).  ``kvlend`` is the package's face (kvlend/__init__.py);
 # a plugin's ``bench`` (its package, or a script beside it) is a plane above the plugin.
 ALLOWED = {
@@ -38,8 +38,9 @@ ALLOWED = {
     "metrics": set(),
     "ports": set(),
     "testing": {"core", "protocol"},  # public API for tests: the sessions over an in-memory world
+    "demo": {"core", "transport", "security", "runtime", "metrics"},  # kvlend demo's ranks: an engine's view
     "kvlend": {"core"},
-    "cli": {"core", "security", "cluster", "kvlend_nixl.bench"},  # the bench only lazily: LAZY_ONLY
+    "cli": {"core", "security", "cluster", "demo", "kvlend_nixl.bench"},  # the bench only lazily: LAZY_ONLY
     "docs_reference": {"cli", "protocol", "metrics"},
     "kvlend_nixl": {"core", "transport", "metrics"},
     "kvlend_nixl.bench": {"core", "protocol", "transport", "security", "runtime", "ports", "kvlend_nixl"},

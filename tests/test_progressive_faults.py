@@ -34,7 +34,7 @@ import time
 import numpy as np
 import pytest
 
-import toy_engine  # examples/ (pyproject's pytest pythonpath)
+from kvlend.demo import toy_engine
 from kvlend.security.certs import save_rank
 from tests.support.certs import creds
 from tests.support.children import child_env, support_module

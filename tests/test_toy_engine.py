@@ -12,8 +12,8 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-import toy_engine as te  # examples/ (pyproject's pytest pythonpath)
 from kvlend.core.layout import MemoryKind, PageLayout, Role
+from kvlend.demo import toy_engine as te
 from kvlend.errors import KvlendError, PageRangeError
 from tests.support.children import child_env
 from tests.support.profiles import examples
@@ -77,7 +77,7 @@ def test_models_built_apart_are_identical(model, references):
 @pytest.mark.system
 def test_reference_is_identical_in_another_process(references):
     child = (
-        "import json, sys, torch; import toy_engine as te; "
+        "import json, sys, torch; from kvlend.demo import toy_engine as te; "
         "torch.set_num_threads(2); m = te.ToyModel(te.preset('tiny')); "
         "print(json.dumps([te.generate_reference(m, p, int(sys.argv[2])) for p in json.loads(sys.argv[1])]))"
     )

@@ -1,5 +1,5 @@
-"""``examples/pair.py`` as the tests run it: a process whose last stdout line is its JSON report, and the
-bytes a hybrid model's run must move."""
+"""The demo's pair (``python -m kvlend.demo.pair``) as the tests run it: a process whose last stdout line
+is its JSON report, and the bytes a hybrid model's run must move."""
 
 from __future__ import annotations
 
@@ -8,10 +8,10 @@ import os
 import subprocess
 import sys
 
-import toy_engine as te  # examples/, on sys.path by [tool.pytest.ini_options] pythonpath
+from kvlend.demo import toy_engine as te
 from kvlend.security.credentials import CA_ENV, CERT_ENV, KEY_ENV
 
-from .children import EXAMPLES, ROOT
+from .children import ROOT
 
 RUN_TIMEOUT = 120  # seconds for a whole pair run
 
@@ -30,7 +30,7 @@ def run_json(argv: list[str]) -> dict:
 
 def pair(*args: str) -> dict:
     """The example pair with one prefill rank (two are the pair tests' business: one spawn less here)."""
-    report = run_json([sys.executable, str(EXAMPLES / "pair.py"), "--json", "--timeout", "30", "--prefills", "1",
+    report = run_json([sys.executable, "-m", "kvlend.demo.pair", "--json", "--timeout", "30", "--prefills", "1",
                        *args])
     assert report["verified"] is True, report
     assert report["mismatched"] == [] and report["prefill_exit"] == 0

@@ -315,7 +315,7 @@ class Armed:
 
 # ------------------------------------------------------------------ toy prefill
 def run_toy_prefill(args) -> int:
-    import toy_engine
+    from kvlend.demo import toy_engine
 
     cfg = toy_engine.preset("tiny", seed=args.seed)
     model = toy_engine.ToyModel(cfg)

@@ -1,6 +1,6 @@
 """Child processes of ``test_progressive_faults``: a progressive-lending prefill or a decode, SIGKILLable.
 
-Both run the toy engine (``examples/toy_engine.py``, preset ``tiny``) over a real NIXL agent; the
+Both run the toy engine (``kvlend.demo.toy_engine``, preset ``tiny``) over a real NIXL agent; the
 test starts them with ``UCX_TLS=tcp`` so reads are really in flight.  Each prints one JSON object a
 line after ``MARK`` for what happened (UCX may write to stdout too) and takes commands on stdin.
 
@@ -41,7 +41,7 @@ import time
 
 import numpy as np
 
-import toy_engine  # examples/, on PYTHONPATH (tests.support.children.child_env)
+from kvlend.demo import toy_engine
 from kvlend.errors import KvlendError, PeerLost, TransferTimeout
 from kvlend.runtime import DecodeNode, NodeConfig, PrefillNode
 from kvlend.security.credentials import Credentials

@@ -50,7 +50,6 @@ Also shaped by NIXL's measured behaviour:
 
 from __future__ import annotations
 
-import bisect
 import gc
 import logging
 import math
@@ -70,35 +69,15 @@ from kvlend.transport import Completion, ReadBatch
 
 from . import tcp
 from .calls import MAX_NAME, Read, as_error, check_tag, peer_name, post, quietly, release
-from .memory import MEM, check_gpus, register as register_regions, spans as registered_spans
+from .memory import MEM, check_gpus, check_local, register as register_regions, spans as registered_spans
 from .nixl_build import api as nixl, bindings as _nb
-from .retired import Retired
+from .retired import Retired, progressed_only
 
 log = logging.getLogger(__name__)
 
-_SHORT_LIST = 32  # descriptor rows checked in Python rather than numpy
-
 _ERROR_MODES = ("peer", "none")
 _MAX_METADATA = 64 << 20
-# UCX transports whose READs land only while the reader's worker is progressed (tcp: a GET is
-# emulated with messages) or inside transfer() (CPU copies); RDMA NICs and GPU copy engines write on their own.
-_PROGRESSED_TLS = frozenset(("tcp", "cma", "sm", "shm", "self", "posix", "sysv", "xpmem"))
 _MAX_RETIRED = 64  # agents set aside by resets (each a UCX worker, its sockets and under 1 MiB)
-
-
-def _quiet_nixl_logging() -> None:
-    """NIXL logs every agent and backend creation at INFO on stdout; keep WARNING.
-
-    An explicit ``NIXL_LOG_LEVEL`` (read by NIXL itself) is left to rule.
-    """
-    if "NIXL_LOG_LEVEL" in os.environ:
-        return
-    log = logging.getLogger("nixl")
-    if log.level == logging.INFO:  # NIXL's own default, not a user's choice
-        log.setLevel(logging.WARNING)
-
-
-_quiet_nixl_logging()
 
 
 def _check_seconds(name: str, value) -> float:
@@ -181,7 +160,7 @@ class NixlBackend:
         self._completed: list[Completion] = []
         self._resets = 0
         self._orphans = 0  # agents that outlived their reset
-        self._retire = _progressed_only(progress_thread)
+        self._retire = progressed_only(progress_thread)
         self._retired: list[Retired] = []  # reset, drained or given up on, kept open (oldest first)
 
     def _start_agent(self) -> nixl.nixl_agent:
@@ -341,7 +320,7 @@ class NixlBackend:
                 raise BackendError(f"tag {tag!r} is already in flight")
             for i, b in enumerate(batches):
                 if b.count:
-                    self._check_local(i, b)
+                    check_local(self._spans, i, b)
             batches = [b for b in batches if b.count]
             handles: list = []
             try:
@@ -387,45 +366,6 @@ class NixlBackend:
             read = self._reads.get(tag)
             if read is not None and not read.settled:
                 read.fail(TransferCancelled(f"read {tag!r} from peer {read.peer!r} was cancelled"), time.monotonic())
-
-    def _check_local(self, index: int, batch: ReadBatch) -> None:
-        """Every local row must lie inside one registered region of its kind and device."""
-        rows = batch.local
-        if rows.shape[0] <= _SHORT_LIST and self._inside(batch.local_kind, rows.tolist()):
-            return
-        addr, length, dev = rows[:, 0], rows[:, 1], rows[:, 2]
-        end = addr + length
-        first = int(dev[0])
-        devices = (first,) if (dev == first).all() else np.unique(dev).tolist()
-        ok = end > addr  # neither empty nor wrapped around
-        for device in devices:
-            spans = self._spans.get((batch.local_kind, device))
-            inside = spans is not None
-            if inside:  # the span starting at or below addr must reach end
-                starts, ends_before = spans[:2]
-                inside = end <= ends_before[np.searchsorted(starts, addr, side="right")]
-            ok &= inside if len(devices) == 1 else inside | (dev != device)
-        if not ok.all():
-            if not length.all():
-                raise BackendError(f"batches[{index}]: zero-length descriptor at row {int(np.argmin(length != 0))}")
-            row = int(np.argmin(ok))
-            raise BackendError(
-                f"batches[{index}]: local row {row} (0x{int(addr[row]):x}+{int(length[row])}, "
-                f"{batch.local_kind.value} device {int(dev[row])}) is outside every registered region"
-            )
-
-    def _inside(self, kind: MemoryKind, rows: list[list[int]]) -> bool:
-        """``_check_local``'s test on a short list, row by row with ``bisect`` (a numpy call costs
-        more than a row); False also where a row is bad, for the vectorised check to name it."""
-        spans = self._spans
-        for address, length, device in rows:
-            found = spans.get((kind, device))
-            if found is None or not length:
-                return False
-            starts, ends_before = found[2:]
-            if address + length > ends_before[bisect.bisect_right(starts, address)]:
-                return False
-        return True
 
     def poll(self) -> list[Completion]:
         """Progress the agent; return the reads that can no longer write, each exactly once."""
@@ -632,19 +572,3 @@ class NixlBackend:
                 doomed, retired.agent = [retired.agent], None
                 self._destroy(doomed, [])
 
-
-def _progressed_only(progress_thread: bool) -> bool:
-    """Whether this process's READs land only while their agent is progressed (or inside ``transfer()``).
-
-    So with NIXL's progress thread off and UCX limited to ``_PROGRESSED_TLS``, by ``UCX_TLS`` or
-    for want of any RDMA device on this host.
-    """
-    if progress_thread:
-        return False
-    tls = os.environ.get("UCX_TLS", "")
-    if tls and not tls.startswith("^") and set(tls.split(",")) <= _PROGRESSED_TLS:
-        return True
-    try:
-        return not os.listdir("/sys/class/infiniband")
-    except OSError:
-        return True

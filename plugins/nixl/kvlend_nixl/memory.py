@@ -1,16 +1,21 @@
-"""Registering kvlend's memory regions with a NIXL agent, and where the registered spans lie."""
+"""Registering kvlend's memory regions with a NIXL agent, where the registered spans lie, and checking
+a read's local rows against them."""
 
 from __future__ import annotations
+
+import bisect
 
 import numpy as np
 
 from kvlend.core.layout import MemoryKind
 from kvlend.errors import BackendError
+from kvlend.transport import ReadBatch
 
 from .calls import as_error, quietly
 from .nixl_build import api as nixl
 
 MEM = {MemoryKind.HOST: "DRAM", MemoryKind.DEVICE: "VRAM"}
+_SHORT_LIST = 32  # descriptor rows checked in Python rather than numpy
 
 
 def register(agent: nixl.nixl_agent, keys) -> list:
@@ -68,3 +73,42 @@ def spans(keys) -> dict[tuple[MemoryKind, int], tuple[np.ndarray, np.ndarray, li
         out[key] = (starts, ends_before, starts.tolist(), ends_before.tolist())
     return out
 
+
+def check_local(spans: dict, index: int, batch: ReadBatch) -> None:
+    """Every local row of ``batches[index]`` must lie inside one registered span (``spans``) of its kind and device."""
+    rows = batch.local
+    if rows.shape[0] <= _SHORT_LIST and _inside(spans, batch.local_kind, rows.tolist()):
+        return
+    addr, length, dev = rows[:, 0], rows[:, 1], rows[:, 2]
+    end = addr + length
+    first = int(dev[0])
+    devices = (first,) if (dev == first).all() else np.unique(dev).tolist()
+    ok = end > addr  # neither empty nor wrapped around
+    for device in devices:
+        found = spans.get((batch.local_kind, device))
+        inside = found is not None
+        if inside:  # the span starting at or below addr must reach end
+            starts, ends_before = found[:2]
+            inside = end <= ends_before[np.searchsorted(starts, addr, side="right")]
+        ok &= inside if len(devices) == 1 else inside | (dev != device)
+    if not ok.all():
+        if not length.all():
+            raise BackendError(f"batches[{index}]: zero-length descriptor at row {int(np.argmin(length != 0))}")
+        row = int(np.argmin(ok))
+        raise BackendError(
+            f"batches[{index}]: local row {row} (0x{int(addr[row]):x}+{int(length[row])}, "
+            f"{batch.local_kind.value} device {int(dev[row])}) is outside every registered region"
+        )
+
+
+def _inside(spans: dict, kind: MemoryKind, rows: list[list[int]]) -> bool:
+    """``check_local``'s test on a short list, row by row with ``bisect`` (a numpy call costs
+    more than a row); False also where a row is bad, for the vectorised check to name it."""
+    for address, length, device in rows:
+        found = spans.get((kind, device))
+        if found is None or not length:
+            return False
+        starts, ends_before = found[2:]
+        if address + length > ends_before[bisect.bisect_right(starts, address)]:
+            return False
+    return True

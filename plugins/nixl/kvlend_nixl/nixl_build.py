@@ -2,12 +2,15 @@
 
 kvlend depends on one build (``kvlend-nixl[cu13]`` or ``[cu12]``), not on the ``nixl`` meta
 package, which installs both (about 230 MiB each).  Where the meta package is installed anyway
-(vLLM's own connector imports it), its choice is used.
+(vLLM's own connector imports it), its choice is used.  NIXL's own logging is lowered to WARNING
+here, once it is imported.
 """
 
 from __future__ import annotations
 
 import importlib
+import logging
+import os
 import sys
 from types import ModuleType
 
@@ -41,4 +44,17 @@ def load() -> tuple[ModuleType, ModuleType]:
                       "a GPU) or 'kvlend-nixl[cu12]' (CUDA 12)")
 
 
+def quiet_logging() -> None:
+    """NIXL logs every agent and backend creation at INFO on stdout; keep WARNING.
+
+    An explicit ``NIXL_LOG_LEVEL`` (read by NIXL itself) is left to rule.
+    """
+    if "NIXL_LOG_LEVEL" in os.environ:
+        return
+    log = logging.getLogger("nixl")
+    if log.level == logging.INFO:  # NIXL's own default, not a user's choice
+        log.setLevel(logging.WARNING)
+
+
 api, bindings = load()
+quiet_logging()

@@ -7,14 +7,20 @@ and closed only then.  While it drains, late answers land in the reads' destinat
 Completions (the caller's signal that a destination may be reused) wait for the drain too: the
 pages stay quarantined.  A drain that does not end by ``until`` stops (the agent is never
 progressed again, so nothing more lands), the Completions go out, and the handles are kept for
-the drain at close.
+the drain at close.  Retiring stops reads only where they land while progressed (``progressed_only``).
 """
 
 from __future__ import annotations
 
+import os
+
 from kvlend.transport import Completion
 
 from .calls import Read, quietly, release
+
+# UCX transports whose READs land only while the reader's worker is progressed (tcp: a GET is
+# emulated with messages) or inside transfer() (CPU copies); RDMA NICs and GPU copy engines write on their own.
+PROGRESSED_TLS = frozenset(("tcp", "cma", "sm", "shm", "self", "posix", "sysv", "xpmem"))
 
 
 class Retired:
@@ -54,3 +60,20 @@ class Retired:
         for read in self.reads.values():
             release(read.handles)
             read.handles, read.live = [], []
+
+
+def progressed_only(progress_thread: bool) -> bool:
+    """Whether this process's READs land only while their agent is progressed (or inside ``transfer()``).
+
+    So with NIXL's progress thread off and UCX limited to ``PROGRESSED_TLS``, by ``UCX_TLS`` or
+    for want of any RDMA device on this host.
+    """
+    if progress_thread:
+        return False
+    tls = os.environ.get("UCX_TLS", "")
+    if tls and not tls.startswith("^") and set(tls.split(",")) <= PROGRESSED_TLS:
+        return True
+    try:
+        return not os.listdir("/sys/class/infiniband")
+    except OSError:
+        return True

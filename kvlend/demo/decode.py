@@ -15,7 +15,7 @@ report (``--report``) and exits 0 only if every request verified.
 Each decode TP rank proves its own identity: ``$KVLEND_CA`` names the cluster
 CA certificate, and ``$KVLEND_CERT`` and ``$KVLEND_KEY`` each rank's
 certificate and key, ``{rank}`` in them standing for the TP rank
-(``examples/pair.py`` issues ``decode-tp0``, ``decode-tp1``, ...).
+(``kvlend.demo.pair`` issues ``decode-tp0``, ``decode-tp1``, ...).
 """
 
 from __future__ import annotations
@@ -29,24 +29,18 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-
 import numpy as np
 
-import toy_engine
+from kvlend.core.fetchplan import destination_pages
 from kvlend.core.layout import ReplicaRank
+from kvlend.demo import toy_engine
+from kvlend.demo.prefill import model_config
+from kvlend.demo.workload import add_workload_args, run_rank
 from kvlend.errors import ConfigError, KvlendError, PeerLost, PeerProtocolError, TransferTimeout
 from kvlend.metrics import METRICS
 from kvlend.runtime import DecodeNode, NodeConfig, reload_on_sighup
 from kvlend.security.credentials import Credentials
 from kvlend.transport import load_backend
-from prefill import model_config
-from workload import add_workload_args, run_rank
-
-try:
-    from kvlend.core.fetchplan import destination_pages
-except ImportError:  # an older kvlend: whole remote pages, counted below
-    destination_pages = None
 
 POLL = 0.002  # seconds one idle wait lasts before the loop looks at offers and finished fetches again
 
@@ -223,8 +217,6 @@ def main(argv=None) -> int:
 
         def pages_for(link, offer) -> int:
             """Page-table entries a request's destination needs (one table serves every attention group)."""
-            if destination_pages is None:
-                return -(-offer.num_tokens // span) * (span // tpp)
             # A progressive offer's later pages are not known yet: make room for the whole lease.
             need = destination_pages(link.plan, offer.num_tokens, offer.pages if offer.final else None)
             return max(n for g, n in need.items() if not link.plan.local.groups[g].recurrent)

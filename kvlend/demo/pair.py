@@ -25,13 +25,10 @@ import tempfile
 import threading
 import time
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
-
-from kvlend.errors import KvlendError, TransferTimeout  # noqa: E402
-from kvlend.security.certs import Authority, save_rank  # noqa: E402
-from kvlend.security.credentials import CA_ENV, CERT_ENV, KEY_ENV, RANK  # noqa: E402
-from workload import add_workload_args, run_rank, workload_argv  # noqa: E402
+from kvlend.demo.workload import add_workload_args, run_rank, workload_argv
+from kvlend.errors import KvlendError, TransferTimeout
+from kvlend.security.certs import Authority, save_rank
+from kvlend.security.credentials import CA_ENV, CERT_ENV, KEY_ENV, RANK
 
 
 def _stop(proc: subprocess.Popen) -> None:
@@ -90,7 +87,7 @@ def check_args(args: argparse.Namespace) -> None:
                               f"65535 (prefill rank r serves on {args.metrics_port} + 1 + r)")
         if importlib.util.find_spec("prometheus_client") is None:
             raise KvlendError("--metrics-port needs prometheus_client: pip install 'kvlend[metrics]'")
-    from prefill import model_config  # imports torch: only once the cheap checks passed
+    from kvlend.demo.prefill import model_config  # imports torch: only once the cheap checks passed
 
     prefill, decode = model_config(args), model_config(args, "decode")
     small, large = sorted((prefill.tokens_per_page, decode.tokens_per_page))
@@ -109,14 +106,14 @@ def check_args(args: argparse.Namespace) -> None:
 
 def prefill_argv(args, rank: int) -> list[str]:
     """The command line of prefill rank ``rank``."""
-    return [sys.executable, os.path.join(HERE, "prefill.py"), *workload_argv(args),
+    return [sys.executable, "-m", "kvlend.demo.prefill", *workload_argv(args),
             "--prefills", str(args.prefills), "--rank", str(rank), "--max-inflight", str(lend_ahead(args))]
 
 
 def decode_argv(args, addresses: list[str], report_file: str) -> list[str]:
     """The decode's command line: it connects to every prefill rank's ``HOST:PORT``."""
     connect = [arg for address in addresses for arg in ("--connect", address)]
-    return [sys.executable, os.path.join(HERE, "decode.py"), *workload_argv(args), *connect,
+    return [sys.executable, "-m", "kvlend.demo.decode", *workload_argv(args), *connect,
             "--inflight", str(args.inflight), "--report", report_file]
 
 

@@ -14,13 +14,10 @@ runs on one device type: CPU and CUDA kernels round differently.
 
 ``ModelConfig.dtype`` is the dtype of the KV pools (the bytes that move);
 K/V are rounded to it when written, so the reference sees the same rounding.
-
-Not a package: import it with ``examples/`` on ``sys.path``.
 """
 
-from kvlend.errors import PageRangeError
-from toy.cache import PagedKVCache, merge_shards
-from toy.config import (
+from kvlend.demo.toy.cache import PagedKVCache, merge_shards
+from kvlend.demo.toy.config import (
     HYBRID_PATTERN,
     LAYER_KINDS,
     MODEL_VERSION,
@@ -30,8 +27,17 @@ from toy.config import (
     hybrid,
     preset,
 )
-from toy.inference import decode, generate_reference, kv_digest, lent_bytes, make_prompts, prefill, prefill_chunks
-from toy.model import ToyModel
+from kvlend.demo.toy.inference import (
+    decode,
+    generate_reference,
+    kv_digest,
+    lent_bytes,
+    make_prompts,
+    prefill,
+    prefill_chunks,
+)
+from kvlend.demo.toy.model import ToyModel
+from kvlend.errors import PageRangeError
 
 __all__ = [
     "HYBRID_PATTERN", "LAYER_KINDS", "MODEL_VERSION", "PRESETS", "ModelConfig", "PageRangeError", "PagedKVCache",

@@ -1,8 +1,8 @@
 """Prefill rank of the example pair: computes each prompt's KV into its pages and lends them.
 
-Run by ``examples/pair.py`` (or ``kvlend demo``), once per prefill rank;
+Run by ``kvlend demo`` (``kvlend.demo.pair``), once per prefill rank;
 standalone it needs this rank's TLS credentials (``kvlend certs`` writes them):
-``KVLEND_CA=ca.pem KVLEND_CERT=prefill-0.pem KVLEND_KEY=prefill-0.key python examples/prefill.py --requests 64``.
+``KVLEND_CA=ca.pem KVLEND_CERT=prefill-0.pem KVLEND_KEY=prefill-0.key python -m kvlend.demo.prefill --requests 64``.
 Its identity is its certificate's name (the pair issues ``prefill-<rank>``).
 It prints ``LISTENING <host> <port>`` once a decode rank may connect, waits
 for ``--decode-tp`` decode ranks, and pushes its share of the requests
@@ -25,15 +25,13 @@ import sys
 import time
 from collections import Counter
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-
-import toy_engine
+from kvlend.demo import toy_engine
+from kvlend.demo.workload import add_workload_args, progressive, run_rank
 from kvlend.errors import TransferTimeout
 from kvlend.metrics import METRICS
 from kvlend.runtime import NodeConfig, PrefillNode, reload_on_sighup
 from kvlend.security.credentials import Credentials
 from kvlend.transport import load_backend
-from workload import add_workload_args, progressive, run_rank
 
 
 def model_config(args, side: str = "prefill") -> toy_engine.ModelConfig:
