@@ -53,7 +53,7 @@ from .config import NodeConfig
 from .connection import Connection
 from .decode_claims import TicketClaims
 from .decode_fetches import Fetches
-from .decode_link import Links, PrefillLink, where
+from .decode_link import REASON_CHARS, Links, PrefillLink, where
 from .decode_messages import PrefillMessages
 from .fetch import Fetch, check_destination, clone_error
 from .states import FetchState, LinkEvent, LinkState
@@ -63,7 +63,6 @@ from .wire import Bye, Handshake, Heartbeat, LeaseOffer, Message
 __all__ = ["DecodeSession", "Fetch", "FetchState", "check_destination", "clone_error"]
 
 log = logging.getLogger("kvlend.session")
-_REASON = 4000
 _BEATS_KEPT = 64  # unanswered heartbeats remembered per link (a prefill that stalls costs no more)
 
 
@@ -324,7 +323,7 @@ class DecodeSession:
         busy = self._fetches.link_closed(conn, error, now)
         if link.conn is not None:
             if bye is not None and link.conn.ready:
-                link.conn.send(Bye(bye, str(error)[:_REASON]))
+                link.conn.send(Bye(bye, str(error)[:REASON_CHARS]))
             data = link.conn.data_to_send()
             if data and bye is not None:
                 self._queue.actions.append(Send(conn, data))

@@ -25,13 +25,11 @@ from ..errors import (
 from .codes import Code, lease_error
 from .config import NodeConfig
 from .decode_fetches import Fetches
-from .decode_link import CLAIMED_AHEAD, PLAN_CACHE, REFUSED_KEPT, UNCLAIM_DETAIL, Links, PrefillLink
+from .decode_link import CLAIMED_AHEAD, PLAN_CACHE, REASON_CHARS, REFUSED_KEPT, UNCLAIM_DETAIL, Links, PrefillLink
 from .fetch import Fetch, check_destination, clone_error, resume_point, timeout_arg
 from .states import FetchEvent, FetchState, LeaseEvent, LeaseState, LinkState
 from .ticket import Ticket
 from .wire import Abort, Claim, LeaseOffer
-
-_REASON = 4000  # characters of a reason sent
 
 
 def check_size(config: NodeConfig, num_tokens: int) -> None:
@@ -60,7 +58,7 @@ class TicketClaims:
 
     def fetch_offer(self, conn: int, offer: LeaseOffer, dst: Mapping[str, Any], now: float,
                     resume_from: int = 0, timeout: float | None = None) -> Fetch:
-        """``DecodeSession.fetch_offer``."""
+        """A fetch of a pushed (or held) offer, its reads posted (``DecodeSession.fetch_offer``)."""
         timeout = timeout_arg(timeout, self._config.transfer_timeout)
         link = self._links.ready(conn)
         if not isinstance(offer, LeaseOffer):
@@ -81,22 +79,19 @@ class TicketClaims:
         return fetch
 
     def decline(self, conn: int, offer: LeaseOffer, reason: str) -> None:
-        """``DecodeSession.decline``."""
+        """Give back an offer unread (``DecodeSession.decline``)."""
         link = self._links.ready(conn)
         if self._fetches.of_lease(offer.id) is not None:
             raise UsageError(f"lease {offer.id.hex()} is being fetched: cancel the fetch instead")
         if link.state_of(offer.id) in (LeaseState.HELD, LeaseState.OFFERED):
             link.lease_to(offer.id, LeaseEvent.DECLINE)
         assert link.conn is not None  # ready
-        link.conn.send(Abort(offer.id, Code.CANCELLED, reason[:_REASON]))
+        link.conn.send(Abort(offer.id, Code.CANCELLED, reason[:REASON_CHARS]))
 
     def fetch_ticket(self, ticket: Ticket, dst: Mapping[str, Any], now: float, resume_from: int = 0,
                      timeout: float | None = None, prompt_digest: bytes | None = None) -> Fetch:
-        """Redeem ``ticket``: connect to its prefill if no link is open, claim the lease, read it.
-
-        ``prompt_digest``: ``prompt_digest`` of the prompt the pages are read for; the claim carries it
-        and the prefill refuses it (``PromptMismatch``) unless its lease holds that prompt's KV.
-        """
+        """A fetch of ``ticket``'s lease, claimed now, once its link is ready, or ahead
+        (``DecodeSession.fetch_ticket``)."""
         timeout = timeout_arg(timeout, self._config.transfer_timeout)
         digest = check_digest(prompt_digest) or b""
         if not isinstance(ticket, Ticket):
@@ -147,13 +142,7 @@ class TicketClaims:
         return fetch  # else it waits for the link (``Fetches.waiting``)
 
     def claim_ticket(self, ticket: Ticket, now: float, prompt_digest: bytes | None = None) -> None:
-        """Claim ``ticket``'s lease now and keep it alive (heartbeats) until ``fetch_ticket`` reads it.
-
-        For an engine that learns of a request before it has pages to read it into: the lease
-        no longer has to outlive the engine's queue on its TTL alone.  Idempotent; a refusal is
-        remembered and fails the later fetch at once.  ``unclaim`` gives a lease back unread.
-        ``prompt_digest``: as in ``fetch_ticket``, which must then pass the same.
-        """
+        """Claim ``ticket``'s lease ahead of its fetch (``DecodeSession.claim_ticket``)."""
         if not isinstance(ticket, Ticket):
             raise UsageError(f"expected a Ticket, got {type(ticket).__name__}")
         digest = check_digest(prompt_digest) or b""
@@ -215,7 +204,7 @@ class TicketClaims:
                             f"but {ticket.host}:{ticket.port} is {'' if link.peer else 'expected to be '}{known!r}")
 
     def unclaim(self, ticket: Ticket) -> None:
-        """Give back a lease claimed ahead and never fetched: the prefill releases it at once."""
+        """Give back a lease claimed ahead and never fetched (``DecodeSession.unclaim``)."""
         link = self._links.at(ticket.endpoint)
         if link is None:
             return

@@ -19,6 +19,7 @@ from .wire import MAX_META, Extend, LeaseOffer
 PLAN_CACHE = 64  # plans, refused layouts and closed links' errors remembered
 REFUSED_KEPT = 4096  # early claims' refusals remembered per link, and leases declined lately
 UNCLAIM_DETAIL = "unclaimed: the decode will not read it"  # why a lease claimed ahead is given back
+REASON_CHARS = 4000  # of a reason sent to a prefill (in an Abort or a Bye)
 
 L = LeaseState
 _OFFERS = (L.HELD, L.OFFERED)  # with an offer not yet fetched: heartbeated, fetched by ``fetch_offer``
