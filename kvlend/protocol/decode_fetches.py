@@ -60,6 +60,12 @@ class Fetches(Mapping[int, Fetch]):
     def __len__(self) -> int:
         return len(self._fetches)
 
+    def __contains__(self, fetch_id: object) -> bool:  # the dict's, not a try of __getitem__: asked per read
+        return fetch_id in self._fetches
+
+    def get(self, fetch_id: int, default: None = None) -> Fetch | None:  # type: ignore[override]
+        return self._fetches.get(fetch_id)
+
     # ------------------------------------------------------------- lookups
     @property
     def running(self) -> int:

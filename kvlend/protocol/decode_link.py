@@ -134,6 +134,12 @@ class Links(Mapping[int, PrefillLink]):
     def __len__(self) -> int:
         return len(self._links)
 
+    def __contains__(self, conn: object) -> bool:  # the dict's, not a try of __getitem__: asked per read
+        return conn in self._links
+
+    def get(self, conn: int, default: None = None) -> PrefillLink | None:  # type: ignore[override]
+        return self._links.get(conn)
+
     def open(self, host: str, port: int, now: float) -> PrefillLink:
         """Start connecting to a prefill endpoint (a new link)."""
         if not isinstance(host, str) or not host or isinstance(port, bool) or not isinstance(port, int) \
