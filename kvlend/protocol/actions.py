@@ -6,7 +6,7 @@ events to the engine; neither side decides anything from them.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Iterator, Sequence
 
 from ..core.reads import ReadBatch
@@ -103,6 +103,14 @@ class Offered:
 class FetchFinished:
     """Decode: a fetch reached ``done`` or ``failed``; nothing can still land in its destination."""
     fetch: Any
+
+
+@dataclass(eq=False)
+class Queue:
+    """What the parts of a session queued, in order: actions for its shell, events for its engine (one
+    object they share, handed over by the session's ``take_actions`` and ``take_events``)."""
+    actions: list = field(default_factory=list)
+    events: list = field(default_factory=list)
 
 
 class Outbox:

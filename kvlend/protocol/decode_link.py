@@ -1,21 +1,25 @@
-"""A decode rank's link to one prefill endpoint, and the checks of what its prefill lends over it."""
+"""A decode rank's links to prefill endpoints (``Links``, the one owner of each link's state), what each
+knows of the leases lent over it, and the checks of what its prefill lends."""
 
 from __future__ import annotations
 
-from collections import deque
+from collections import OrderedDict, deque
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any, Iterator, Mapping
 
 from ..core.negotiate import TransferPlan
-from ..errors import PeerProtocolError
+from ..errors import ConfigError, KvlendError, PeerLost, PeerProtocolError
 from . import states
+from .actions import Connect, Queue
+from .config import NodeConfig
 from .connection import Connection
-from .states import LeaseEvent, LeaseState, LinkState
+from .states import LeaseEvent, LeaseState, LinkEvent, LinkState
 from .wire import MAX_META, Extend, LeaseOffer
 
 PLAN_CACHE = 64  # plans, refused layouts and closed links' errors remembered
 REFUSED_KEPT = 4096  # early claims' refusals remembered per link, and leases declined lately
 UNCLAIM_DETAIL = "unclaimed: the decode will not read it"  # why a lease claimed ahead is given back
+REASON_CHARS = 4000  # of a reason sent to a prefill (in an Abort or a Bye)
 
 L = LeaseState
 _OFFERS = (L.HELD, L.OFFERED)  # with an offer not yet fetched: heartbeated, fetched by ``fetch_offer``
@@ -47,7 +51,7 @@ class PrefillLink:
     endpoint: tuple[str, int]
     deadline: float  # for reaching READY
     started: float
-    state: LinkState | None = None  # changed only by ``DecodeSession._link_to``
+    state: LinkState | None = None  # changed only by ``Links.move``
     conn: Connection | None = None
     plan: TransferPlan | None = None
     expect: str | None = None  # the identity tickets for this endpoint name (checked against the certificate's)
@@ -108,6 +112,84 @@ class PrefillLink:
     def abandoned(self) -> set[bytes]:
         """Leases whose claim we gave up: their answer is dropped when it comes."""
         return set(self.by_state[LeaseState.ABANDONED]) | set(self.by_state[LeaseState.RECLAIMED])
+
+
+class Links(Mapping[int, PrefillLink]):
+    """The decode's open links by id (a read-only mapping), by endpoint, and why recent ones closed."""
+
+    def __init__(self, config: NodeConfig, queue: Queue) -> None:
+        self._config = config
+        self._queue = queue
+        self._links: dict[int, PrefillLink] = {}
+        self._by_endpoint: dict[tuple[str, int], int] = {}
+        self._gone: OrderedDict[int, KvlendError] = OrderedDict()  # why recent links closed
+        self._next = 0
+
+    def __getitem__(self, conn: int) -> PrefillLink:
+        return self._links[conn]
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self._links)
+
+    def __len__(self) -> int:
+        return len(self._links)
+
+    def __contains__(self, conn: object) -> bool:  # the dict's, not a try of __getitem__: asked per read
+        return conn in self._links
+
+    def get(self, conn: int, default: None = None) -> PrefillLink | None:  # type: ignore[override]
+        return self._links.get(conn)
+
+    def open(self, host: str, port: int, now: float) -> PrefillLink:
+        """Start connecting to a prefill endpoint (a new link)."""
+        if not isinstance(host, str) or not host or isinstance(port, bool) or not isinstance(port, int) \
+                or not 0 < port < 65536:
+            raise ConfigError(f"prefill endpoint: expected a host and a port in [1, 65535], got {host!r}:{port!r}")
+        self._next += 1
+        conn = self._next
+        self._links[conn] = link = PrefillLink(conn, (host, port), now + self._config.handshake_timeout, now)
+        self.move(link, LinkEvent.OPEN)
+        self._by_endpoint[(host, port)] = conn
+        self._queue.actions.append(Connect(conn, host, port))
+        return link
+
+    def to(self, host: str, port: int, now: float) -> PrefillLink:
+        """The link to ``host:port``, opened on first use and shared by every later fetch."""
+        link = self.at((host, port))
+        return link if link is not None else self.open(host, port, now)
+
+    def at(self, endpoint: tuple[str, int]) -> PrefillLink | None:
+        """The open link to ``endpoint``, if any."""
+        conn = self._by_endpoint.get(endpoint)
+        return None if conn is None else self._links[conn]
+
+    def move(self, link: PrefillLink, event: LinkEvent) -> None:
+        """The one place a link's state changes: checked against ``states.LINK``."""
+        link.state = states.transition("link", link.state, event)
+
+    def ready(self, conn: int) -> PrefillLink:
+        """The ready link ``conn``; ``PeerLost`` (saying why it closed, if it did lately) if there is none."""
+        link = self._links.get(conn)
+        if link is None or link.state is not LinkState.READY:
+            why = self._gone.get(conn) if isinstance(conn, int) else None
+            raise PeerLost(f"link {conn!r} is not connected" + (f" (it closed: {why})" if why is not None else
+                                                                  f" (open: {sorted(self._links)})"))
+        return link
+
+    def drop(self, conn: int, error: KvlendError) -> PrefillLink:
+        """Close link ``conn`` for ``error`` (remembered for ``error``): no longer open, nor at its endpoint."""
+        link = self._links.pop(conn)
+        self.move(link, LinkEvent.CLOSE)
+        self._gone[conn] = error
+        while len(self._gone) > PLAN_CACHE:
+            self._gone.popitem(last=False)
+        if self._by_endpoint.get(link.endpoint) == conn:
+            del self._by_endpoint[link.endpoint]
+        return link
+
+    def error(self, conn: int) -> KvlendError | None:
+        """Why a recently closed link closed (None if it is open or long gone)."""
+        return self._gone.get(conn)
 
 
 def grown_offer(link: PrefillLink, offer: LeaseOffer, message: Extend) -> LeaseOffer:

@@ -1,64 +1,48 @@
-"""The prefill's messages, for ``DecodeSession``: its handshake, offers, extensions, renewals,
+"""The prefill's messages to a decode (``PrefillMessages``): its handshake, offers, extensions, renewals,
 withdrawals and done acks, each checked before it changes anything (``PeerProtocolError`` closes the link)."""
 
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Any, Mapping
+from typing import Callable
 
 from ..core.layout import PageLayout
-from ..core.negotiate import negotiate
+from ..core.negotiate import TransferPlan, negotiate
 from ..core.text import printable
+from ..core.tracker import DeliveryTracker
 from ..errors import IncompleteFetch, KvlendError, LayoutMismatch, PeerLost, PeerProtocolError, QuotaExceeded
-from .actions import AddPeer, Offered, PeerReady
+from .actions import AddPeer, Offered, PeerReady, Queue
 from .codes import Code, code_of, lease_error, link_error
-from .decode_link import PLAN_CACHE, UNCLAIM_DETAIL, PrefillLink, check_committed, grown_offer
+from .config import NodeConfig
+from .decode_claims import TicketClaims, check_size
+from .decode_fetches import Fetches
+from .decode_link import PLAN_CACHE, UNCLAIM_DETAIL, Links, PrefillLink, check_committed, grown_offer
 from .fetch import Fetch
 from .prefill import peer_layout
 from .states import FetchEvent, FetchState, IllegalTransition, LeaseEvent, LeaseState, LinkEvent, LinkState
 from .wire import Abort, Bye, Claim, DoneAck, Extend, Handshake, LeaseOffer, Message, Offer, Renewed
 
-if TYPE_CHECKING:
-    from collections import OrderedDict
-
-    from ..core.negotiate import TransferPlan
-    from ..core.tracker import DeliveryTracker
-    from .config import NodeConfig
-    from .fetch import Work
-
 log = logging.getLogger("kvlend.session")
 
 
 class PrefillMessages:
-    """``DecodeSession``'s handlers of what a prefill sends (a mixin: it uses the session's links and fetches)."""
+    """Handles what a prefill sends over a link; keeps the plans negotiated with prefill layouts."""
 
-    if TYPE_CHECKING:  # what it uses of the session, for the type checker (decode.py defines them)
-        layout: PageLayout
-        config: NodeConfig
-        tracker: DeliveryTracker
-        _kind: str
-        _actions: list
-        _events: list
-        _live: dict[bytes, Fetch]
-        _plans: dict[tuple, TransferPlan]
-        _unreadable: OrderedDict[str, LayoutMismatch]
+    def __init__(self, layout: PageLayout, backend_kind: str, config: NodeConfig, tracker: DeliveryTracker,
+                 links: Links, fetches: Fetches, claims: TicketClaims, queue: Queue,
+                 close_link: Callable[[int, KvlendError, float, Code | None], None]) -> None:
+        self._layout = layout
+        self._kind = backend_kind
+        self._config = config
+        self._tracker = tracker
+        self._links = links
+        self._fetches = fetches
+        self._claims = claims
+        self._queue = queue
+        self._close_link = close_link
+        self._plans: dict[tuple, TransferPlan] = {}
 
-        def _check_size(self, num_tokens: int) -> None: ...
-        def _claim(self, link: PrefillLink, fetch: Fetch, now: float) -> None: ...
-        def _confirm(self, fetch: Fetch, offer: LeaseOffer, now: float) -> None: ...
-        def _link_to(self, link: PrefillLink, event: LinkEvent) -> None: ...
-        def _fail_link(self, conn: int, error: KvlendError, now: float, bye: Code | None = None) -> None: ...
-        def _waiting(self, link: PrefillLink) -> list[Fetch]: ...
-        def _fetch_of(self, conn: int, lease: bytes, state: FetchState) -> Fetch | None: ...
-        def _move(self, fetch: Fetch, event: FetchEvent) -> None: ...
-        def _work(self, plan: TransferPlan, offer: LeaseOffer, dst: Mapping[str, Any], resume_from: int,
-                  done_rows: Mapping[str, Any] | None = None) -> Work: ...
-        def _begin(self, fetch: Fetch, offer: LeaseOffer, work: Work, now: float, created: bool) -> None: ...
-        def _post_work(self, fetch: Fetch, work: Work, now: float, begin: bool) -> None: ...
-        def _fail(self, fetch: Fetch, error: KvlendError, now: float, tell_prefill: bool = True) -> None: ...
-        def _finish(self, fetch: Fetch, event: FetchEvent, error: KvlendError | None, now: float) -> None: ...
-
-    def _handle(self, conn: int, link: PrefillLink, message: Message, now: float) -> None:
+    def handle(self, conn: int, link: PrefillLink, message: Message, now: float) -> None:
         if link.state is LinkState.HANDSHAKE:
             self._handshake(conn, link, message, now)
         elif isinstance(message, Offer):
@@ -68,7 +52,7 @@ class PrefillMessages:
         elif isinstance(message, Renewed):
             self._renewed(conn, link, message)
         elif isinstance(message, DoneAck):
-            fetch = self._fetch_of(conn, message.lease, FetchState.ACKING)
+            fetch = self._fetches.of(conn, message.lease, FetchState.ACKING)
             if fetch is not None:
                 self._acked(fetch, message, now)
         elif isinstance(message, Abort):
@@ -85,14 +69,14 @@ class PrefillMessages:
         assert isinstance(message, Handshake)  # checked by peer_layout
         # Addresses are not part of a layout id, but the plan holds them: a restarted
         # prefill with the same layout elsewhere in memory needs its own plan.
-        key = (self.layout.layout_id, remote.layout_id, tuple((r.name, r.address) for r in remote.regions))
+        key = (self._layout.layout_id, remote.layout_id, tuple((r.name, r.address) for r in remote.regions))
         plan = self._plans.get(key)
         if plan is None:
             if len(self._plans) >= PLAN_CACHE:
                 self._plans.clear()
-            quotas = self.config.quotas
+            quotas = self._config.quotas
             try:
-                plan = negotiate(self.layout, remote, max_page_ratio=quotas.max_page_ratio,
+                plan = negotiate(self._layout, remote, max_page_ratio=quotas.max_page_ratio,
                                  max_pieces=quotas.max_pieces)
             except LayoutMismatch as exc:
                 self._unreadable_layout(conn, link, remote, exc, now)
@@ -101,18 +85,18 @@ class PrefillMessages:
         if not message.metadata:
             raise PeerProtocolError(f"prefill {link.peer} sent no backend metadata")
         link.plan = plan
-        self._link_to(link, LinkEvent.LAYOUT)
+        self._links.move(link, LinkEvent.LAYOUT)
         link.handshake_ms = (now - link.started) * 1e3
-        link.beat = self.config.heartbeat
+        link.beat = self._config.heartbeat
         link.next_beat = now + link.beat
         link.backend_peer = True
-        self._actions.append(AddPeer(conn, message.metadata))
+        self._queue.actions.append(AddPeer(conn, message.metadata))
         assert link.peer is not None and link.conn is not None  # authenticated
-        self._events.append(PeerReady(conn, link.peer))
+        self._queue.events.append(PeerReady(conn, link.peer))
         log.info("handshake with %s: %s", printable(link.peer), plan.summary().splitlines()[0])
-        for fetch in self._waiting(link):
+        for fetch in self._fetches.waiting(link):
             if fetch.state is FetchState.CLAIMING:
-                self._claim(link, fetch, now)
+                self._claims.claim(link, fetch, now)
         for lease in list(link.by_state[LeaseState.QUEUED]):
             claim = link.lease_to(lease, LeaseEvent.CLAIM)
             claim.sent = now
@@ -127,16 +111,14 @@ class PrefillMessages:
     def _unreadable_layout(self, conn: int, link: PrefillLink, remote: PageLayout, refusal: LayoutMismatch,
                            now: float) -> None:
         """No plan reads ``remote``: remember it, decline every lease we came for, and close the link."""
-        self._unreadable[remote.layout_id] = refusal
-        while len(self._unreadable) > PLAN_CACHE:
-            self._unreadable.popitem(last=False)
-        came_for = [(f.lease, f.prompt_digest) for f in self._waiting(link)]
+        self._claims.unreadable(remote.layout_id, refusal)
+        came_for = [(f.lease, f.prompt_digest) for f in self._fetches.waiting(link)]
         came_for += [(lease, known.digest) for state in (LeaseState.QUEUED, LeaseState.UNCLAIMED, LeaseState.DECLINING)
                      for lease, known in link.by_state[state].items()]
         assert link.conn is not None  # it sent its layout
         for lease, digest in dict(came_for).items():
             link.conn.send(Claim(lease, digest))  # refused as we are, a claim gives the lease back
-        self._fail_link(conn, refusal, now, bye=code_of(refusal))  # the claims go out before the bye
+        self._close_link(conn, refusal, now, code_of(refusal))  # the claims go out before the bye
 
     def _offer(self, conn: int, link: PrefillLink, offer: LeaseOffer, now: float) -> None:
         state = link.state_of(offer.id)
@@ -149,55 +131,55 @@ class PrefillMessages:
             raise PeerProtocolError(f"prefill {link.peer} offered lease {offer.id.hex()} with unknown groups "
                                 f"[{', '.join(unknown)}]")
         check_committed(link, offer.id, offer.pages, offer.ready, offer.num_tokens)
-        beat = self.config.beat_for(offer.ttl)  # a lease shorter than our heartbeat allows: beat more often
+        beat = self._config.beat_for(offer.ttl)  # a lease shorter than our heartbeat allows: beat more often
         if beat < link.beat:
             link.beat, link.next_beat = beat, min(link.next_beat, now + beat)
-        fetch = self._fetch_of(conn, offer.id, FetchState.CLAIMING)
+        fetch = self._fetches.of(conn, offer.id, FetchState.CLAIMING)
         if fetch is None:
-            ahead = self._live.get(offer.id)
+            ahead = self._fetches.of_lease(offer.id)
             if ahead is not None and ahead.link == conn and not ahead.confirmed:
                 # the answer to a claim whose reads went ahead from the ticket
-                self._confirm(ahead, offer, now)
+                self._claims.confirm(ahead, offer, now)
                 return
         if fetch is None and state is LeaseState.CLAIMED:  # claimed ahead: held (and heartbeated) for its fetch
             sent = link.leases[offer.id].sent
             assert sent is not None  # claimed
             held = link.lease_to(offer.id, LeaseEvent.OFFER)
             held.offer = offer
-            held.sure = sent + offer.ttl - self.config.beat_for(offer.ttl)  # renewed when our claim came
+            held.sure = sent + offer.ttl - self._config.beat_for(offer.ttl)  # renewed when our claim came
             return
         if fetch is None:  # pushed: trusted once a heartbeat renewal confirms it, which we ask for now
             try:
-                self._check_size(offer.num_tokens)
+                check_size(self._config, offer.num_tokens)
             except QuotaExceeded as exc:  # tracking it would cost memory in proportion: decline at once
                 link.conn.send(Abort.of(offer.id, exc))
                 log.warning("prefill %s offered a lease too large to read: %s", printable(link.peer), exc)
                 return
             link.lease_to(offer.id, LeaseEvent.OFFER).offer = offer
             link.next_beat = now
-            self._events.append(Offered(conn, offer))
+            self._queue.events.append(Offered(conn, offer))
             return
         if offer.num_tokens != fetch.num_tokens:
-            self._fail(fetch, PeerProtocolError(f"lease {offer.id.hex()} has {offer.num_tokens} tokens, its ticket "
-                                            f"said {fetch.num_tokens}"), now)
+            self._fetches.fail(fetch, PeerProtocolError(f"lease {offer.id.hex()} has {offer.num_tokens} tokens, "
+                                                        f"its ticket said {fetch.num_tokens}"), now)
             return
         fetch.request = offer.request
         assert fetch.claimed_at is not None  # the answer to its claim
         # The prefill renewed the lease when the claim arrived, which was after we sent it.
-        fetch.sure_until = fetch.claimed_at + offer.ttl - self.config.beat_for(offer.ttl)
+        fetch.sure_until = fetch.claimed_at + offer.ttl - self._config.beat_for(offer.ttl)
         try:
-            work = self._work(link.plan, offer, fetch.dst, fetch.resume_from)
-            self._move(fetch, FetchEvent.POST)
-            self._begin(fetch, offer, work, now, created=False)
+            work = self._fetches.work(link.plan, offer, fetch.dst, fetch.resume_from)
+            self._fetches.move(fetch, FetchEvent.POST)
+            self._fetches.begin(fetch, offer, work, now, created=False)
         except Exception as exc:  # the engine's bad table, or a bug: this fetch fails, the link and lease stay
             if isinstance(exc, IllegalTransition):
                 raise
             error = exc if isinstance(exc, KvlendError) else KvlendError(
                 f"request {offer.request}: starting the reads failed: {type(exc).__name__}: {exc}")
             if fetch.state is FetchState.READING:
-                self._move(fetch, FetchEvent.UNPOST)
+                self._fetches.move(fetch, FetchEvent.UNPOST)
             fetch.claimed_at = None  # nothing was posted: the lease stays ours to claim again, or to expire
-            self._fail(fetch, error, now)
+            self._fetches.fail(fetch, error, now)
 
     def _extended(self, conn: int, link: PrefillLink, message: Extend, now: float) -> None:
         """A progressive lease grew: an offer not yet fetched grows; a fetch reading it posts the new pages."""
@@ -205,23 +187,23 @@ class PrefillMessages:
         if known is not None and known.offer is not None:
             known.offer = grown_offer(link, known.offer, message)
             return
-        fetch = self._fetch_of(conn, message.lease, FetchState.READING)
+        fetch = self._fetches.of(conn, message.lease, FetchState.READING)
         if fetch is None:
-            if self._fetch_of(conn, message.lease, FetchState.ACKING) is not None:
+            if self._fetches.of(conn, message.lease, FetchState.ACKING) is not None:
                 raise PeerProtocolError(f"prefill {link.peer} extended lease {message.lease.hex()} after it was final")
             return  # a fetch that failed, or a claim given up: nothing to read
         assert fetch.offer is not None and link.plan is not None  # reading it, over a ready link
         grown = grown_offer(link, fetch.offer, message)  # a malformed extension fails the link
         try:
-            work = self._work(link.plan, grown, fetch.dst, fetch.resume_from, fetch.read_rows)
+            work = self._fetches.work(link.plan, grown, fetch.dst, fetch.resume_from, fetch.read_rows)
             fetch.offer = grown
-            self._post_work(fetch, work, now, begin=False)
+            self._fetches.post(fetch, work, now, begin=False)
         except Exception as exc:  # the engine's table, or a bug: this fetch fails, the link stays
             if isinstance(exc, IllegalTransition):
                 raise
             error = exc if isinstance(exc, KvlendError) else KvlendError(
                 f"request {fetch.request}: reading an extension failed: {type(exc).__name__}: {exc}")
-            self._fail(fetch, error, now)
+            self._fetches.fail(fetch, error, now)
 
     def _renewed(self, conn: int, link: PrefillLink, message: Renewed) -> None:
         """A heartbeat's answer: its leases were renewed after we sent it, so they hold a TTL from then."""
@@ -236,12 +218,13 @@ class PrefillMessages:
         for lease in message.leases:
             known = link.leases.get(lease)
             if known is not None and known.offer is not None:
-                sure = sent + known.offer.ttl - self.config.beat_for(known.offer.ttl)
+                sure = sent + known.offer.ttl - self._config.beat_for(known.offer.ttl)
                 known.sure = sure if known.sure is None else max(known.sure, sure)
         for lease in set(message.leases):
-            fetch = self._live.get(lease)
+            fetch = self._fetches.of_lease(lease)
             if fetch is not None and fetch.link == conn and fetch.offer is not None and fetch.confirmed:
-                fetch.sure_until = max(fetch.sure_until, sent + fetch.offer.ttl - self.config.beat_for(fetch.offer.ttl))
+                ttl = fetch.offer.ttl
+                fetch.sure_until = max(fetch.sure_until, sent + ttl - self._config.beat_for(ttl))
 
     def _withdrawn(self, conn: int, link: PrefillLink, message: Abort, now: float) -> None:
         """The prefill refused a claim or ended the lease: nothing read under it may be used.
@@ -257,12 +240,13 @@ class PrefillMessages:
         if offered:
             assert link.conn is not None  # ready
             link.conn.send(Abort(message.lease, Code.CANCELLED, "withdrawn before it was read"))
-        fetch = self._live.get(message.lease)
+        fetch = self._fetches.of_lease(message.lease)
         if fetch is not None and fetch.link == conn:
             fetch.bound = fetch.resume_from  # its pages may be reused under our reads
             error = lease_error(message.code, f"prefill {link.peer} refused lease {message.lease.hex()}: "
                                               f"{message.detail}")
-            self._fail(fetch, error, now, tell_prefill=fetch.state is not FetchState.CLAIMING)  # acks if it read
+            acks = fetch.state is not FetchState.CLAIMING  # it read: its Abort says it is quiet
+            self._fetches.fail(fetch, error, now, tell_prefill=acks)
         if link.state_of(message.lease) is LeaseState.ABANDONED:  # this was the answer: nothing more comes for it
             link.lease_to(message.lease, LeaseEvent.WITHDRAW)
         log.info("prefill %s withdrew lease %s: %s", printable(link.peer), message.lease.hex(),
@@ -271,19 +255,19 @@ class PrefillMessages:
     def _acked(self, fetch: Fetch, ack: DoneAck, now: float) -> None:
         if ack.ok and not fetch.confirmed:  # the channel is ordered: the claim's answer comes first
             fetch.bound = fetch.resume_from
-            self._finish(fetch, FetchEvent.FAIL, PeerProtocolError(
+            self._fetches.finish(fetch, FetchEvent.FAIL, PeerProtocolError(
                 f"request {fetch.request or fetch.lease.hex()}: done acknowledged before the claim was answered"), now)
             return
         if not ack.ok:
             fetch.bound = fetch.resume_from  # nothing read under this lease may be used
-            self._finish(fetch, FetchEvent.FAIL, lease_error(
+            self._fetches.finish(fetch, FetchEvent.FAIL, lease_error(
                 ack.code, f"request {fetch.request}: prefill refused done ({ack.detail}); discard what was read"), now)
             return
-        bound = self.tracker.bound(fetch.key)
+        bound = self._tracker.bound(fetch.key)
         fetch.bound = bound
         if bound < fetch.num_tokens:
-            self._finish(fetch, FetchEvent.FAIL, IncompleteFetch(
+            self._fetches.finish(fetch, FetchEvent.FAIL, IncompleteFetch(
                 f"request {fetch.request}: every read landed but they cover only {bound} of "
                 f"{fetch.num_tokens} tokens (the lease does not hold every page this rank needs)"), now)
         else:
-            self._finish(fetch, FetchEvent.ACK, None, now)
+            self._fetches.finish(fetch, FetchEvent.ACK, None, now)

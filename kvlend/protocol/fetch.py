@@ -1,7 +1,7 @@
 """A fetch: one lease being read into the engine's pages, and the arithmetic of its reads.
 
 ``Fetch`` is what ``DecodeSession`` hands the engine (read its fields; the session changes
-them, its state only through ``states.transition``).  ``plan_work`` turns an offer into
+them, its state only through ``move``).  ``plan_work`` turns an offer into
 the chunks to post, before anything changes, so a bad destination table fails first.
 """
 
@@ -20,7 +20,8 @@ from ..core.pages import int_array
 from ..core.plan import plan_reads
 from ..core.reads import ReadBatch
 from ..errors import ConfigError, KvlendError, PageRangeError
-from .states import TERMINAL, FetchState
+from . import states
+from .states import TERMINAL, FetchEvent, FetchState
 from .ticket import Ticket
 from .wire import LeaseOffer
 
@@ -56,11 +57,11 @@ class Fetch:
     ticket: Ticket | None = None  # redeemed from this ticket (its page table lets reads start with the claim)
     confirmed: bool = True  # False while reads posted from the ticket's pages await the claim's answer
     prompt_digest: builtins.bytes = b""  # what its claim carries: the digest of the prompt it reads for (empty: none)
-    _state: FetchState | None = field(default=None, repr=False)  # changed only by ``states.transition``'s moves
+    _state: FetchState | None = field(default=None, repr=False)  # changed only by ``move``
 
     @property
     def state(self) -> FetchState:
-        assert self._state is not None  # moved on creation (``DecodeSession._new_fetch``)
+        assert self._state is not None  # moved on creation (``Fetches.new``)
         return self._state
 
     @property
@@ -84,6 +85,11 @@ class Fetch:
     @property
     def key(self) -> str:
         return f"fetch-{self.id}"
+
+
+def move(fetch: Fetch, event: FetchEvent) -> None:
+    """The one place a fetch's state changes: checked against ``states.FETCH``."""
+    fetch._state = states.transition("fetch", fetch._state, event)
 
 
 # plan_work's result: the chunks (the descriptors of each, and the local pages they deliver), the local pages
