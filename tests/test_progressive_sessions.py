@@ -32,6 +32,7 @@ from hypothesis import HealthCheck, event, settings, strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
 from kvlend.core.layout import BufferDesc, HeadGeometry, LayerIdentity, LayerKind, MemoryRegion, Role
+from kvlend.core.lease import LendOptions
 from kvlend.core.pages import GroupPages
 from kvlend.errors import KvlendError, LeaseExpired, LeaseUnknown, PeerLost, QuotaExceeded, TransferTimeout
 from kvlend.protocol.config import NodeConfig, Quotas
@@ -328,7 +329,8 @@ def test_an_engine_allocating_pages_chunk_by_chunk_lends_tables_with_holes(hybri
             out[name] = part
         return out
 
-    lease = p.session.lend("chunked", n, upto(6), p.layout.full_selection(), p.now, meta={"seed": seed}, ready=6)
+    lease = p.session.lend("chunked", n, upto(6), p.layout.full_selection(), p.now,
+                           LendOptions(ready=6, meta={"seed": seed}))
     p.lent[lease.id] = Lent(lease, tables, seed)
     t = p.session.ticket(lease, *p.endpoint)
     r = d.fetch_ticket(t, seed=seed)
