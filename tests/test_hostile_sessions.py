@@ -17,11 +17,12 @@ import struct
 import msgpack
 import pytest
 
+from kvlend.core.lease import LendOptions
 from kvlend.protocol.actions import Close, Send
 from kvlend.protocol.codes import Code
 from kvlend.protocol.config import NodeConfig, Quotas
 from kvlend.protocol.connection import FrameReader
-from kvlend.protocol.prefill import LOG_EVERY
+from kvlend.protocol.prefill_peer import LOG_EVERY
 from kvlend.protocol.wire import (
     PROTOCOL_VERSION,
     Abort,
@@ -199,7 +200,7 @@ def test_claims_waiting_for_their_lend_are_capped_per_connection_and_expire_in_o
     assert isinstance(refused, Abort) and refused.lease == ids[3] and not a.inbox
     world.now += 0.5
     b.send(Claim(ids[4]))
-    p.session.lend("late", 16, p._tables(16, 9), p.layout.full_selection(), p.now, lease_id=ids[1])
+    p.session.lend("late", 16, p._tables(16, 9), p.layout.full_selection(), p.now, LendOptions(ids[1]))
     assert isinstance(a.next(), Offer)
     at(world, p, world.now + 0.51 + 1e-6)  # a's other two expire, b's has 0.5 s left
     assert [m.lease for m in (a.next(), a.next())] == [ids[0], ids[2]] and not b.inbox

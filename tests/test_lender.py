@@ -17,7 +17,7 @@ from kvlend.core.layout import (
     Role,
     RowSelection,
 )
-from kvlend.core.lender import Lease, LeaseLimits, Lender
+from kvlend.core.lender import Lease, LeaseLimits, Lender, LendOptions
 from kvlend.core.locks import PageLocks
 from kvlend.core.prompt import prompt_digest
 from kvlend.errors import (
@@ -382,8 +382,10 @@ def test_a_held_release_keeps_the_locks_until_settled_or_expired():
     b = lender.lend("b", 64, tables(64, offset=40), ALL, now=0, ttl=10, peer="d0")
     lender.renew(b.id, 5)  # b now expires at 15
     locked = held(lender)
-    assert lender.release(a.id, hold=True) == a and lender.release(b.id, hold=True).id == b.id
-    assert lender.release(a.id, hold=True) is None  # ended, and harmlessly so
+    lender.offered(a.id, reader=1)
+    lender.offered(b.id, reader=1)
+    assert lender.release(a.id) == a and lender.release(b.id).id == b.id
+    assert lender.release(a.id) is None  # ended, and harmlessly so
     assert all(np.array_equal(held(lender)[r], locked[r]) for r in locked)  # nothing can be evicted yet
     assert lender.active_leases == 2 and lender.usage("d0") == (0, 0) and lender.leases_of("d0") == []
     with pytest.raises(LeaseUnknown, match="was released"):
@@ -400,11 +402,12 @@ def test_a_held_release_keeps_the_locks_until_settled_or_expired():
 
 def test_a_held_lease_id_is_never_forgotten_nor_lent_again():
     lender = Lender(hybrid(host=False), remember=0)  # ended ids are forgotten at once; held ones are not
-    lease = lender.lend("r", 161, tables(), ALL, now=0, ttl=10, peer="d0", lease_id=b"\x07" * 16)
-    lender.release(lease.id, hold=True)
+    lease = lender.lend("r", 161, tables(), ALL, now=0, ttl=10, peer="d0", options=LendOptions(lease_id=b"\x07" * 16))
+    lender.offered(lease.id, reader=1)
+    lender.release(lease.id)
     assert lender.known(lease.id) and lender.release(lease.id) is None
     with pytest.raises(LeaseError, match="repeated lease id"):
-        lender.lend("r", 161, tables(), ALL, now=1, ttl=10, peer="d0", lease_id=lease.id)
+        lender.lend("r", 161, tables(), ALL, now=1, ttl=10, peer="d0", options=LendOptions(lease_id=lease.id))
     assert lender.settle(lease.id) == lease and not lender.known(lease.id)
 
 
@@ -677,7 +680,7 @@ def test_a_short_ttl_ticket_lease_waits_for_its_claim_then_lives_its_ttl_from_it
     """``wait``: a ticket's lease outlives its ttl until claimed; the claim sets the expiry from then, even
     earlier; renewals from there on never shorten it; a lease pushed to a peer never waits."""
     lender = Lender(hybrid(host=False), new_id=ids())
-    t = lender.lend("t", 161, tables(), ALL, 0, 1.0, wait=30.0, ready=0)
+    t = lender.lend("t", 161, tables(), ALL, 0, 1.0, wait=30.0, options=LendOptions(ready=0))
     assert (t.ttl, t.expires_at) == (1.0, 30.0)
     assert lender.expire(20.0) == []
     claimed = lender.claim(t.id, "d0", 2.0)
@@ -693,7 +696,7 @@ def test_a_short_ttl_ticket_lease_waits_for_its_claim_then_lives_its_ttl_from_it
 def test_a_lease_lent_for_a_prompt_is_claimed_only_with_its_digest_and_a_refusal_changes_nothing():
     lender = Lender(hybrid(host=False), new_id=ids())
     mine = prompt_digest(range(161))
-    t = lender.lend("t", 161, tables(), ALL, 0, 10, prompt_digest=mine)
+    t = lender.lend("t", 161, tables(), ALL, 0, 10, options=LendOptions(prompt_digest=mine))
     for other in (None, b"", prompt_digest(range(1, 162)), prompt_digest(range(161), context=b"lora-a")):
         with pytest.raises(PromptMismatch):
             lender.claim(t.id, "d0", 5, prompt_digest=other)

@@ -1,4 +1,4 @@
-"""Progressive lending (issue 17), pure core: ``Lender.lend(ready=...)``, ``Lender.extend`` and
+"""Progressive lending (issue 17), pure core: ``Lender.lend`` with ``LendOptions(ready=...)``, ``Lender.extend`` and
 ``DeliveryTracker.need`` as a lease grows chunk by chunk while prefill still computes.
 
 No NIXL, no I/O: every expectation is recomputed here from ``LayerGroup.pages_read`` (what a
@@ -23,7 +23,7 @@ from kvlend.core.layout import (
     Role,
     RowSelection,
 )
-from kvlend.core.lender import Lease, LeaseLimits, Lender
+from kvlend.core.lender import Lease, LeaseLimits, Lender, LendOptions
 from kvlend.core.tracker import DeliveryTracker
 from kvlend.errors import (
     KvlendError,
@@ -188,7 +188,7 @@ def test_partial_lend_lends_only_complete_pages_the_final_reader_needs():
     assert t["full"].tolist() == [0, 1, 2, -1, -1, -1]
     assert t["swa"].tolist() == [10, -1, -1, -1, -1, -1]  # window at 161: sink 0 + pages 3, 4, 5
     assert t["ssm"].tolist() == [-1]
-    lease = lender.lend("r", 161, t, ALL, now=0, ttl=10, peer="d0", ready=100)
+    lease = lender.lend("r", 161, t, ALL, now=0, ttl=10, peer="d0", options=LendOptions(ready=100))
     assert (lease.ready, lease.final, lease.num_tokens) == (100, False, 161)
     assert pages_of(lease.pages) == {"full": ([0, 1, 2], [0, 1, 2]), "swa": ([0], [10]), "ssm": ([], [])}
     assert lease.num_pages == 4 and lender.usage("d0") == (1, 4)
@@ -197,7 +197,7 @@ def test_partial_lend_lends_only_complete_pages_the_final_reader_needs():
     assert lender.locks.locked_pages("ssm") == 0
     # pages 1 and 2 of the windowed group are complete but outside the final window: never lent
     full_t = {**t, "swa": np.arange(6) + 10}
-    other = lender.lend("r2", 161, full_t, ALL, now=0, ttl=10, ready=100)
+    other = lender.lend("r2", 161, full_t, ALL, now=0, ttl=10, options=LendOptions(ready=100))
     assert pages_of(other.pages)["swa"] == ([0], [10])
     assert lender.locks.refcounts("swa")[[11, 12]].tolist() == [0, 0]
 
@@ -206,14 +206,17 @@ def test_ready_exactly_at_a_page_boundary_includes_that_page():
     lay = layout(["full"], tpp=4)
     lender = Lender(lay)
     final = {"full": np.arange(5) + 7}
-    assert pages_of(lender.lend("a", 17, table_at(lay, final, 17, 8), ALL, 0, 1, ready=8).pages) == \
+    assert pages_of(lender.lend("a", 17, table_at(lay, final, 17, 8), ALL, 0, 1,
+                                options=LendOptions(ready=8)).pages) == \
         {"full": ([0, 1], [7, 8])}
-    assert pages_of(lender.lend("b", 17, table_at(lay, final, 17, 7), ALL, 0, 1, ready=7).pages) == \
+    assert pages_of(lender.lend("b", 17, table_at(lay, final, 17, 7), ALL, 0, 1,
+                                options=LendOptions(ready=7)).pages) == \
         {"full": ([0], [7])}
-    assert pages_of(lender.lend("c", 17, table_at(lay, final, 17, 16), ALL, 0, 1, ready=16).pages) == \
+    assert pages_of(lender.lend("c", 17, table_at(lay, final, 17, 16), ALL, 0, 1,
+                                options=LendOptions(ready=16)).pages) == \
         {"full": ([0, 1, 2, 3], [7, 8, 9, 10])}
     # the last (partial) page only once final
-    lease = lender.lend("d", 17, final, ALL, 0, 1, ready=17)
+    lease = lender.lend("d", 17, final, ALL, 0, 1, options=LendOptions(ready=17))
     assert lease.final and pages_of(lease.pages) == {"full": ([0, 1, 2, 3, 4], [7, 8, 9, 10, 11])}
 
 
@@ -222,7 +225,7 @@ def test_ready_zero_lends_nothing_but_creates_the_lease():
     lender = Lender(lay, new_id=ids())
     final = final_tables(lay, 30, {g: list(range(64)) for g in lay.groups})
     junk = {g: np.full(t.size, -1) for g, t in final.items()}
-    lease = lender.lend("r", 30, junk, ALL, now=5, ttl=10, peer="d1", ready=0)
+    lease = lender.lend("r", 30, junk, ALL, now=5, ttl=10, peer="d1", options=LendOptions(ready=0))
     assert isinstance(lease, Lease) and lease.ready == 0 and not lease.final
     assert lease.num_pages == 0 and set(lease.pages) == {"full", "swa", "ssm"}
     assert all(len(gp) == 0 for gp in lease.pages.values())
@@ -230,7 +233,7 @@ def test_ready_zero_lends_nothing_but_creates_the_lease():
     assert lender.check_read(lease.id, "d1", 6) is lease
     # the one live lease per (request, peer) rule holds for a progressive lease too
     with pytest.raises(LeaseError, match="already has live lease"):
-        lender.lend("r", 30, junk, ALL, now=6, ttl=10, peer="d1", ready=0)
+        lender.lend("r", 30, junk, ALL, now=6, ttl=10, peer="d1", options=LendOptions(ready=0))
     # straight to final: what a one-shot lend gives
     grown, added = lender.extend(lease.id, 30, final, now=7)
     oneshot = Lender(lay).lend("r", 30, final, ALL, now=0, ttl=1)
@@ -243,7 +246,7 @@ def test_default_ready_is_final():
     lender = Lender(lay)
     final = final_tables(lay, 21, {g: list(range(64)) for g in lay.groups})
     a = lender.lend("a", 21, final, ALL, 0, 1)
-    b = lender.lend("b", 21, final, ALL, 0, 1, ready=21)
+    b = lender.lend("b", 21, final, ALL, 0, 1, options=LendOptions(ready=21))
     assert a.final and b.final and a.ready == b.ready == 21
     assert pages_of(a.pages) == pages_of(b.pages)
     for lease in (a, b):
@@ -257,7 +260,7 @@ def test_lend_refuses_a_bad_ready_and_creates_nothing(ready):
     lender = Lender(lay)
     final = final_tables(lay, 30, {g: list(range(64)) for g in lay.groups})
     with pytest.raises(PageRangeError, match="ready"):
-        lender.lend("r", 30, final, ALL, 0, 1, peer="d0", ready=ready)
+        lender.lend("r", 30, final, ALL, 0, 1, peer="d0", options=LendOptions(ready=ready))
     assert zero(lender) and lender.active_leases == 0 and lender.usage("d0") == (0, 0)
 
 
@@ -265,10 +268,10 @@ def test_lend_with_ready_still_range_checks_only_the_rows_it_lends():
     lay = layout(["full", "swa"], tpp=4, window=8, sinks=1)
     lender = Lender(lay)
     t = {"full": np.array([0, 1, 99, -1, -5]), "swa": np.array([5, -1, -1, -1, -1])}
-    lease = lender.lend("r", 20, t, ALL, 0, 1, ready=8)  # rows 2.. not complete: never checked
+    lease = lender.lend("r", 20, t, ALL, 0, 1, options=LendOptions(ready=8))  # rows 2.. not complete: never checked
     assert pages_of(lease.pages) == {"full": ([0, 1], [0, 1]), "swa": ([0], [5])}
     with pytest.raises(PageRangeError, match="token page 2 is in slot 99"):
-        lender.lend("s", 20, t, ALL, 0, 1, ready=12)
+        lender.lend("s", 20, t, ALL, 0, 1, options=LendOptions(ready=12))
     assert lender.active_leases == 1
 
 
@@ -277,7 +280,7 @@ def test_extend_step_by_step_hybrid_example():
     lay = layout(tpp=32, window=64, sinks=1)
     lender = Lender(lay, new_id=ids())
     final = {"full": np.arange(6) + 20, "swa": np.arange(6) + 10, "ssm": np.array([3])}
-    lease = lender.lend("r", 161, table_at(lay, final, 161, 40), ALL, 0, 10, peer="d0", ready=40)
+    lease = lender.lend("r", 161, table_at(lay, final, 161, 40), ALL, 0, 10, peer="d0", options=LendOptions(ready=40))
     assert pages_of(lease.pages) == {"full": ([0], [20]), "swa": ([0], [10]), "ssm": ([], [])}
     lease, added = lender.extend(lease.id, 64, table_at(lay, final, 161, 64), now=1)
     assert pages_of(added) == {"full": ([1], [21])}  # empty groups left out
@@ -374,7 +377,7 @@ def test_extend_grows_the_lease_to_exactly_what_a_one_shot_lend_lends(case):
     lender = Lender(lay, new_id=ids())
     now = 0.0
     lease = lender.lend("r", n, table_at(lay, final, n, readies[0], junk), sel, now, ttl=100, peer=peer,
-                        ready=readies[0])
+                        options=LendOptions(ready=readies[0]))
     stale = {g: sorted(set(range(final[g].size)) - set(grp.pages_read(n, lay.tokens_per_page).tolist()))
              for g, grp in lay.groups.items() if not grp.recurrent}
     steps = [(readies[0], None)]
@@ -452,7 +455,8 @@ def test_ending_a_lease_after_k_extensions_unlocks_everything(n, tpp, k, expire)
     final = final_tables(lay, n, {g: list(range(64)) for g in lay.groups})
     lender = Lender(lay, new_id=ids())
     readies = sorted({0} | {min(n - 1, (i * n) // (k + 1)) for i in range(1, k + 1)})
-    lease = lender.lend("r", n, table_at(lay, final, n, readies[0]), ALL, 0, 5, peer="d0", ready=readies[0])
+    lease = lender.lend("r", n, table_at(lay, final, n, readies[0]), ALL, 0, 5, peer="d0",
+                        options=LendOptions(ready=readies[0]))
     for r in readies[1:]:
         if r > lease.ready:
             lease, _ = lender.extend(lease.id, r, table_at(lay, final, n, r), 0)
@@ -471,8 +475,8 @@ def test_extend_errors_on_ended_or_unknown_leases():
     lay = layout()
     lender = Lender(lay, new_id=ids())
     final = final_tables(lay, 40, {g: list(range(64)) for g in lay.groups})
-    a = lender.lend("a", 40, table_at(lay, final, 40, 8), ALL, 0, 5, ready=8)
-    b = lender.lend("b", 40, table_at(lay, final, 40, 8), ALL, 0, 5, ready=8)
+    a = lender.lend("a", 40, table_at(lay, final, 40, 8), ALL, 0, 5, options=LendOptions(ready=8))
+    b = lender.lend("b", 40, table_at(lay, final, 40, 8), ALL, 0, 5, options=LendOptions(ready=8))
     lender.release(a.id)
     with pytest.raises(LeaseUnknown, match="released"):
         lender.extend(a.id, 16, table_at(lay, final, 40, 16), 1)
@@ -496,7 +500,7 @@ def test_extend_refuses_a_ready_that_does_not_move_forward_within_the_request(re
     lay = layout()
     lender = Lender(lay, new_id=ids())
     final = final_tables(lay, 40, {g: list(range(64)) for g in lay.groups})
-    lease = lender.lend("a", 40, table_at(lay, final, 40, 8), ALL, 0, 5, peer="d0", ready=8)
+    lease = lender.lend("a", 40, table_at(lay, final, 40, 8), ALL, 0, 5, peer="d0", options=LendOptions(ready=8))
     before = snapshot(lender, lease.id, 0)
     with pytest.raises(PageRangeError, match="ready"):
         lender.extend(lease.id, ready, final, 0)
@@ -507,7 +511,7 @@ def test_extend_with_ready_none_means_final():
     lay = layout()
     lender = Lender(lay, new_id=ids())
     final = final_tables(lay, 40, {g: list(range(64)) for g in lay.groups})
-    lease = lender.lend("a", 40, table_at(lay, final, 40, 8), ALL, 0, 5, ready=8)
+    lease = lender.lend("a", 40, table_at(lay, final, 40, 8), ALL, 0, 5, options=LendOptions(ready=8))
     lease, _ = lender.extend(lease.id, None, final, 0)  # as ``lend``'s default: ``_ready`` maps None to final
     assert lease.final and pages_of(lease.pages) == pages_of(Lender(lay).lend("x", 40, final, ALL, 0, 1).pages)
 
@@ -516,7 +520,7 @@ def test_extend_refuses_a_lent_row_moved_to_another_slot_and_changes_nothing():
     lay = layout(tpp=4, window=8, sinks=1)
     lender = Lender(lay, new_id=ids())
     final = final_tables(lay, 40, {g: list(range(64)) for g in lay.groups})
-    lease = lender.lend("a", 40, table_at(lay, final, 40, 12), ALL, 0, 5, peer="d0", ready=12)
+    lease = lender.lend("a", 40, table_at(lay, final, 40, 12), ALL, 0, 5, peer="d0", options=LendOptions(ready=12))
     assert pages_of(lease.pages)["full"] == ([0, 1, 2], [0, 1, 2])
     before = snapshot(lender, lease.id, 0)
     t = table_at(lay, final, 40, 24)
@@ -543,7 +547,7 @@ def test_extend_refuses_a_new_row_out_of_range_and_changes_nothing():
     lay = layout(["full", "swa"], tpp=4, window=8, sinks=1, pages=16)
     lender = Lender(lay, new_id=ids())
     final = final_tables(lay, 40, {g: list(range(16)) for g in lay.groups})
-    lease = lender.lend("a", 40, table_at(lay, final, 40, 12), ALL, 0, 5, ready=12)
+    lease = lender.lend("a", 40, table_at(lay, final, 40, 12), ALL, 0, 5, options=LendOptions(ready=12))
     before = snapshot(lender, lease.id, 0)
     for bad in (16, -1, -7, 2 ** 40):
         t = table_at(lay, final, 40, 24)
@@ -568,7 +572,7 @@ def test_extend_checks_the_peer_page_quota_before_anything_changes():
     lender = Lender(lay, new_id=ids())
     final = final_tables(lay, 40, {"full": list(range(64))})
     other = lender.lend("o", 12, final_tables(lay, 12, {"full": list(range(20, 64))}), ALL, 0, 50, peer="d0")
-    lease = lender.lend("a", 40, table_at(lay, final, 40, 8), ALL, 0, 50, peer="d0", ready=8)
+    lease = lender.lend("a", 40, table_at(lay, final, 40, 8), ALL, 0, 50, peer="d0", options=LendOptions(ready=8))
     assert lender.usage("d0") == (2, 3 + 2)
     before = snapshot(lender, lease.id, 0)
     with pytest.raises(QuotaExceeded) as info:
@@ -586,7 +590,7 @@ def test_extend_checks_the_peer_page_quota_before_anything_changes():
     lease, _ = lender.extend(lease.id, 24, table_at(lay, final, 40, 24), 0,
                              limits=LeaseLimits(max_leases_per_peer=1, max_lease_lifetime=1, max_num_tokens=1))
     # a ticket (peer None) has no page quota
-    ticket = lender.lend("t", 40, table_at(lay, final, 40, 4), ALL, 0, 50, ready=4)
+    ticket = lender.lend("t", 40, table_at(lay, final, 40, 4), ALL, 0, 50, options=LendOptions(ready=4))
     ticket, _ = lender.extend(ticket.id, 40, final, 0, limits=LeaseLimits(max_locked_pages_per_peer=0))
     assert lender.usage(None) == (1, 10)
     lender.release(other.id)
@@ -602,7 +606,7 @@ def test_extend_quota_ignores_a_peers_expired_leases_not_yet_swept_like_lend_doe
     lender = Lender(lay, new_id=ids())
     final = final_tables(lay, 40, {"full": list(range(64))})
     old = lender.lend("old", 20, final_tables(lay, 20, {"full": list(range(40, 64))}), ALL, 0, 1, peer="d0")
-    lease = lender.lend("a", 40, table_at(lay, final, 40, 8), ALL, 0, 50, peer="d0", ready=8)
+    lease = lender.lend("a", 40, table_at(lay, final, 40, 8), ALL, 0, 50, peer="d0", options=LendOptions(ready=8))
     assert lender.usage("d0") == (2, 5 + 2)
     limits = LeaseLimits(max_locked_pages_per_peer=6)
     now = 2.0  # ``old`` is past its expiry (1.0) but nobody called expire yet
@@ -647,9 +651,9 @@ def test_random_progressive_lifecycles_keep_locks_equal_to_the_sum_over_live_lea
                     now, ttl, peer)
             if any(m["request"] == f"r{req}" and m["peer"] == peer and now <= m["expires_at"] for m in live.values()):
                 with pytest.raises(LeaseError, match="already has live lease"):
-                    lender.lend(*args, ready=ready)
+                    lender.lend(*args, options=LendOptions(ready=ready))
             else:
-                lease = lender.lend(*args, ready=ready)
+                lease = lender.lend(*args, options=LendOptions(ready=ready))
                 live[lease.id] = dict(request=f"r{req}", peer=peer, n=n, ready=ready, final=final,
                                       sel=_SEL_HOST[sel], expires_at=now + ttl, ttl=ttl)
                 granted.append(lease.id)
@@ -706,7 +710,7 @@ def test_random_progressive_lifecycles_keep_locks_equal_to_the_sum_over_live_lea
         want = {}
         for lease_id, m in live.items():
             want[lease_id] = expected_pages(lay, m["sel"], m["n"], m["ready"], m["final"])
-            lease = lender._live[lease_id].lease
+            lease = lender.loans.all[lease_id].lease
             assert pages_of(lease.pages) == want[lease_id] and lease.ready == m["ready"]
         assert held(lender) == expected_counts(lay, [(live[i]["sel"], want[i]) for i in live])
         for who in (None, "d0", "d1"):
@@ -742,7 +746,7 @@ def test_tracker_follows_a_growing_lease(case):
     lay, n, readies, ops = case
     final = final_tables(lay, n, {g: list(range(64)) for g in lay.groups})
     lender = Lender(lay, new_id=ids())
-    lease = lender.lend("r", n, table_at(lay, final, n, readies[0]), ALL, 0, 100, ready=readies[0])
+    lease = lender.lend("r", n, table_at(lay, final, n, readies[0]), ALL, 0, 100, options=LendOptions(ready=readies[0]))
     tracker = DeliveryTracker(lay)
     tracker.begin("r", n, {g: gp.token_pages for g, gp in lease.pages.items()})
     needed = {g: set(gp.token_pages.tolist()) for g, gp in lease.pages.items()}

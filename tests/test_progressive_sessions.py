@@ -1,7 +1,7 @@
 """Progressive lending (issue 17) end to end, sans-IO: a lease read while prefill still computes it.
 
 A prefill lends a request's pages while its chunked prefill still runs
-(``PrefillSession.lend(..., ready=)``) and grows the lease chunk by chunk
+(``LendOptions.ready``) and grows the lease chunk by chunk
 (``PrefillSession.extend``); the decode it is bound to hears each ``Extend`` and
 posts the new pages' reads at once, sends ``Done`` only once the lease is final
 and every read landed.  Over ``kvlend.testing`` (in-memory network, backend
@@ -30,6 +30,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from kvlend.core.lease import LendOptions
 from kvlend.protocol.decode import FetchState
 from kvlend.protocol.wire import Extend
 from kvlend.testing import Lent, finish_all
@@ -164,7 +165,8 @@ def test_an_engine_allocating_pages_chunk_by_chunk_lends_tables_with_holes(hybri
             out[name] = part
         return out
 
-    lease = p.session.lend("chunked", n, upto(6), p.layout.full_selection(), p.now, meta={"seed": seed}, ready=6)
+    lease = p.session.lend("chunked", n, upto(6), p.layout.full_selection(), p.now,
+                           LendOptions(ready=6, meta={"seed": seed}))
     p.lent[lease.id] = Lent(lease, tables, seed)
     t = p.session.ticket(lease, *p.endpoint)
     r = d.fetch_ticket(t, seed=seed)

@@ -15,8 +15,8 @@ declines of offers being read (refused).  After every step:
 (iii) each prefill's page locks are exactly those of its live leases;
 (iv)  nothing hangs: past ``transfer_timeout + cancel_grace`` every fetch has
       finished with every read terminal, and one TTL later no lease is left;
-(v)   every fetch's, link's, peer's, lease's and loan's state changed only by moves of
-      ``kvlend.protocol.states``' tables, each made through ``states.transition`` (recorded here).
+(v)   every fetch's, link's, peer's, lease's and loan's (the lender's record) state changed only by moves
+      of their tables, each made through ``kvlend.core.tables.transition`` (recorded here).
 
 plus the bookkeeping: the session's fetches in flight, its tracker's
 requests and each fetch's open reads agree with what the backend knows.
@@ -30,6 +30,7 @@ from hypothesis import HealthCheck, event, settings, strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
 import kvlend.protocol.fetch as fetch_mod
+from kvlend.core import tables
 from kvlend.errors import KvlendError, PageRangeError, PeerLost, ProtocolError, UsageError
 from kvlend.protocol import states
 from kvlend.protocol.config import NodeConfig
@@ -79,8 +80,8 @@ class Sessions(RuleBasedStateMachine):
         self.ahead: list = []  # (decode, ticket, seed) claimed ahead, not yet read or given back
         self.moves: list = []  # (table, state, event, next state) of each transition since the last check
         self.seen: dict = {}  # (session, table, id) -> the state last checked
-        self.transition = states.transition
-        states.transition = self._recorded
+        self.transition = tables.transition
+        tables.transition = self._recorded
 
     def _recorded(self, name, state, event_):
         after = self.transition(name, state, event_)
@@ -469,7 +470,7 @@ class Sessions(RuleBasedStateMachine):
         watched += [(d.session, "link", d.session._links) for d in self.world.decodes]
         watched += [(p.session, "peer", p.session._peers) for p in self.world.prefills]
         watched += [(d.session, "lease", _link_leases(d.session)) for d in self.world.decodes]
-        watched += [(p.session, "loan", p.session._loans.all) for p in self.world.prefills]
+        watched += [(p.session, "loan", p.session.lender.loans.all) for p in self.world.prefills]
         gone = {"lease": states.LeaseState.GONE, "loan": states.LoanState.GONE}
         for name, state in gone.items():  # forgotten, an id may begin again from nothing
             made.setdefault(name, set()).add((state, None))
@@ -504,7 +505,7 @@ class Sessions(RuleBasedStateMachine):
         try:
             self._settle()
         finally:
-            states.transition = self.transition
+            tables.transition = self.transition
 
     def _settle(self):
         world = self.world

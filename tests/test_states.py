@@ -96,6 +96,6 @@ def test_a_planted_bad_loan_transition_is_caught(monkeypatch):
     d = world.add_decode()
     world.connect(d, p)
     record = d.fetch_ticket(p.ticket(8, seed=1), seed=1)
-    assert p.session._loans.state_of(record.fetch.lease) is LoanState.OFFERED
+    assert p.session.lender.loans.state_of(record.fetch.lease) is LoanState.OFFERED
     with pytest.raises(IllegalTransition, match="loan: no transition from `offered` on `release`"):
         p.session.release(record.fetch.lease)

@@ -1,10 +1,11 @@
-"""What a lease is (the record of what was lent), the caps a lend must fit, and the checks of a lease
-call's inputs: ids, times, peers and how many tokens are ready."""
+"""What a lease is (the record of what was lent), how it was lent (``LendOptions``), the caps a lend must
+fit, and the checks of a lease call's inputs: ids, times, peers and how many tokens are ready."""
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from types import MappingProxyType
 from typing import Any, Mapping
 
 from ..errors import LeaseError, LeaseUnknown, PageRangeError
@@ -12,6 +13,27 @@ from .layout import RowSelection
 from .pages import GroupPages
 
 LEASE_ID_BYTES = 16
+
+
+@dataclass(frozen=True)
+class LendOptions:
+    """How the engine lends a request's pages, beside which pages: made once where the engine calls
+    (``PrefillNode.lend``) and carried unchanged through the session to the lender, which keeps it on the
+    lease.  A new option is a field here and code where it is used, nothing in between.
+
+    ``lease_id``: the id of a ticket minted before the lend (default: a fresh random one).
+    ``ready``: lend progressively, only the pages wholly below ``ready`` tokens (default: all).
+    ``prompt_digest``: ``core.prompt.prompt_digest`` of the request's prompt; a claim must then carry it.
+    ``meta``: the engine's small per-request data its offer carries (first token, ...).
+    """
+
+    lease_id: bytes | None = None
+    ready: int | None = None
+    prompt_digest: bytes | None = field(default=None, repr=False)
+    meta: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}), repr=False)
+
+
+NO_OPTIONS = LendOptions()
 
 
 @dataclass(frozen=True)
@@ -29,7 +51,12 @@ class Lease:
     lent_at: float = -math.inf
     ends_by: float = math.inf  # lent_at + the lifetime cap: no renewal pushes expires_at past it
     ready: int = 0  # tokens the prefill has committed; the lease is final once ``ready == num_tokens``
-    prompt_digest: bytes | None = field(default=None, repr=False)  # a claim must carry the same (None: any)
+    options: LendOptions = field(default=NO_OPTIONS, repr=False)  # as lent
+
+    @property
+    def prompt_digest(self) -> bytes | None:
+        """A claim must carry the same (None: any)."""
+        return self.options.prompt_digest
 
     def __hash__(self) -> int:
         return hash(self.id)

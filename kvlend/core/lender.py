@@ -12,16 +12,19 @@ Decisions:
   until the first is released or past its expiry, so a retry cannot leak locks.
 - ``release`` is idempotent: an id already released or expired returns None;
   an id never granted (or no longer remembered) raises ``LeaseUnknown``.
-- ``release(..., hold=True)`` ends a lease that a reader may still be reading
-  (the engine revoked it under a fetch): it is over for every purpose but its
-  page locks, which stay until ``settle`` (the reader is quiet) or until its
-  expiry passes (``expire`` returns it then), so no read a reader still counts
-  can see a reused page.
+- Each lease id has one record (``Loan``, in ``loans``): its state is the
+  ``loan`` table's (``core.loans``), moved only by ``Loans.to``.  ``release`` of a
+  lease whose offer went out (``offered``) ends a lease that a reader may still be
+  reading (the engine revoked it under a fetch): it is over for every purpose but
+  its page locks, which stay (``held``) until ``settle`` (the reader is quiet) or
+  until its expiry passes (``expire`` returns it then), so no read a reader still
+  counts can see a reused page; ``end`` (the reader is done) never holds.
 - The lender remembers the last ``remember`` ended ids so that a late call
   gets the right error: ``LeaseExpired`` for an expired lease, ``LeaseUnknown``
   for a released one.
 - A lease whose ``peer`` is None may be read by any peer (the id is the
   capability); otherwise only by that peer.
+- ``LendOptions`` say how a lease is lent; the lease keeps them.
 - A lease lent with a ``prompt_digest`` (``core.prompt``) is claimed only with
   the same digest (``PromptMismatch`` otherwise, nothing changed): the id alone,
   which travels in clear through HTTP, then reads nothing.  A lease lent without
@@ -45,11 +48,9 @@ import hmac
 import math
 import secrets
 from collections import OrderedDict
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from types import MappingProxyType
 from typing import Any, Callable, Mapping
-
-import numpy as np
 
 from ..errors import (
     LayoutError,
@@ -63,29 +64,26 @@ from ..errors import (
     QuotaExceeded,
 )
 from .layout import PageLayout, RowSelection
-from .lease import (  # Lease, LeaseLimits and the id size are imported from here too
+from .lease import (  # Lease, LendOptions, LeaseLimits and the id size are imported from here too
     LEASE_ID_BYTES,
     NO_LIMITS,
+    NO_OPTIONS,
     Lease,
     LeaseLimits,
+    LendOptions,
     check_id,
     check_peer,
     check_ready,
     check_time,
     show_peer,
 )
-from .locks import PageLocks, Slots
-from .pages import GroupPages, int_array
+from .lend_rows import LendRows, all_groups, merged
+from .loans import LIVE, Loan, LoanEvent, Loans, LoanState
+from .locks import PageLocks
+from .pages import GroupPages
 from .prompt import check_digest
 
 _EXPIRED, _RELEASED = "expired", "released"
-_SELECTION_CACHE = 64  # distinct selections whose per-group regions are kept
-
-
-@dataclass(frozen=True)
-class _Loan:
-    lease: Lease
-    locked: tuple[Slots, ...]  # the page-lock slots this lease holds, one entry per lend or extend, validated then
 
 
 class Lender:
@@ -108,16 +106,14 @@ class Lender:
         self.locks = locks
         self._new_id = new_id
         self._remember = remember
-        self._live: dict[bytes, _Loan] = {}
-        self._held: dict[bytes, _Loan] = {}  # released under a reader: locked until settled or expired
+        self.loans = Loans()  # every lease id's one record; the session reads it and moves who reads it
+        self._rows = LendRows(layout, locks)
         self._by_key: dict[tuple[str, str | None], bytes] = {}
         self._of_peer: dict[str | None, dict[bytes, int]] = {}  # live lease ids -> pages, per peer (None: tickets)
         self._peer_pages: dict[str | None, int] = {}
         self._ended: OrderedDict[bytes, str] = OrderedDict()
         self._deadlines: list[tuple[float, int, bytes]] = []  # lazy heap; stale entries skipped
         self._seq = 0
-        self._by_selection: dict[RowSelection, dict[str, tuple[tuple[str, ...], int]]] = {}
-        self._region_order = {r.name: i for i, r in enumerate(layout.regions)}
 
     # ------------------------------------------------------------- lending
     def lend(
@@ -130,9 +126,7 @@ class Lender:
         ttl: float,
         peer: str | None = None,
         limits: LeaseLimits = NO_LIMITS,
-        lease_id: bytes | None = None,
-        ready: int | None = None,
-        prompt_digest: bytes | None = None,
+        options: LendOptions = NO_OPTIONS,
         wait: float | None = None,
     ) -> Lease:
         """Lend what a decoder at ``num_tokens`` reads; validates everything first.
@@ -141,12 +135,12 @@ class Lender:
         page (``ceil(num_tokens / tokens_per_page)`` entries), or one entry (the
         state slot) for a recurrent group.  Only rows that are lent are range
         checked, so stale rows of a windowed group may hold -1.  ``limits``: see the module doc.
-        ``lease_id`` (default: a fresh random one) lets a caller mint the ticket before the lend,
-        as vLLM's scheduler must; it is a capability, so it must be as unguessable as ours.
-        ``ready`` (default ``num_tokens``): lend progressively, while prefill still computes. Only the
-        pages wholly below ``ready`` tokens are lent (recurrent state only at ``num_tokens``); rows
-        past it may hold -1, and ``extend`` lends the rest as chunks are committed.
-        ``prompt_digest``: ``core.prompt.prompt_digest`` of the request's prompt; a claim must then carry it.
+        ``options`` (``LendOptions``), kept on the lease: ``lease_id`` (default: a fresh random one) lets
+        a caller mint the ticket before the lend, as vLLM's scheduler must; it is a capability, so it must
+        be as unguessable as ours.  ``ready`` (default ``num_tokens``): lend progressively, while prefill
+        still computes. Only the pages wholly below ``ready`` tokens are lent (recurrent state only at
+        ``num_tokens``); rows past it may hold -1, and ``extend`` lends the rest as chunks are committed.
+        ``prompt_digest``: a claim must then carry it.  ``meta``: the offer's, kept in the lease's record.
         ``wait`` (default ``ttl``): how long a lease lent to any peer lives until a claim binds it, which
         renews it for ``ttl`` from then, shorter or not: a short ``ttl`` bounds how long a reader that
         ignores the lease's end holds its pages (the engine's wait), not how long a ticket waits.
@@ -164,7 +158,9 @@ class Lender:
                                  f"{self.layout.kept_window} tokens")
         if not isinstance(selection, RowSelection):
             raise LayoutError(f"selection: must be a RowSelection, got {selection!r}")
-        targets = self._targets(selection)
+        if not isinstance(options, LendOptions):
+            raise LeaseError(f"options: must be a LendOptions, got {type(options).__name__}")
+        targets = self._rows.targets(selection)
         now = check_time("now", now)
         ttl = check_time("ttl", ttl)
         if ttl <= 0 or not math.isfinite(now + ttl):
@@ -175,18 +171,19 @@ class Lender:
         if max(ttl, wait) > limits.max_lease_lifetime:
             raise QuotaExceeded("max_lease_lifetime", max(ttl, wait), limits.max_lease_lifetime, "a lease ttl of")
         peer = check_peer(peer)
-        prompt_digest = check_digest(prompt_digest)
-        ready = check_ready(ready, num_tokens, 0)
-        lent, slots = self._plan(num_tokens, pages, targets, ready)
+        check_digest(options.prompt_digest)
+        ready = check_ready(options.ready, num_tokens, 0)
+        lent, slots = self._rows.plan(num_tokens, pages, targets, ready)
         num_pages = sum(len(g) for g in lent.values())
         self._check_quota(peer, num_pages, now, limits)
         key = (request, peer)
-        other = self._live.get(self._by_key.get(key, b""))
-        if other is not None and now <= other.lease.expires_at:
+        other = self._live_lease(self._by_key.get(key, b""))
+        if other is not None and now <= other.expires_at:
             raise LeaseError(
-                f"request {request!r} already has live lease {other.lease.hex} for peer {peer!r}; "
+                f"request {request!r} already has live lease {other.hex} for peer {peer!r}; "
                 "release it first"
             )
+        lease_id = options.lease_id
         source = "new_id: must return" if lease_id is None else "lease_id: must be"
         if lease_id is None:
             lease_id = self._new_id(LEASE_ID_BYTES)
@@ -198,9 +195,9 @@ class Lender:
         lease = Lease(
             id=lease_id, request=request, num_tokens=num_tokens, pages=MappingProxyType(lent),
             selection=selection, peer=peer, ttl=ttl, expires_at=now + (ttl if peer is not None else wait),
-            lent_at=now, ends_by=now + limits.max_lease_lifetime, ready=ready, prompt_digest=prompt_digest,
+            lent_at=now, ends_by=now + limits.max_lease_lifetime, ready=ready, options=options,
         )
-        self._live[lease_id] = _Loan(lease, (slots,))
+        self.loans.to(lease_id, LoanEvent.LEND, lease=lease, locked=(slots,), meta=dict(options.meta))
         self._by_key[key] = lease_id
         self._count(peer, lease_id, num_pages)
         self._push(lease)
@@ -217,7 +214,7 @@ class Lender:
         leases, pages = len(ids) + more, self._peer_pages.get(peer, 0) + num_pages
         if more and leases > limits.max_leases_per_peer or pages > limits.max_locked_pages_per_peer:
             # Only now look closer: leases past their expiry that no sweep ended yet do not count.
-            live = [n for i, n in ids.items() if now <= self._live[i].lease.expires_at]
+            live = [n for i, n in ids.items() if now <= self._lease(i).expires_at]
             leases, pages = len(live) + more, sum(live) + num_pages
         if more and leases > limits.max_leases_per_peer:  # a lease that grows adds no lease
             raise QuotaExceeded("max_leases_per_peer", leases, limits.max_leases_per_peer,
@@ -244,85 +241,10 @@ class Lender:
         peer = check_peer(peer)
         return len(self._of_peer.get(peer, ())), self._peer_pages.get(peer, 0)
 
-    def _targets(self, selection: RowSelection) -> dict[str, tuple[tuple[str, ...], int]]:
-        """Per group, the regions ``selection`` lends from (layout order) and their fewest pages.
-
-        Validates the selection; cached per selection, since a layout is immutable.
-        """
-        targets = self._by_selection.get(selection)
-        if targets is None:
-            names = {b.name for b in self.layout.selected_buffers(selection)}
-            regions = self.layout.region_map
-            targets = {}
-            for name, group in self.layout.groups.items():
-                used = sorted({b.region for b in group.buffers if b.name in names}, key=self._region_order.__getitem__)
-                if used:
-                    targets[name] = (tuple(used), min(regions[r].num_pages for r in used))
-            if len(self._by_selection) >= _SELECTION_CACHE:
-                self._by_selection.clear()
-            self._by_selection[selection] = targets
-        return targets
-
-    def _plan(
-        self, num_tokens: int, pages: Mapping[str, Any], targets: Mapping[str, tuple[tuple[str, ...], int]],
-        ready: int, before: Mapping[str, GroupPages] | None = None,
-    ) -> tuple[dict[str, GroupPages], Slots]:
-        """Validate the page tables; return the rows lent (those complete at ``ready``, less those
-        lent ``before``) and the page-lock slots they hold."""
-        groups = self.layout.groups
-        if type(pages) is not dict and not isinstance(pages, Mapping):
-            raise PageRangeError(f"pages: must be a mapping of group name to page table, got {type(pages).__name__}")
-        if pages.keys() != groups.keys():
-            missing, unknown = sorted(set(groups) - set(pages)), sorted(map(repr, set(pages) - set(groups)))
-            raise PageRangeError(f"pages: missing groups {missing}, unknown groups [{', '.join(unknown)}]")
-        tpp = self.layout.tokens_per_page
-        lent: dict[str, GroupPages] = {}
-        uses: list[tuple[tuple[str, ...], np.ndarray]] = []  # (regions, unique slots) per lent group
-        for name, group in groups.items():
-            table = _table(name, pages[name], 1 if group.recurrent else -(-num_tokens // tpp))
-            target = targets.get(name)
-            if target is None:
-                continue
-            rows = group.pages_read(num_tokens, tpp)
-            if ready < num_tokens:  # progressive: complete pages only, recurrent state once final
-                rows = rows[:0] if group.recurrent else rows[:np.searchsorted(rows, ready // tpp)]
-            if before is not None:
-                rows = self._new_rows(name, rows, table, before[name])
-            ordinals = table[rows]
-            used, fewest = target
-            unique = _unique(ordinals)
-            if unique.size and (unique[0] < 0 or unique[-1] >= fewest):
-                self._range_error(name, rows, ordinals, used)
-            uses.append((used, unique))
-            lent[name] = GroupPages._checked(rows, ordinals)
-        if len(uses) == 1:  # one group lent: its regions, in layout order, share its checked slots
-            return lent, self.locks._shared_slots(*uses[0])
-        per_region: dict[str, list[np.ndarray]] = {}
-        for used, unique in uses:
-            for r in used:
-                per_region.setdefault(r, []).append(unique)
-        order = self._region_order
-        locked = tuple(
-            (r, parts[0] if len(parts) == 1 else _unique(np.concatenate(parts)))
-            for r, parts in sorted(per_region.items(), key=lambda item: order[item[0]])
-        )
-        return lent, self.locks._flatten(locked)
-
-    @staticmethod
-    def _new_rows(group: str, rows: np.ndarray, table: np.ndarray, lent: GroupPages) -> np.ndarray:
-        """``rows`` not lent yet; ``LeaseError`` if a row already lent is now in another slot."""
-        old = np.isin(rows, lent.token_pages, assume_unique=True)
-        if old.sum() != len(lent):
-            raise LeaseError(f"pages[{group!r}]: the rows already lent are not all still lent at this point")
-        moved = np.flatnonzero(table[lent.token_pages] != lent.ordinals)
-        if moved.size:
-            i = int(moved[0])
-            raise LeaseError(f"pages[{group!r}]: token page {int(lent.token_pages[i])} was lent in slot "
-                             f"{int(lent.ordinals[i])}, the table now says {int(table[lent.token_pages[i]])}")
-        return rows[~old]
 
     def extend(self, lease_id: bytes, ready: int, pages: Mapping[str, Any], now: float,
-               limits: LeaseLimits = NO_LIMITS) -> tuple[Lease, dict[str, GroupPages]]:
+               limits: LeaseLimits = NO_LIMITS, meta: Mapping[str, Any] | None = None,
+               ) -> tuple[Lease, dict[str, GroupPages]]:
         """Lend what prefill has committed up to ``ready`` tokens: the lease grows in place.
 
         ``pages`` is the request's whole page table as in ``lend`` (rows past ``ready`` may hold -1);
@@ -331,6 +253,7 @@ class Lender:
         Returns the lease and the rows this call added, per group (empty groups left out), which is
         what a reader needs to hear.  ``ready`` None means ``num_tokens`` (final).  Everything is
         checked (and the peer's page quota) before anything changes; a final or ended lease cannot grow.
+        ``meta`` is merged into the engine data its record keeps for its offer.
         """
         lease = self.get(lease_id, now)
         if lease.final:
@@ -338,43 +261,32 @@ class Lender:
         ready = check_ready(ready, lease.num_tokens, lease.ready + 1)
         if not isinstance(limits, LeaseLimits):
             raise LeaseError(f"limits: must be a LeaseLimits, got {type(limits).__name__}")
-        targets = self._targets(lease.selection)
-        added, slots = self._plan(lease.num_tokens, pages, targets, ready, before=_all_groups(self, lease))
+        targets = self._rows.targets(lease.selection)
+        added, slots = self._rows.plan(lease.num_tokens, pages, targets, ready, before=all_groups(self.layout, lease))
         more = sum(len(g) for g in added.values())
         if lease.peer is not None and more:
             self._check_quota(lease.peer, more, now, limits, grows=True)
         self.locks.lock_slots(slots)
-        merged = {name: _merged(gp, added.get(name)) for name, gp in lease.pages.items()}
-        merged.update((name, gp) for name, gp in added.items() if name not in merged)
-        grown = replace(lease, ready=ready, pages=MappingProxyType(merged))
-        loan = self._live[lease_id]
-        self._live[lease_id] = _Loan(grown, loan.locked + (slots,))
+        grown_pages = {name: merged(gp, added.get(name)) for name, gp in lease.pages.items()}
+        grown_pages.update((name, gp) for name, gp in added.items() if name not in grown_pages)
+        grown = replace(lease, ready=ready, pages=MappingProxyType(grown_pages))
+        loan = self.loans.all[lease_id]
+        loan.lease, loan.locked = grown, loan.locked + (slots,)
+        if meta:
+            loan.meta = {**loan.meta, **meta}
         self._of_peer[lease.peer][lease_id] += more
         self._peer_pages[lease.peer] += more
         return grown, {name: gp for name, gp in added.items() if len(gp)}
 
-    def _range_error(self, group: str, rows: np.ndarray, ordinals: np.ndarray, used: tuple[str, ...]) -> None:
-        """Raise for the first region (by name) and row whose slot is out of range."""
-        for region_name in sorted(used):
-            size = self.layout.region_map[region_name].num_pages
-            bad = np.flatnonzero((ordinals < 0) | (ordinals >= size))
-            if bad.size:
-                i = int(bad[0])
-                raise PageRangeError(
-                    f"pages[{group!r}]: token page {int(rows[i])} is in slot {int(ordinals[i])}, "
-                    f"outside region {region_name!r} of {size} pages"
-                )
-
-    # ------------------------------------------------------------ lifetime
     def get(self, lease_id: bytes, now: float) -> Lease:
         """The live lease; ``LeaseExpired`` past its expiry, ``LeaseUnknown`` if released or never granted."""
         check_id(lease_id)
         now = check_time("now", now)
-        loan = self._live.get(lease_id)
-        if loan is not None:
-            if now > loan.lease.expires_at:
-                raise LeaseExpired(f"lease {lease_id.hex()} expired at {loan.lease.expires_at} (now {now})")
-            return loan.lease
+        lease = self._live_lease(lease_id)
+        if lease is not None:
+            if now > lease.expires_at:
+                raise LeaseExpired(f"lease {lease_id.hex()} expired at {lease.expires_at} (now {now})")
+            return lease
         ended = self._ended.get(lease_id)
         if ended == _EXPIRED:
             raise LeaseExpired(f"lease {lease_id.hex()} expired")
@@ -384,7 +296,7 @@ class Lender:
 
     def known(self, lease_id: bytes) -> bool:
         """Whether ``lease_id`` is live, held or remembered as ended (not merely never granted)."""
-        return lease_id in self._live or lease_id in self._held or lease_id in self._ended
+        return self.loans.locking(lease_id) is not None or lease_id in self._ended
 
     def check_read(self, lease_id: bytes, peer: str | None, now: float) -> Lease:
         """The lease, if ``peer`` may read it now: live and offered to this peer (or to any)."""
@@ -429,14 +341,14 @@ class Lender:
     def _check_bind(self, lease: Lease, peer: str, now: float, limits: LeaseLimits) -> None:
         if not isinstance(limits, LeaseLimits):
             raise LeaseError(f"limits: must be a LeaseLimits, got {type(limits).__name__}")
-        other = self._live.get(self._by_key.get((lease.request, peer), b""))
-        if other is not None and now <= other.lease.expires_at:
-            raise LeaseError(f"request {lease.request!r} already has live lease {other.lease.hex} for peer {peer!r}")
+        other = self._live_lease(self._by_key.get((lease.request, peer), b""))
+        if other is not None and now <= other.expires_at:
+            raise LeaseError(f"request {lease.request!r} already has live lease {other.hex} for peer {peer!r}")
         self._check_quota(peer, lease.num_pages, now, limits)
 
     def _bind(self, lease: Lease, peer: str) -> Lease:
         bound = replace(lease, peer=peer)
-        self._live[lease.id] = replace(self._live[lease.id], lease=bound)
+        self.loans.all[lease.id].lease = bound
         if self._by_key.get((lease.request, lease.peer)) == lease.id:
             del self._by_key[(lease.request, lease.peer)]
         self._by_key[(lease.request, peer)] = lease.id
@@ -475,36 +387,68 @@ class Lender:
         if expires_at == lease.expires_at:
             return lease
         renewed = replace(lease, expires_at=expires_at)
-        self._live[lease.id] = replace(self._live[lease.id], lease=renewed)
+        self.loans.all[lease.id].lease = renewed
         self._push(renewed)
         return renewed
 
-    def release(self, lease_id: bytes, hold: bool = False) -> Lease | None:
-        """End a lease and drop its locks; None if it had already ended (harmless).
+    def offered(self, lease_id: bytes, reader: int | None) -> None:
+        """The live lease's offer went out on connection ``reader``: extensions follow it, and a release
+        holds its pages until that reader is quiet (``settle``, ``quiet``) or it expires."""
+        self.loans.to(lease_id, LoanEvent.OFFER, reader=reader)
 
-        ``hold``: its reader may still be reading it, so its locks stay until ``settle`` or its
-        expiry (see the module doc); it is ended for everything else at once.
+    def release(self, lease_id: bytes) -> Lease | None:
+        """End a lease (the engine revoked it); None if it had already ended (harmless).
+
+        Its locks go at once, unless its offer went out: its reader may still be reading it, so they stay
+        until ``settle`` or its expiry (see the module doc); it is ended for everything else at once.
         """
+        return self._finish(lease_id, LoanEvent.RELEASE)
+
+    def end(self, lease_id: bytes) -> Lease | None:
+        """End a lease whose reader is done with it (or never got it): its locks go at once; None if it
+        had already ended."""
+        return self._finish(lease_id, LoanEvent.END)
+
+    def _finish(self, lease_id: bytes, event: LoanEvent) -> Lease | None:
         check_id(lease_id)
-        if lease_id in self._live:
-            return self._end(lease_id, _RELEASED, hold)
-        if lease_id in self._ended or lease_id in self._held:
+        if self.loans.live(lease_id) is not None:
+            return self._end(lease_id, _RELEASED, event)
+        if lease_id in self._ended or self.loans.locking(lease_id) is not None:
             return None
         raise LeaseUnknown(f"lease {lease_id.hex()} was never granted (or is long gone)")
 
     def settle(self, lease_id: bytes) -> Lease | None:
-        """The reader of a lease released with ``hold`` is quiet: drop its locks; None if none are held."""
-        loan = self._held.pop(lease_id, None)
-        return None if loan is None else self._unlock(loan)
+        """The reader of a lease released under it is quiet: drop its locks; None if none are held."""
+        loan = self.loans.get(lease_id)
+        if loan is None or loan.state is not LoanState.HELD:
+            return None
+        return self._unlock(lease_id, LoanEvent.SETTLE)
 
-    def _unlock(self, loan: _Loan) -> Lease:
-        for slots in loan.locked:
+    def quiet(self, reader: int) -> list[Lease]:
+        """Connection ``reader`` counts no read any more (its reader said goodbye): the leases held for it
+        are settled (returned), those offered on it are as if never offered."""
+        settled = [self._unlock(i, LoanEvent.SETTLE) for i in self.loans.read_by(LoanState.HELD, reader)]
+        for lease_id in self.loans.read_by(LoanState.OFFERED, reader):
+            self.loans.to(lease_id, LoanEvent.BYE)
+        return settled
+
+    def _unlock(self, lease_id: bytes, event: LoanEvent) -> Lease:
+        """A held lease's record goes (``event``), and its locks with it."""
+        loan = self.loans.all[lease_id]
+        lease, locked = loan.lease, loan.locked
+        assert lease is not None  # held
+        self.loans.to(lease_id, event)
+        for slots in locked:
             self.locks.unlock_slots(slots)
-        return loan.lease
+        return lease
 
     def expire(self, now: float) -> list[Lease]:
         """End every lease whose expiry is strictly before ``now``, oldest first; a held lease past
         its expiry is settled and listed too (its caller knows it released it)."""
+        return [loan.lease for loan in self.expire_loans(now) if loan.lease is not None]
+
+    def expire_loans(self, now: float) -> list[Loan]:
+        """As ``expire``, each lease's record as it was before it expired (lent, offered or held)."""
         now = check_time("now", now)
         out = []
         while self._deadlines and self._deadlines[0][0] < now:
@@ -512,24 +456,29 @@ class Lender:
             if not self._current(entry):
                 continue
             lease_id = entry[2]
-            out.append(self._end(lease_id, _EXPIRED) if lease_id in self._live
-                       else self._unlock(self._held.pop(lease_id)))  # held (a current entry is live or held)
+            loan = self.loans.all[lease_id]
+            out.append(replace(loan))
+            if loan.state is LoanState.HELD:
+                self._unlock(lease_id, LoanEvent.EXPIRE)
+            else:
+                self._end(lease_id, _EXPIRED, LoanEvent.EXPIRE)
         return out
 
     def leases_of(self, peer: str | None) -> list[Lease]:
         """Live leases offered to ``peer``."""
         peer = check_peer(peer)
-        return [loan.lease for loan in self._live.values() if loan.lease.peer == peer]
+        leases = (loan.lease for loan in self.loans.all.values() if loan.state in LIVE)
+        return [lease for lease in leases if lease is not None and lease.peer == peer]
 
     def release_peer(self, peer: str | None) -> list[Lease]:
-        """Release every lease offered to ``peer`` (it died or disconnected)."""
-        return [self._end(lease.id, _RELEASED) for lease in self.leases_of(peer)]
+        """End every lease offered to ``peer`` (it died or disconnected), holding none."""
+        return [self._end(lease.id, _RELEASED, LoanEvent.END) for lease in self.leases_of(peer)]
 
     @property
     def active_leases(self) -> int:
         """Leases holding locks (including any past expiry that ``expire`` has not yet ended, and
         released ones held for their reader)."""
-        return len(self._live) + len(self._held)
+        return len(self.loans.all) - len(self.loans.waiting)
 
     # ------------------------------------------------------------- helpers
     def _push(self, lease: Lease) -> None:
@@ -541,51 +490,33 @@ class Lender:
 
     def _current(self, entry: tuple[float, int, bytes]) -> bool:
         """Whether a deadline entry is still a lease's expiry (not one released or renewed since)."""
-        loan = self._live.get(entry[2]) or self._held.get(entry[2])
-        return loan is not None and loan.lease.expires_at == entry[0]
+        loan = self.loans.locking(entry[2])
+        return loan is not None and loan.lease is not None and loan.lease.expires_at == entry[0]
 
-    def _end(self, lease_id: bytes, why: str, hold: bool = False) -> Lease:
-        loan = self._live.pop(lease_id)
-        if hold:
-            self._held[lease_id] = loan
-        else:
-            for slots in loan.locked:
+    def _live_lease(self, lease_id: bytes) -> Lease | None:
+        """The lease if it is live (lent or offered), even past its expiry."""
+        loan = self.loans.live(lease_id)
+        return None if loan is None else loan.lease
+
+    def _lease(self, lease_id: bytes) -> Lease:
+        """The live lease ``lease_id`` (it must be)."""
+        lease = self._live_lease(lease_id)
+        assert lease is not None
+        return lease
+
+    def _end(self, lease_id: bytes, why: str, event: LoanEvent) -> Lease:
+        """End a live lease by ``event``: its locks go, unless the move holds it for its reader."""
+        loan = self.loans.all[lease_id]
+        lease, locked = loan.lease, loan.locked
+        assert lease is not None  # live
+        if self.loans.to(lease_id, event).state is not LoanState.HELD:
+            for slots in locked:
                 self.locks.unlock_slots(slots)
-        key = (loan.lease.request, loan.lease.peer)
+        key = (lease.request, lease.peer)
         if self._by_key.get(key) == lease_id:
             del self._by_key[key]
-        self._uncount(loan.lease.peer, lease_id)
+        self._uncount(lease.peer, lease_id)
         self._ended[lease_id] = why
         while len(self._ended) > self._remember:
             self._ended.popitem(last=False)
-        return loan.lease
-
-
-def _table(group: str, value: Any, length: int) -> np.ndarray:
-    return int_array(f"pages[{group!r}]", value, length=length)
-
-
-def _all_groups(lender: Lender, lease: Lease) -> dict[str, GroupPages]:
-    """What ``lease`` holds per group of the layout (groups it lends nothing of yet: empty)."""
-    empty = GroupPages._checked(np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64))
-    return {name: lease.pages.get(name, empty) for name in lender.layout.groups}
-
-
-def _merged(a: GroupPages, b: GroupPages | None) -> GroupPages:
-    """The rows of both (disjoint), sorted by token page."""
-    if b is None or not len(b):
-        return a
-    tokens = np.concatenate([a.token_pages, b.token_pages])
-    order = np.argsort(tokens, kind="stable")
-    return GroupPages._checked(tokens[order], np.concatenate([a.ordinals, b.ordinals])[order])
-
-
-def _unique(values: np.ndarray) -> np.ndarray:
-    """Sorted unique values: ``np.unique`` without its fixed cost (a lease's tables are short)."""
-    if values.size < 2:
-        return values
-    out = np.sort(values)
-    keep = np.empty(out.size, dtype=bool)
-    keep[0] = True
-    np.not_equal(out[1:], out[:-1], out=keep[1:])
-    return out if keep.all() else out[keep]
+        return lease

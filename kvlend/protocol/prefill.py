@@ -11,7 +11,7 @@ whose reader went quiet.  Every timing decision is made here with the time
 passed in.
 
 A lease the engine releases after its offer went out may be under a reader's
-one-sided reads: its pages stay locked (``Lender.release(hold=True)``) until
+one-sided reads: its pages stay locked (``Lender.release`` holds them) until
 that reader is quiet (its ``Abort`` or ``Done`` for the lease, or its ``Bye``:
 a decode fails every fetch of a link before saying goodbye) or the lease
 expires, and only then does ``LeaseEnded`` tell the engine, so no read a
@@ -43,12 +43,10 @@ lines (``printable``).
 from __future__ import annotations
 
 import logging
-import math
-from dataclasses import dataclass, field
 from typing import Any, Iterator, Mapping
 
 from ..core.layout import PageLayout, RowSelection
-from ..core.lender import Lease, Lender
+from ..core.lender import NO_OPTIONS, Lease, Lender, LendOptions
 from ..core.text import printable
 from ..errors import (
     AuthError,
@@ -61,14 +59,13 @@ from ..errors import (
     QuotaExceeded,
     UsageError,
 )
-from . import states
 from .actions import ClaimWaits, Close, LeaseEnded, Outbox, PeerGone, PeerReady, Send
 from .budget import Handshakes, Share, Strikes
 from .codes import Code, code_of, detail_of
 from .config import NodeConfig
 from .connection import AUTH_TIMEOUT, Connection
 from .negotiations import Negotiations
-from .prefill_loans import Loans
+from .prefill_peer import REFUSED_KEPT, Goodbye, Peer, peer_layout, remember
 from .states import LoanEvent, LoanState, PeerEvent, PeerState
 from .ticket import Ticket
 from .wire import (
@@ -91,46 +88,24 @@ log = logging.getLogger("kvlend.session")
 _REASON = 4000  # characters of a reason sent to a peer
 MAX_PENDING = 256  # connections not yet authenticated, in all
 MAX_PENDING_PER_SOURCE = 32  # ... from one address
-LOG_EVERY = 10.0  # seconds between a peer's summary lines about its heartbeats
 _NOTHING = Share(0, 0)  # a held connection's share of a turn
-REFUSED_KEPT = 64  # a peer's latest claims of ids nobody lent, that a heartbeat racing their refusal may name
-
-
-@dataclass(eq=False)
-class _Peer:
-    conn: Connection
-    source: str | None = None  # the address it connected from
-    layout: PageLayout | None = None  # set once the layouts were exchanged
-    layout_by: float = math.inf  # once authenticated: when its layout must have come
-    named: dict[bytes, None] = field(default_factory=dict)  # ids it claimed or was offered, newest last (capped)
-    log_after: float = -math.inf  # its next heartbeat summary line, no earlier
-    unlogged: int = 0  # heartbeats with something to say since its last line
-    refused_until: float | None = None  # its layout was refused: it may decline leases until then
-    banned: str | None = None  # refused: its identity is in its backoff; its bye waits until refused_until
-    strikes: Strikes | None = None  # its wasted messages (``budget``), once authenticated
-    refused: dict[bytes, None] = field(default_factory=dict)  # ids nobody lent it claimed lately (capped)
-    state: PeerState | None = None  # changed only by ``PrefillSession._peer_to``
-
-    @property
-    def name(self) -> str | None:
-        return self.conn.peer if self.conn.ready else None
 
 
 class PrefillSession(Outbox):
     """Lends ``layout``'s pages to authenticated decode ranks."""
 
     def __init__(self, layout: PageLayout, backend_kind: str, metadata: bytes, *,
-                 name: str = "prefill", config: NodeConfig = NodeConfig(), lender: Lender | None = None) -> None:
+                 name: str = "prefill", config: NodeConfig = NodeConfig()) -> None:
         self.layout = layout
         self.name = name
         self.config = config
-        self.lender = lender or Lender(layout)
+        self.lender = Lender(layout)
         self._limits = config.quotas.lease_limits
         self._kind = backend_kind
         self._metadata = metadata
-        self._peers: dict[int, _Peer] = {}
+        self._peers: dict[int, Peer] = {}
         self._by_name: dict[str, int] = {}  # ready peers
-        self._loans = Loans()  # what we know of each lease beside the lender: one state each (``Loans.to``)
+        self._loans = self.lender.loans  # each lease's one record, the lender's: we move only who reads it
         self._waiting = self._loans.waiting  # claims of leases not yet lent, in deadline order
         quotas = config.quotas
         self._handshakes = Handshakes(quotas.handshake_backoff, quotas.max_handshake_backoff)
@@ -152,8 +127,8 @@ class PrefillSession(Outbox):
                         printable(source), len(pending), from_source)
             self._actions.append(Close(conn, "too many connections not yet authenticated"))
             return
-        self._peers[conn] = peer = _Peer(Connection(now, AUTH_TIMEOUT), source)
-        self._peer_to(peer, PeerEvent.ACCEPT)
+        self._peers[conn] = peer = Peer(Connection(now, AUTH_TIMEOUT), source)
+        peer.to(PeerEvent.ACCEPT)
 
     def authenticated(self, conn: int, identity: str, now: float) -> None:
         """The channel verified that connection ``conn``'s peer holds a certificate for ``identity``.
@@ -176,7 +151,7 @@ class PrefillSession(Outbox):
             self._drop(conn, detail_of(exc), code=code_of(exc))  # the bye's code: the decode raises the same
             return
         self._by_name[identity] = conn
-        self._peer_to(peer, PeerEvent.AUTHENTICATED)
+        peer.to(PeerEvent.AUTHENTICATED)
         peer.layout_by = now + self.config.handshake_timeout  # or it holds its identity's slot for nothing
         peer.strikes = Strikes(self.config.quotas.max_strikes, self.config.quotas.strike_forgiven)
         log.debug("control: connection %d authenticated as %s", conn, printable(identity))
@@ -202,7 +177,7 @@ class PrefillSession(Outbox):
                 self._handle(conn, peer, message, now)
             if error is not None and conn in self._peers:
                 raise error
-        except _Goodbye as bye:
+        except Goodbye as bye:
             self._drop(conn, f"said bye: {bye}", logging.INFO, quiet=True)
         except KvlendError as exc:  # for cause: its identity waits before it may connect again
             backoff = self._handshakes.dropped(peer.name, now) if peer.name is not None else 0.0
@@ -217,12 +192,12 @@ class PrefillSession(Outbox):
         cut.update((conn, _NOTHING) for conn, peer in self._peers.items() if peer.banned is not None)
         return cut
 
-    def _hold(self, peer: _Peer, why: str, now: float) -> None:
+    def _hold(self, peer: Peer, why: str, now: float) -> None:
         """Refuse an identity in its backoff after holding its connection, unread, until the backoff passes
         (``AUTH_TIMEOUT`` at most): a peer that waits for its answer reconnects no faster, and one that does
         not wait holds one of its address's ``MAX_PENDING_PER_SOURCE`` slots meanwhile."""
-        self._peer_to(peer, PeerEvent.AUTHENTICATED)
-        self._peer_to(peer, PeerEvent.REFUSE)
+        peer.to(PeerEvent.AUTHENTICATED)
+        peer.to(PeerEvent.REFUSE)
         peer.banned = why
         assert peer.name is not None  # authenticated
         peer.refused_until = now + min(AUTH_TIMEOUT, self._handshakes.left(peer.name, now))
@@ -242,43 +217,40 @@ class PrefillSession(Outbox):
 
     # ---------------------------------------------------------------- engine
     def lend(self, request: str, num_tokens: int, pages: Mapping[str, Any], selection: RowSelection,
-             now: float, *, meta: Mapping[str, Any] | None = None, peer: str | None = None,
-             lease_id: bytes | None = None, ready: int | None = None, prompt_digest: bytes | None = None) -> Lease:
+             now: float, options: LendOptions = NO_OPTIONS, *, peer: str | None = None) -> Lease:
         """Lend ``request``'s pages; with ``peer`` None any decode may claim it through a ticket.
 
-        ``lease_id``: the id of a ticket minted before the lend (a claim already waiting is answered now).
-        ``ready``: lend progressively (see ``Lender.lend``); ``extend`` lends the rest.  Such a lease has
-        ``config.progressive_ttl`` once claimed or offered (``NodeConfig.lease_ttl``).
-        ``prompt_digest``: ``prompt_digest`` of the request's prompt: only a claim for the same prompt reads it.
+        ``options`` (``LendOptions``) go to the lender as they are.  ``lease_id``: the id of a ticket minted
+        before the lend (a claim already waiting is answered now).  ``ready``: lend progressively (see
+        ``Lender.lend``); ``extend`` lends the rest.  Such a lease has ``config.progressive_ttl`` once claimed
+        or offered (``NodeConfig.lease_ttl``).  ``prompt_digest``: only a claim for the same prompt reads it.
         ``QuotaExceeded`` (nothing lent) past ``max_num_tokens``, or past ``peer``'s lease or page quota.
         """
-        meta = check_offer(request, meta or {})  # what the decode would refuse must not take locks
-        lease = self.lender.lend(request, num_tokens, pages, selection, now, self.config.lease_ttl(ready is not None),
-                                 peer=peer, limits=self._limits, lease_id=lease_id, ready=ready,
-                                 prompt_digest=prompt_digest, wait=self.config.ttl)
-        waiting = self._waiting.get(lease.id)
+        check_offer(request, options.meta)  # what the decode would refuse must not take locks
+        waiting = None if options.lease_id is None else self._waiting.get(options.lease_id)
         conn, digest = (None, b"") if waiting is None else (waiting.reader, waiting.digest)
-        self._loans.to(lease.id, LoanEvent.LEND, meta=meta)
+        lease = self.lender.lend(request, num_tokens, pages, selection, now,
+                                 self.config.lease_ttl(options.ready is not None), peer=peer, limits=self._limits,
+                                 options=options, wait=self.config.ttl)
         if conn is not None:
             self._claim(self._peers[conn], lease.id, digest, now)
         return lease
 
     def offer(self, peer: str, request: str, num_tokens: int, pages: Mapping[str, Any],
-              selection: RowSelection, now: float, *, meta: Mapping[str, Any] | None = None,
-              ready: int | None = None) -> Lease:
+              selection: RowSelection, now: float, options: LendOptions = NO_OPTIONS) -> Lease:
         """Lend to a connected ``peer`` and push the offer to it."""
         conn = self._by_name.get(peer)
         if conn is None or self._peers[conn].state is not PeerState.READY:
             raise PeerLost(f"decode rank {peer!r} is not connected")
-        lease = self.lend(request, num_tokens, pages, selection, now, meta=meta, peer=peer, ready=ready)
+        lease = self.lend(request, num_tokens, pages, selection, now, options, peer=peer)
         offer = self._offer_of(lease)
         try:
             self._peers[conn].conn.send(Offer(offer))
         except UsageError:  # too large to frame: nothing was queued
             self._end(lease.id, "aborted")
             raise
-        self._loans.to(lease.id, LoanEvent.OFFER, reader=conn)
-        _remember(self._peers[conn].named, lease.id, self.config.quotas.max_heartbeat_ids)
+        self.lender.offered(lease.id, conn)
+        remember(self._peers[conn].named, lease.id, self.config.quotas.max_heartbeat_ids)
         return lease
 
     def extend(self, lease_id: bytes, ready: int, pages: Mapping[str, Any], now: float, *,
@@ -287,11 +259,10 @@ class PrefillSession(Outbox):
         the offer, is told at once (``Extend``, pushed: no polling round trip).  ``meta`` updates the
         offer's engine data (the first generated token, say, once the last chunk is done)."""
         meta = check_offer("", meta or {})  # what the decode would refuse must not take locks
-        loaned = self._loans.lent(lease_id)
-        merged = None if loaned is None or not meta else check_offer("", {**loaned.meta, **meta})
-        lease, added = self.lender.extend(lease_id, ready, pages, now, self._limits)
-        if loaned is not None and merged is not None:
-            loaned.meta = merged  # an offer made later (a claim) carries it whole
+        loaned = self._loans.live(lease_id)
+        if loaned is not None and meta:
+            check_offer("", {**loaned.meta, **meta})  # an offer made later (a claim) carries it whole
+        lease, added = self.lender.extend(lease_id, ready, pages, now, self._limits, meta)
         conn = None if loaned is None else loaned.reader
         if conn is not None and conn in self._peers:  # a reader that has the offer; a later claim gets it all
             self._peers[conn].conn.send(Extend(lease.id, lease.ready, added, meta))
@@ -313,13 +284,9 @@ class PrefillSession(Outbox):
         ``LeaseEnded`` says when its pages may be reused: at once if its offer never went out (or
         its reader said goodbye since), else once its reader is quiet or it expires (module doc).
         """
-        loaned = self._loans.lent(lease_id)
-        reader = None if loaned is None else loaned.reader
-        lease = self.lender.release(lease_id, hold=reader is not None)
+        lease = self.lender.release(lease_id)  # held for its reader, if its offer went out
         if lease is not None:
-            if loaned is not None:
-                self._loans.to(lease_id, LoanEvent.RELEASE)  # held for its reader, if its offer went out
-            if reader is None:
+            if self._loans.state_of(lease_id) is not LoanState.HELD:
                 self._events.append(LeaseEnded(lease, "released"))
             conn = self._by_name.get(lease.peer) if lease.peer is not None else None
             if conn is not None:
@@ -363,12 +330,10 @@ class PrefillSession(Outbox):
             self._loans.to(lease_id, LoanEvent.TIMEOUT)
             self._peers[reader].conn.send(Abort.of(lease_id, LeaseUnknown(
                 f"lease {lease_id.hex()} was not lent within claim_wait {self.config.claim_wait:.3g} s")))
-        for lease in self.lender.expire(now):
-            loan = self._loans.get(lease.id)
-            state, reader = (None, None) if loan is None else (loan.state, loan.reader)
-            if state in (LoanState.LENT, LoanState.OFFERED, LoanState.HELD):
-                self._loans.to(lease.id, LoanEvent.EXPIRE)
-            if state is LoanState.HELD:
+        for loan in self.lender.expire_loans(now):
+            lease, reader = loan.lease, loan.reader
+            assert lease is not None  # lent, offered or held
+            if loan.state is LoanState.HELD:
                 self._events.append(LeaseEnded(lease, "released"))
                 if reader in self._peers:  # told the lease ended, it kept silent for a whole ttl
                     self._drop(reader, f"it never said it was quiet after lease {lease.hex} of request "
@@ -399,7 +364,7 @@ class PrefillSession(Outbox):
         return ((conn, peer.conn) for conn, peer in self._peers.items())
 
     # -------------------------------------------------------------- handling
-    def _handle(self, conn: int, peer: _Peer, message: Message, now: float) -> None:
+    def _handle(self, conn: int, peer: Peer, message: Message, now: float) -> None:
         name = peer.name
         assert name is not None  # authenticated: it sends messages
         if peer.banned is not None:
@@ -412,7 +377,7 @@ class PrefillSession(Outbox):
             peer.conn.send(Renewed(self._heartbeat(peer, message.leases, now)))
         elif isinstance(message, Claim):
             if not self._claim(peer, message.lease, message.digest, now, conn):
-                self._strike(peer, now, f"claimed lease {message.lease.hex()}, which nobody lent")
+                peer.strike(now, f"claimed lease {message.lease.hex()}, which nobody lent")
         elif isinstance(message, Done):
             self._settle(message.lease, conn)  # a held lease's reader is done reading it
             try:
@@ -432,11 +397,11 @@ class PrefillSession(Outbox):
             log.info("lease %s aborted by %s: %s", message.lease.hex(), printable(name), printable(message.detail))
             self._end(message.lease, "aborted")
         elif isinstance(message, Bye):
-            raise _Goodbye(message.detail)
+            raise Goodbye(message.detail)
         else:
             raise PeerProtocolError(f"unexpected {message.TYPE} from decode rank {name}")
 
-    def _heartbeat(self, peer: _Peer, leases: tuple[bytes, ...], now: float) -> tuple[bytes, ...]:
+    def _heartbeat(self, peer: Peer, leases: tuple[bytes, ...], now: float) -> tuple[bytes, ...]:
         """Renew what ``peer`` holds of ``leases``; nothing if it names more than ``max_heartbeat_ids``.
 
         ``LeaseDenied`` (the peer is dropped) if it names a lease it never claimed nor was offered that the
@@ -447,18 +412,18 @@ class PrefillSession(Outbox):
         assert name is not None  # ready
         cap = self.config.quotas.max_heartbeat_ids
         if not leases:
-            self._strike(peer, now, "sent an empty heartbeat")
+            peer.strike(now, "sent an empty heartbeat")
             return ()
         if len(leases) > cap:
             exc = QuotaExceeded("max_heartbeat_ids", len(leases), cap, "a heartbeat naming lease ids:")
-            self._summary(peer, now, logging.WARNING, f"refused, nothing renewed: {exc}")
+            peer.summary(now, logging.WARNING, f"refused, nothing renewed: {exc}")
             return ()
         for lease_id in leases:
             if lease_id not in peer.named and not self._holds(lease_id, name, now):
                 if lease_id not in peer.refused:
                     raise LeaseDenied(f"a heartbeat named lease {lease_id.hex()}, which {name!r} never claimed nor "
                                       "was offered")
-                self._strike(peer, now, f"named lease {lease_id.hex()}, which nobody lent, in a heartbeat")
+                peer.strike(now, f"named lease {lease_id.hex()}, which nobody lent, in a heartbeat")
                 return ()  # one racing its claim's refusal; a stream of them is a flood
         renewed, refused = [], []
         for lease_id in leases:
@@ -469,7 +434,7 @@ class PrefillSession(Outbox):
             except KvlendError as exc:
                 refused.append(exc)
         if refused:
-            self._summary(peer, now, logging.INFO,
+            peer.summary(now, logging.INFO,
                           f"{len(refused)} of {len(leases)} leases not renewed, the first: {refused[0]}")
         return tuple(renewed)
 
@@ -490,26 +455,7 @@ class PrefillSession(Outbox):
             raise LeaseDenied(f"lease {lease.hex} is a ticket's that no decode claimed yet: claim it first")
         return lease
 
-    def _summary(self, peer: _Peer, now: float, level: int, text: str, what: str = "heartbeat from",
-                 counted: str = "heartbeats with something to say") -> None:
-        """One line about ``peer``'s refused messages, unless it had one less than ``LOG_EVERY`` s ago."""
-        if now < peer.log_after:
-            peer.unlogged += 1
-            return
-        more = f" ({peer.unlogged} more {counted} since the last line)" if peer.unlogged else ""
-        log.log(level, "%s %s: %s%s", what, printable(peer.name), printable(text, 1000), more)
-        peer.log_after, peer.unlogged = now + LOG_EVERY, 0
-
-    def _strike(self, peer: _Peer, now: float, what: str) -> None:
-        """``peer`` sent what no honest decode sends: throttled, and past ``max_strikes`` dropped."""
-        assert peer.strikes is not None  # authenticated
-        if peer.strikes.strike(now):
-            quotas = self.config.quotas
-            raise QuotaExceeded("max_strikes", math.ceil(peer.strikes.count), quotas.max_strikes,
-                                f"it {what}; messages no decode needs (one forgiven every "
-                                f"{quotas.strike_forgiven:.3g} s):")
-
-    def _handshake(self, conn: int, peer: _Peer, message: Message, now: float) -> None:
+    def _handshake(self, conn: int, peer: Peer, message: Message, now: float) -> None:
         layout = peer_layout(message, self._kind)
         assert isinstance(message, Handshake) and peer.name is not None  # checked by peer_layout; authenticated
         try:
@@ -523,38 +469,38 @@ class PrefillSession(Outbox):
             # declines the leases it came for; its identity is free for another connection meanwhile.
             peer.conn.send(Handshake(self.layout.without_addresses().encode(), self._kind, b""))
             peer.refused_until = now + AUTH_TIMEOUT
-            self._peer_to(peer, PeerEvent.REFUSE)
+            peer.to(PeerEvent.REFUSE)
             del self._by_name[peer.name]
             log.warning("refused decode rank %s: %s", printable(peer.name), printable(exc, _REASON))
             return
         peer.conn.send(Handshake(self.layout.encode(), self._kind, self._metadata))
         peer.layout = layout
-        self._peer_to(peer, PeerEvent.LAYOUT)
+        peer.to(PeerEvent.LAYOUT)
         log.info("handshake with %s: %s", printable(peer.name), negotiated.line)
         self._events.append(PeerReady(conn, peer.name))
 
-    def _declined(self, peer: _Peer, message: Message, now: float) -> None:
+    def _declined(self, peer: Peer, message: Message, now: float) -> None:
         """A decode whose layout we refused claims the leases it came for, to give them back, then leaves.
 
         Checked as any claim (a lease offered to another peer stays); granted, it ends the lease at once.
         """
         if isinstance(message, Bye):
-            raise _Goodbye(message.detail)
+            raise Goodbye(message.detail)
         if not isinstance(message, Claim):
             raise PeerProtocolError(f"unexpected {message.TYPE} from decode rank {peer.name}, whose layout was refused")
         assert peer.name is not None  # authenticated
         try:
             self.lender.claim(message.lease, peer.name, now, self._limits, prompt_digest=message.digest or None)
         except KvlendError as exc:
-            self._summary(peer, now, logging.INFO, f"decline of lease {message.lease.hex()} refused: {exc}",
+            peer.summary(now, logging.INFO, f"decline of lease {message.lease.hex()} refused: {exc}",
                           "declines from", "refused declines")
             if not self.lender.known(message.lease):
-                self._strike(peer, now, f"declined lease {message.lease.hex()}, which nobody lent")
+                peer.strike(now, f"declined lease {message.lease.hex()}, which nobody lent")
             return
         log.info("lease %s declined by %s: it cannot read our layout", message.lease.hex(), printable(peer.name))
         self._end(message.lease, "aborted")
 
-    def _claim(self, peer: _Peer, lease_id: bytes, digest: bytes, now: float, conn: int | None = None) -> bool:
+    def _claim(self, peer: Peer, lease_id: bytes, digest: bytes, now: float, conn: int | None = None) -> bool:
         """Bind a ticket's lease to this peer and send its offer, renewed from now, if ``digest`` is its prompt's.
 
         A lease never lent (yet) waits up to ``claim_wait`` for the lend when ``conn`` is given,
@@ -570,49 +516,41 @@ class PrefillSession(Outbox):
                     and self._loans.waiting_count(conn) < self.config.quotas.max_leases_per_peer):
                 self._loans.to(lease_id, LoanEvent.WAIT, reader=conn, deadline=now + self.config.claim_wait,
                               digest=digest)
-                _remember(peer.named, lease_id, cap)
+                remember(peer.named, lease_id, cap)
                 self._events.append(ClaimWaits(lease_id))
                 return True
         try:
             # LeaseExpired, LeaseUnknown, LeaseDenied (PromptMismatch), or QuotaExceeded (the peer's, or the lifetime)
             lease = self.lender.claim(lease_id, peer.name, now, self._limits, prompt_digest=digest or None)
         except KvlendError as exc:
-            self._summary(peer, now, logging.INFO, f"claim of lease {lease_id.hex()} refused: {exc}", "claims from",
+            peer.summary(now, logging.INFO, f"claim of lease {lease_id.hex()} refused: {exc}", "claims from",
                           "refused claims or heartbeats")
             peer.conn.send(Abort.of(lease_id, exc))
             if not known:  # a heartbeat racing this refusal may name it (a strike); its id is never nameable
-                _remember(peer.refused, lease_id, REFUSED_KEPT)
+                remember(peer.refused, lease_id, REFUSED_KEPT)
             return known
-        _remember(peer.named, lease_id, cap)
+        remember(peer.named, lease_id, cap)
         peer.conn.send(Offer(self._offer_of(lease)))
-        if self._loans.lent(lease_id) is not None:
-            self._loans.to(lease_id, LoanEvent.OFFER, reader=self._by_name.get(peer.name))
+        self.lender.offered(lease_id, self._by_name.get(peer.name))
         return True
 
     def _offer_of(self, lease: Lease) -> LeaseOffer:
-        loaned = self._loans.get(lease.id)  # a lease lent through a shared lender has no meta of ours
         return LeaseOffer(lease.id, lease.request, lease.num_tokens, lease.pages, lease.selection, lease.ttl,
-                          loaned.meta if loaned is not None else {}, lease.ready)
-
-    @staticmethod
-    def _peer_to(peer: _Peer, event: PeerEvent) -> None:
-        """The one place a peer's state changes: checked against ``states.PEER``."""
-        peer.state = states.transition("peer", peer.state, event)
+                          self._loans.all[lease.id].meta, lease.ready)
 
     def _settle(self, lease_id: bytes, conn: int) -> bool:
         """Whether ``lease_id`` was held for its reader on ``conn``, now quiet: its pages go."""
         loan = self._loans.get(lease_id)
         if loan is None or loan.state is not LoanState.HELD or loan.reader != conn:
             return False
-        self._loans.to(lease_id, LoanEvent.SETTLE)
-        self._events.append(LeaseEnded(self.lender.settle(lease_id), "released"))
+        settled = self.lender.settle(lease_id)
+        assert settled is not None  # held
+        self._events.append(LeaseEnded(settled, "released"))
         return True
 
     def _end(self, lease_id: bytes, reason: str) -> None:
-        lease = self.lender.release(lease_id)
+        lease = self.lender.end(lease_id)
         if lease is not None:
-            if self._loans.lent(lease_id) is not None:
-                self._loans.to(lease_id, LoanEvent.END)
             self._events.append(LeaseEnded(lease, reason))
 
     def _drop(self, conn: int, why: str, level: int = logging.WARNING, notify: bool = True,
@@ -625,12 +563,9 @@ class PrefillSession(Outbox):
         leases held for it go now, and a later release of one offered on it need not wait.
         """
         peer = self._peers.pop(conn)
-        self._peer_to(peer, PeerEvent.CLOSE)
+        peer.to(PeerEvent.CLOSE)
         if quiet:
-            for lease_id in [i for i, loan in self._loans.by_state[LoanState.HELD].items() if loan.reader == conn]:
-                self._settle(lease_id, conn)
-            for lease_id in [i for i, loan in self._loans.by_state[LoanState.OFFERED].items() if loan.reader == conn]:
-                self._loans.to(lease_id, LoanEvent.BYE)
+            self._events.extend(LeaseEnded(lease, "released") for lease in self.lender.quiet(conn))
         for lease_id in self._loans.waiting_on(conn):
             self._loans.to(lease_id, LoanEvent.CLOSE)
         name = peer.name
@@ -645,25 +580,3 @@ class PrefillSession(Outbox):
             self._actions.append(Send(conn, data))
         self._actions.append(Close(conn, why))
         self._events.append(PeerGone(conn, name, why))
-
-
-def _remember(ids: dict[bytes, None], lease_id: bytes, cap: int) -> None:
-    """Keep ``lease_id`` in ``ids``, newest last (the oldest of more than ``cap`` is forgotten): in a peer's
-    ``named``, it may name it in its heartbeats (a lease it still holds stays nameable through the lender)."""
-    ids.pop(lease_id, None)
-    ids[lease_id] = None
-    if len(ids) > cap:
-        del ids[next(iter(ids))]
-
-
-class _Goodbye(KvlendError):
-    """A peer closed the channel in order."""
-
-
-def peer_layout(message: Message, backend_kind: str) -> PageLayout:
-    """The layout a peer's handshake carries, after checking it is one and the backends match."""
-    if not isinstance(message, Handshake):
-        raise PeerProtocolError(f"expected handshake, got {message.TYPE}")
-    if message.backend != backend_kind:
-        raise PeerProtocolError(f"peer uses transfer backend {message.backend!r}, we use {backend_kind!r}")
-    return message.page_layout()

@@ -1,11 +1,11 @@
 """The sessions' state machines: one state field per object, one table of legal moves each.
 
 As h11's ``_state.py``: each table maps ``(state, event)`` to the next state, and
-every change of a state field goes through ``transition``, which refuses a pair
+every change of a state field goes through ``transition`` (``core.tables``), which refuses a pair
 the table lacks (``IllegalTransition``: a bug in the session, never a peer's doing;
 peers' mistakes are ``PeerProtocolError`` before any transition is tried).
 ``None`` as a state is "not yet created": the events from it are the ways an object
-begins.  ``markdown()`` renders every table for docs/design.md.
+begins.  ``markdown()`` renders every table (the lender's ``loan`` too) for docs/design.md.
 
 A fetch (``DecodeSession``): claim a ticket's lease (or take a pushed offer), read,
 send ``Done``, take the ack.  A failure cancels the reads still in flight and the
@@ -18,7 +18,7 @@ before any lease moves; a refused peer may only give its leases back and leave.
 
 A lease on a link (``DecodeSession``, apart from a fetch reading it): claimed ahead of
 its fetch, held once answered, pushed, refused, or given back; ``gone`` is forgotten.
-A loan (``PrefillSession``, beside the lender's record): a claim waiting for its lend,
+A loan (the ``Lender``'s one record of a lease, ``core.loans``): a claim waiting for its lend,
 lent, offered on a connection, or released but held until that reader is quiet.
 """
 
@@ -27,10 +27,13 @@ from __future__ import annotations
 from enum import Enum
 from typing import Mapping, TypeVar
 
+from ..core import tables
+from ..core.loans import LOAN, LoanEvent, LoanState  # the lender's table, re-exported with the sessions'
+from ..core.tables import TABLES, IllegalTransition, label
 
-class IllegalTransition(RuntimeError):
-    """A session tried a move its table does not have: a bug in kvlend (not a ``KvlendError``, so no
-    handler mistakes it for a peer's failure)."""
+__all__ = ["FETCH", "LEASE", "LINK", "LOAN", "PEER", "TABLES", "TERMINAL", "FetchEvent", "FetchState",
+           "IllegalTransition", "LeaseEvent", "LeaseState", "LinkEvent", "LinkState", "LoanEvent", "LoanState",
+           "PeerEvent", "PeerState", "markdown", "transition"]
 
 
 class FetchState(str, Enum):
@@ -196,70 +199,25 @@ LEASE: Mapping[tuple[LeaseState | None, LeaseEvent], LeaseState] = {
 }
 del S, E
 
-class LoanState(str, Enum):
-    """A lease as a prefill's session knows it beside the lender's record."""
-
-    WAITING = "waiting"  # a claim came before the lend: it waits up to claim_wait
-    LENT = "lent"  # lent; no reader has its offer
-    OFFERED = "offered"  # its offer went out on a connection: extensions follow it, a release waits for that reader
-    HELD = "held"  # released under its reader: its pages stay locked until that reader is quiet or it expires
-    GONE = "gone"  # forgotten: ended, expired, or its waiting claim timed out or left
-
-
-class LoanEvent(str, Enum):
-    WAIT = "wait"  # a claim of an id not lent yet
-    LEND = "lend"  # the engine lends it (answering a waiting claim, if any)
-    OFFER = "offer"  # its offer goes out: pushed, or a claim's answer
-    BYE = "bye"  # its reader said goodbye: it counts no read made over that connection
-    RELEASE = "release"  # the engine releases it
-    SETTLE = "settle"  # its reader is quiet (its Done, Abort or Bye)
-    END = "end"  # done, aborted, declined, or its offer could not be sent
-    EXPIRE = "expire"
-    TIMEOUT = "timeout"  # claim_wait ran out before the lend
-    CLOSE = "close"  # the waiting claim's connection closed
-
-
-S, E = LoanState, LoanEvent
-LOAN: Mapping[tuple[LoanState | None, LoanEvent], LoanState] = {
-    (None, E.WAIT): S.WAITING,
-    (None, E.LEND): S.LENT,
-    (S.WAITING, E.LEND): S.LENT,
-    (S.WAITING, E.TIMEOUT): S.GONE,
-    (S.WAITING, E.CLOSE): S.GONE,
-    (S.LENT, E.OFFER): S.OFFERED,
-    (S.OFFERED, E.OFFER): S.OFFERED,  # claimed again: extensions follow the newest offer
-    (S.OFFERED, E.BYE): S.LENT,
-    (S.LENT, E.RELEASE): S.GONE,  # no reader: its pages go at once
-    (S.OFFERED, E.RELEASE): S.HELD,
-    (S.HELD, E.SETTLE): S.GONE,
-    (S.HELD, E.EXPIRE): S.GONE,
-    **{(state, event): S.GONE for state in (S.LENT, S.OFFERED) for event in (E.END, E.EXPIRE)},
-}
-del S, E
-
-TABLES: dict[str, Mapping] = {"fetch": FETCH, "link": LINK, "peer": PEER, "lease": LEASE, "loan": LOAN}
-
+for _name, _table in (("fetch", FETCH), ("link", LINK), ("peer", PEER), ("lease", LEASE), ("loan", LOAN)):
+    tables.register(_name, _table)
+del _name, _table
 
 _State = TypeVar("_State", bound=Enum)
 
 
 def transition(name: str, state: _State | None, event: Enum) -> _State:
-    """The state ``event`` moves an object of table ``name`` to from ``state``; ``IllegalTransition``
-    if the table has no such move."""
-    try:
-        return TABLES[name][state, event]
-    except KeyError:
-        raise IllegalTransition(f"{name}: no transition from {_label(state)} on {_label(event)}") from None
+    """The state ``event`` moves an object of table ``name`` to from ``state`` (``IllegalTransition`` if
+    the table has no such move): ``core.tables.transition``, looked up at each call, so that replacing it
+    (as the stateful tests do to record every move) sees the sessions' moves and the lender's alike."""
+    return tables.transition(name, state, event)
 
 
 def markdown() -> str:
     """Every table as Markdown: one section per table, one row per legal move."""
     parts = []
     for name, table in TABLES.items():
-        rows = [f"| {_label(state)} | {_label(event)} | {_label(after)} |" for (state, event), after in table.items()]
+        rows = [f"| {label(state)} | {label(event)} | {label(after)} |" for (state, event), after in table.items()]
         parts.append("\n".join([f"### {name}", "", "| state | event | next state |", "|---|---|---|", *rows]))
     return "\n\n".join(parts) + "\n"
 
-
-def _label(value: Enum | None) -> str:
-    return "(new)" if value is None else f"`{value.value}`"

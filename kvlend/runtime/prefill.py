@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any, Callable, Mapping
 from ..cluster.records import RankRecord
 from ..cluster.view import JOINED, LEFT, Change
 from ..core.layout import PageLayout, RowSelection
-from ..core.lender import Lease
+from ..core.lender import Lease, LendOptions
 from ..core.negotiate import negotiate
 from ..core.text import printable
 from ..errors import ConfigError, KvlendError
@@ -127,8 +127,8 @@ class PrefillNode(Shell):
         """Lend ``request``'s pages to the connected decode rank ``peer`` and push it the offer
         (``ready``: progressively, as in ``lend``)."""
         with self._lock:
-            lease = self.session.offer(peer, request, num_tokens, pages, selection, self.clock(), meta=meta,
-                                       ready=ready)
+            lease = self.session.offer(peer, request, num_tokens, pages, selection, self.clock(),
+                                       LendOptions(ready=ready, meta=meta or {}))
         METRICS.inc("kvlend_leases_total")
         log.debug("lease %s: offered request %s (%d pages) to %s", lease.hex, printable(request), lease.num_pages,
                   printable(peer))
@@ -151,8 +151,8 @@ class PrefillNode(Shell):
         ``ready`` tokens now (rows past them may hold -1), the rest by ``extend`` as chunks commit.
         """
         with self._lock:
-            lease = self.session.lend(request, num_tokens, pages, selection, self.clock(), meta=meta,
-                                      lease_id=lease_id, ready=ready, prompt_digest=prompt_digest)
+            options = LendOptions(lease_id=lease_id, ready=ready, prompt_digest=prompt_digest, meta=meta or {})
+            lease = self.session.lend(request, num_tokens, pages, selection, self.clock(), options)
             ticket = self.session.ticket(lease, self.advertise, self.port)
         METRICS.inc("kvlend_leases_total")
         self._wake()

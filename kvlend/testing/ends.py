@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any, Callable
 import numpy as np
 
 from ..core.layout import RowSelection
+from ..core.lease import LendOptions
 from ..errors import KvlendError
 from ..protocol.actions import FetchFinished, LeaseEnded, Offered
 from ..protocol.config import NodeConfig
@@ -110,7 +111,7 @@ class PrefillEnd:
              prompt_digest: bytes | None = None):
         """Fill and lend a request's pages (to a ticket: ``peer`` None); the lease.
 
-        ``ready``: lend progressively (``PrefillSession.lend(ready=)``): pages not yet wholly below
+        ``ready``: lend progressively (``LendOptions.ready``): pages not yet wholly below
         ``ready`` tokens (recurrent state: until final) hold ``UNCOMPUTED`` until ``extend`` commits them.
         """
         tables = self._tables(num_tokens, seed)
@@ -119,8 +120,7 @@ class PrefillEnd:
         try:
             lease = self.session.lend(request or f"req-{seed}", num_tokens, tables,
                                       selection or self.layout.full_selection(), self.now,
-                                      meta={"seed": seed}, peer=peer, lease_id=lease_id, ready=ready,
-                                      prompt_digest=prompt_digest)
+                                      LendOptions(lease_id, ready, prompt_digest, {"seed": seed}), peer=peer)
         except BaseException:
             self._free(tables)
             raise
@@ -139,8 +139,8 @@ class PrefillEnd:
             self._uncompute(tables, num_tokens, ready)
         try:
             lease = self.session.offer(peer, request or f"req-{seed}", num_tokens, tables,
-                                       selection or self.layout.full_selection(), self.now, meta={"seed": seed},
-                                       ready=ready)
+                                       selection or self.layout.full_selection(), self.now,
+                                       LendOptions(ready=ready, meta={"seed": seed}))
         except BaseException:
             self._free(tables)
             raise
