@@ -66,6 +66,7 @@ from .decode_claims import TicketClaims
 from .decode_link import PLAN_CACHE, PrefillLink, where
 from .decode_messages import PrefillMessages
 from .fetch import Fetch, Work, check_destination, clone_error, nbytes, plan_work, resume_point, timeout_arg
+from .inputs import Authenticated, Connected, Data, Gone, Input
 from .states import TERMINAL, FetchEvent, FetchState, LeaseEvent, LeaseState, LinkEvent, LinkState
 from .wire import Abort, Bye, Done, Handshake, Heartbeat, LeaseOffer, Message
 
@@ -124,6 +125,20 @@ class DecodeSession(TicketClaims, PrefillMessages, Outbox):
         """The link to ``host:port``, opened on first use and shared by every later fetch."""
         conn = self._by_endpoint.get((host, port))
         return conn if conn is not None else self.open(host, port, now)
+
+    def handle(self, event: Input, now: float) -> None:
+        """One record from the shell (``protocol.inputs``), to the call below that takes it."""
+        match event:
+            case Connected(conn, windowed):
+                self.connected(conn, now, windowed)
+            case Authenticated(conn, identity):
+                self.authenticated(conn, identity, now)
+            case Data(conn, messages, error):
+                self.deliver(conn, messages, error, now)
+            case Gone(conn, why, refused):
+                self.closed(conn, now, why, refused)
+            case _:
+                raise TypeError(f"a decode session takes no {type(event).__name__}: it listens to nobody")
 
     def connected(self, conn: int, now: float, windowed: bool = True) -> None:
         """The shell's connection for ``conn`` is up: its TLS handshake starts.  ``windowed``: its reads

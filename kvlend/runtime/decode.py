@@ -419,19 +419,6 @@ class DecodeNode(Shell):
         self._shutdown()
 
     # ------------------------------------------------------------------ loop
-    def _feed(self, accepted, up, authenticated, data, gone, now: float) -> None:
-        for sock in accepted:
-            sock.close()  # a decode listens to nobody
-        for conn in up:  # the tcp read window applies to links whose reads may go over tcp
-            windowed = getattr(self.backend, "read_window_local", True) or not self._sockets.same_host(conn)
-            self.session.connected(conn, now, windowed=windowed)
-        for conn, identity in authenticated:
-            self.session.authenticated(conn, identity, now)
-        for conn, messages, error in data:
-            self.session.deliver(conn, messages, error, now)
-        for conn, why, refused in gone:
-            self.session.closed(conn, now, why, refused)
-
     def _read_done(self, tag: bytes, error: KvlendError | None, now: float) -> None:
         self.session.completed(tag, error, now)
 

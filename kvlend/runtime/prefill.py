@@ -28,6 +28,7 @@ from ..errors import ConfigError, KvlendError
 from ..metrics import METRICS
 from ..protocol.actions import ClaimWaits, LeaseEnded, PeerGone, PeerReady
 from ..protocol.config import NodeConfig
+from ..protocol.inputs import Data, Input
 from ..protocol.prefill import PrefillSession
 from ..protocol.ticket import Ticket, host_problem
 from ..protocol.wire import Handshake
@@ -49,6 +50,7 @@ def _reads(local: PageLayout, remote: PageLayout) -> bool:
         return True
     except KvlendError:
         return False
+
 
 _TARGET_PROGRESS = 0.002  # seconds between backend polls while leases are live (a reader's first read needs it)
 
@@ -105,7 +107,6 @@ class PrefillNode(Shell):
             raise
         self.session = PrefillSession(layout, backend.kind, backend.metadata(), name=self.name, config=config)
         self.lender = self.session.lender
-        self._next_conn = 0
         self._departed: set[str] = set()  # decodes whose record left while still connected
         if registry is not None:
             try:
@@ -259,33 +260,19 @@ class PrefillNode(Shell):
     def _busy(self) -> float | None:
         return _TARGET_PROGRESS if self.lender.active_leases else None
 
-    def _prepare(self, data: list) -> None:
+    def _prepare(self, inputs: list[Input]) -> None:
         """Negotiate a decode's layout off the node's lock, unless cached or its identity may not ask now (the
         session refuses it then); only the loop's thread touches the cache."""
-        for conn, messages, _ in data:
-            channel = self._channels.get(conn)
-            for message in messages:
+        for event in inputs:
+            if not isinstance(event, Data):
+                continue
+            channel = self._channels.get(event.conn)
+            for message in event.messages:
                 if isinstance(message, Handshake) and channel is not None and channel.identity is not None:
                     self.session.negotiations.prepare(channel.identity, message, self.clock())
 
     def _throttled(self, now: float) -> dict:
         return self.session.throttled(now)
-
-    def _feed(self, accepted, up, authenticated, data, gone, now: float) -> None:
-        for sock in accepted:
-            self._next_conn += 1
-            try:
-                source = sock.getpeername()[0]
-            except OSError:
-                source = None
-            self._adopt(self._next_conn, sock)
-            self.session.accept(self._next_conn, now, source)
-        for conn, identity in authenticated:
-            self.session.authenticated(conn, identity, now)
-        for conn, messages, error in data:
-            self.session.deliver(conn, messages, error, now)
-        for conn, why, refused in gone:
-            self.session.closed(conn, now, why, refused)
 
     def _deliver(self, events: list) -> None:
         for event in events:
