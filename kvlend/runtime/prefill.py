@@ -35,6 +35,7 @@ from ..protocol.wire import Handshake
 from ..security.credentials import Credentials
 from ..transport import TransferBackend
 from .clock import lease_clock
+from .membership import Membership, rank_record
 from .shell import Shell, log
 
 if TYPE_CHECKING:
@@ -50,6 +51,11 @@ def _reads(local: PageLayout, remote: PageLayout) -> bool:
         return True
     except KvlendError:
         return False
+
+
+def _decode_change(change: Change) -> bool:
+    """The registry changes a prefill acts on: a decode's record joining or leaving."""
+    return change.kind in (JOINED, LEFT) and change.record.role == "decode"
 
 
 _TARGET_PROGRESS = 0.002  # seconds between backend polls while leases are live (a reader's first read needs it)
@@ -99,8 +105,8 @@ class PrefillNode(Shell):
             problem = host_problem(self.advertise)
             if problem is not None:  # every ticket would name it: refuse it now, not at the first lend
                 raise ConfigError(f"advertise: expected an IP address or a DNS name: {problem}")
-            record = None if registry is None else self._record("prefill", self.advertise, self.port, layout,
-                                                                config, capacity, meta)
+            record = None if registry is None else rank_record(self.name, "prefill", self.advertise, self.port,
+                                                               layout, config, capacity, meta)
             backend.register(layout.regions)
         except BaseException:
             self._sockets.close_all()
@@ -110,7 +116,8 @@ class PrefillNode(Shell):
         self._departed: set[str] = set()  # decodes whose record left while still connected
         if registry is not None:
             try:
-                self._join(registry, record)
+                self._join(Membership(registry, self._wake, load=lambda: self.lender.active_leases,
+                                      watches=_decode_change, act=self._decode_changed), record)
             except BaseException:
                 self._sockets.close_all()
                 raise
@@ -225,10 +232,7 @@ class PrefillNode(Shell):
         METRICS.remove_gauge("kvlend_locked_pages", self.name)
 
     # ------------------------------------------------------------- registry
-    def _watches(self, change: Change) -> bool:
-        return change.kind in (JOINED, LEFT) and change.record.role == "decode"
-
-    def _cluster_change(self, change: Change) -> bool:
+    def _decode_changed(self, change: Change) -> bool:
         """A decode's record came back (its leases stay its own) or left (release them if it is gone)."""
         identity = change.record.identity
         if change.kind == JOINED:
@@ -241,9 +245,6 @@ class PrefillNode(Shell):
                          "stay until its link drops", self.name, printable(identity))
                 return False
             return self._release_peer(identity, "left the cluster registry")
-
-    def _current_load(self) -> int:
-        return self.lender.active_leases
 
     def _release_peer(self, identity: str, why: str) -> bool:
         """Release every lease bound to ``identity`` (under the lock); whether there were any."""

@@ -10,7 +10,8 @@ lock, then perform the session's actions and hand its events to the engine
 engine callback never holds up another thread's call.  Only the loop's
 thread touches sockets and the backend; engine threads touch the session,
 under the lock, and wake the loop.  Without ``start()`` the engine's own
-calls drive the loop.
+calls drive the loop.  The node's place in the cluster registry is
+``Membership``'s (``runtime/membership.py``); the loop gives it a turn.
 """
 
 from __future__ import annotations
@@ -19,11 +20,8 @@ import logging
 import threading
 import time
 import weakref
-from collections import deque
-from typing import TYPE_CHECKING, Any, Callable, Mapping
+from typing import TYPE_CHECKING, Callable
 
-from ..cluster.records import RankRecord
-from ..cluster.view import Change
 from ..core.text import printable
 from ..errors import AuthError, BackendError, ConfigError, KvlendError, TransferTimeout
 from ..protocol.actions import AddPeer, Cancel, Close, Connect, Post, RemovePeer, Send
@@ -34,10 +32,12 @@ from ..protocol.inputs import Accepted, Authenticated, Connected, Data, Gone, In
 from ..security.credentials import Credentials
 from ..transport import Completion, TransferBackend
 from .certificates import CertWatch
+from .membership import Membership
 from .sockets import Sockets
 from .tls import TlsChannel
 
 if TYPE_CHECKING:
+    from ..cluster.records import RankRecord
     from ..cluster.registry import Registry
 
 log = logging.getLogger("kvlend.node")
@@ -86,10 +86,7 @@ class Shell:
         self._stop = threading.Event()
         self._idle = 0.0
         self._closed = False
-        self.registry: Registry | None = None
-        self._cluster: deque[Change] = deque()  # registry changes for the loop (appended on the registry thread)
-        self._load = 0  # the load last handed to the registry
-        self._healthy = True  # the health last handed to the registry
+        self.membership: Membership | None = None  # set by ``_join``
         self._certs = CertWatch(self.name, credentials)
         self._certs.publish()
 
@@ -119,6 +116,11 @@ class Shell:
         """False once the backend could not reset its agent safely (logged, ``kvlend_orphaned_agents_total``):
         fetches still end, each with its error, but drain this rank and restart it."""
         return getattr(self.backend, "healthy", True)
+
+    @property
+    def registry(self) -> Registry | None:
+        """The cluster registry this node publishes its record in (None: it joined none)."""
+        return None if self.membership is None else self.membership.registry
 
     @property
     def loop_thread(self) -> threading.Thread | None:
@@ -155,8 +157,8 @@ class Shell:
         received = any(isinstance(event, Data) for event in inputs)
         self._idle = 0.0 if (completions or received) else min(max(self._idle * 2, _BACKOFF[0]), _BACKOFF[1])
         self._flush()
-        if self.registry is not None:
-            self._cluster_turn()
+        if self.membership is not None and self.membership.turn(self.healthy):
+            self._flush()
 
     def _progress(self) -> list[Completion]:
         """The backend's completions.  One that fails and tracks no read any more (closed under
@@ -319,8 +321,8 @@ class Shell:
         self._contexts = (credentials.context(server=True), credentials.context(server=False))  # one swap
         self.credentials = credentials
         self._certs.renewed(credentials)
-        if self.registry is not None and self.registry.published is not None:  # its record: signed anew
-            self.registry.publish(self.registry.published, credentials)
+        if self.membership is not None:  # its record: signed anew
+            self.membership.renewed(credentials)
         log.info("%s: credentials reloaded: new links present a certificate valid until %s", self.name,
                  f"{credentials.expires:%Y-%m-%d %H:%M} UTC")
         return credentials
@@ -396,59 +398,16 @@ class Shell:
             log.info("%s: %r failed: %s", self.name, action, printable(why))
 
     # ------------------------------------------------------------- registry
-    def _record(self, role: str, host: str, port: int, layout, config, capacity: int | None,
-                meta: Mapping[str, Any] | None) -> RankRecord:
-        """This rank's record (``capacity`` default: the per-peer lease quota), checked before anything starts."""
-        replica = layout.replica
-        return RankRecord(self.name, role, host, port, layout.encode(), replica.tp_size, replica.tp_rank,
-                          replica.pp_size, replica.pp_rank,
-                          capacity if capacity is not None else config.quotas.max_leases_per_peer, 0, meta or {})
-
-    def _join(self, registry: Registry, record: RankRecord) -> None:
-        """Publish ``record``, signed with this rank's certificate (refused if the registry publishes another
-        rank), and follow the changes."""
-        registry.publish(record, self.credentials)
-        self.registry = registry
-        registry.add_listener(self._on_cluster)
+    def _join(self, membership: Membership, record: RankRecord) -> None:
+        """Publish ``record`` through ``membership`` (signed with this rank's certificate) and give it a turn
+        of the loop from now on."""
+        membership.join(record, self.credentials)
+        self.membership = membership
 
     def _leave(self) -> None:
-        """Stop following the registry and withdraw the record (the caller still owns the registry)."""
-        if self.registry is not None:
-            self.registry.remove_listener(self._on_cluster)
-            self.registry.withdraw()
-
-    def _on_cluster(self, changes: list[Change]) -> None:
-        """On the registry thread: hand the changes this node acts on to the loop (never the lock here)."""
-        mine = [c for c in changes if self._watches(c)]
-        if mine:
-            self._cluster.extend(mine)
-            self._wake()
-
-    def _cluster_turn(self) -> None:
-        """On the loop's turn: act on the queued changes, and publish the load and health if they moved."""
-        acted = False
-        while self._cluster:
-            acted |= self._cluster_change(self._cluster.popleft())
-        load = self._current_load()
-        if load != self._load:
-            self._load = load
-            self.registry.update(load=load)  # the registry coalesces a burst into one put
-        if self._healthy and not self.healthy:  # it never turns back
-            self._healthy = False
-            self.registry.update(healthy=False)  # routers stop sending here
-        if acted:
-            self._flush()
-
-    def _watches(self, change: Change) -> bool:
-        """Whether this node acts on ``change`` (``_cluster_change``); none by default."""
-        return False
-
-    def _cluster_change(self, change: Change) -> bool:
-        """Act on one registry change (on the loop's turn); whether the session has actions to perform."""
-        raise NotImplementedError
-
-    def _current_load(self) -> int:
-        raise NotImplementedError
+        """Withdraw the record (the caller still owns the registry)."""
+        if self.membership is not None:
+            self.membership.leave()
 
     def _report_closed(self, conn: int, why: str) -> None:
         with self._lock:
