@@ -56,6 +56,7 @@ from .decode_fetches import Fetches
 from .decode_link import REASON_CHARS, Links, PrefillLink, where
 from .decode_messages import PrefillMessages
 from .fetch import Fetch, check_destination, clone_error
+from .inputs import Authenticated, Connected, Data, Gone, Input
 from .states import FetchState, LinkEvent, LinkState
 from .ticket import Ticket
 from .wire import Bye, Handshake, Heartbeat, LeaseOffer, Message
@@ -93,6 +94,20 @@ class DecodeSession:
     def link_to(self, host: str, port: int, now: float) -> int:
         """The link to ``host:port``, opened on first use and shared by every later fetch."""
         return self._links.to(host, port, now).id
+
+    def handle(self, event: Input, now: float) -> None:
+        """One record from the shell (``protocol.inputs``), to the call below that takes it."""
+        match event:
+            case Connected(conn, windowed):
+                self.connected(conn, now, windowed)
+            case Authenticated(conn, identity):
+                self.authenticated(conn, identity, now)
+            case Data(conn, messages, error):
+                self.deliver(conn, messages, error, now)
+            case Gone(conn, why, refused):
+                self.closed(conn, now, why, refused)
+            case _:
+                raise TypeError(f"a decode session takes no {type(event).__name__}: it listens to nobody")
 
     def connected(self, conn: int, now: float, windowed: bool = True) -> None:
         """The shell's connection for ``conn`` is up: its TLS handshake starts.  ``windowed``: its reads

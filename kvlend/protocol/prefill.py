@@ -64,6 +64,7 @@ from .budget import Handshakes, Share, Strikes
 from .codes import Code, code_of, detail_of
 from .config import NodeConfig
 from .connection import AUTH_TIMEOUT, Connection
+from .inputs import Accepted, Authenticated, Data, Gone, Input
 from .negotiations import Negotiations
 from .prefill_peer import REFUSED_KEPT, Goodbye, Peer, peer_layout, remember
 from .states import LoanEvent, LoanState, PeerEvent, PeerState
@@ -113,6 +114,20 @@ class PrefillSession(Outbox):
         super().__init__()
 
     # ----------------------------------------------------------- connections
+    def handle(self, event: Input, now: float) -> None:
+        """One record from the shell (``protocol.inputs``), to the call below that takes it."""
+        match event:
+            case Accepted(conn, source):
+                self.accept(conn, now, source)
+            case Authenticated(conn, identity):
+                self.authenticated(conn, identity, now)
+            case Data(conn, messages, error):
+                self.deliver(conn, messages, error, now)
+            case Gone(conn, why, refused):
+                self.closed(conn, now, why, refused)
+            case _:
+                raise TypeError(f"a prefill session takes no {type(event).__name__}: it dials nobody")
+
     def accept(self, conn: int, now: float, source: str | None = None) -> None:
         """A decode rank connected (from address ``source``); it must authenticate within
         ``AUTH_TIMEOUT``.  Past ``MAX_PENDING_PER_SOURCE`` connections not yet authenticated from one

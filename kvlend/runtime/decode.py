@@ -50,6 +50,7 @@ from ..protocol.wire import LeaseOffer
 from ..security.credentials import Credentials
 from ..transport import TransferBackend
 from .clock import lease_clock
+from .membership import Membership, rank_record
 from .shell import Shell, log
 
 if TYPE_CHECKING:
@@ -183,8 +184,8 @@ class DecodeNode(Shell):
                  on_finished: Callable[[FetchHandle], None] | None = None) -> None:
         self.on_finished = on_finished or (lambda handle: None)
         super().__init__(None, backend, credentials, clock, config)
-        record = None if registry is None else self._record(
-            "decode", (socket.gethostname() or "localhost")[:255], 0, layout, config, capacity, meta)
+        record = None if registry is None else rank_record(
+            self.name, "decode", (socket.gethostname() or "localhost")[:255], 0, layout, config, capacity, meta)
         backend.register(layout.regions)
         self.layout = layout
         self.session = DecodeSession(layout, backend.kind, name=self.name, config=config,
@@ -195,7 +196,7 @@ class DecodeNode(Shell):
         self._batching = 0  # open batch() blocks: start_fetch leaves the flush to the last one's end
         self._offers: deque[tuple[Link, LeaseOffer]] = deque()
         if registry is not None:
-            self._join(registry, record)
+            self._join(Membership(registry, self._wake, load=lambda: len(self._handles)), record)
 
     # ----------------------------------------------------------------- links
     def connect(self, host: str, port: int, timeout: float | None = None) -> Link:
@@ -380,9 +381,6 @@ class DecodeNode(Shell):
             raise error
         return replace(ticket, host=record.host, port=record.port)
 
-    def _current_load(self) -> int:
-        return len(self._handles)
-
     # ---------------------------------------------------------------- offers
     def next_offer(self, timeout: float) -> tuple[Link, LeaseOffer]:
         """The next lease pushed by a prefill rank still connected (offers from lost links are dropped)."""
@@ -419,19 +417,6 @@ class DecodeNode(Shell):
         self._shutdown()
 
     # ------------------------------------------------------------------ loop
-    def _feed(self, accepted, up, authenticated, data, gone, now: float) -> None:
-        for sock in accepted:
-            sock.close()  # a decode listens to nobody
-        for conn in up:  # the tcp read window applies to links whose reads may go over tcp
-            windowed = getattr(self.backend, "read_window_local", True) or not self._sockets.same_host(conn)
-            self.session.connected(conn, now, windowed=windowed)
-        for conn, identity in authenticated:
-            self.session.authenticated(conn, identity, now)
-        for conn, messages, error in data:
-            self.session.deliver(conn, messages, error, now)
-        for conn, why, refused in gone:
-            self.session.closed(conn, now, why, refused)
-
     def _read_done(self, tag: bytes, error: KvlendError | None, now: float) -> None:
         self.session.completed(tag, error, now)
 

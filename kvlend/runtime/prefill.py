@@ -28,12 +28,14 @@ from ..errors import ConfigError, KvlendError
 from ..metrics import METRICS
 from ..protocol.actions import ClaimWaits, LeaseEnded, PeerGone, PeerReady
 from ..protocol.config import NodeConfig
+from ..protocol.inputs import Data, Input
 from ..protocol.prefill import PrefillSession
 from ..protocol.ticket import Ticket, host_problem
 from ..protocol.wire import Handshake
 from ..security.credentials import Credentials
 from ..transport import TransferBackend
 from .clock import lease_clock
+from .membership import Membership, rank_record
 from .shell import Shell, log
 
 if TYPE_CHECKING:
@@ -49,6 +51,12 @@ def _reads(local: PageLayout, remote: PageLayout) -> bool:
         return True
     except KvlendError:
         return False
+
+
+def _decode_change(change: Change) -> bool:
+    """The registry changes a prefill acts on: a decode's record joining or leaving."""
+    return change.kind in (JOINED, LEFT) and change.record.role == "decode"
+
 
 _TARGET_PROGRESS = 0.002  # seconds between backend polls while leases are live (a reader's first read needs it)
 
@@ -97,19 +105,19 @@ class PrefillNode(Shell):
             problem = host_problem(self.advertise)
             if problem is not None:  # every ticket would name it: refuse it now, not at the first lend
                 raise ConfigError(f"advertise: expected an IP address or a DNS name: {problem}")
-            record = None if registry is None else self._record("prefill", self.advertise, self.port, layout,
-                                                                config, capacity, meta)
+            record = None if registry is None else rank_record(self.name, "prefill", self.advertise, self.port,
+                                                               layout, config, capacity, meta)
             backend.register(layout.regions)
         except BaseException:
             self._sockets.close_all()
             raise
         self.session = PrefillSession(layout, backend.kind, backend.metadata(), name=self.name, config=config)
         self.lender = self.session.lender
-        self._next_conn = 0
         self._departed: set[str] = set()  # decodes whose record left while still connected
         if registry is not None:
             try:
-                self._join(registry, record)
+                self._join(Membership(registry, self._wake, load=lambda: self.lender.active_leases,
+                                      watches=_decode_change, act=self._decode_changed), record)
             except BaseException:
                 self._sockets.close_all()
                 raise
@@ -224,10 +232,7 @@ class PrefillNode(Shell):
         METRICS.remove_gauge("kvlend_locked_pages", self.name)
 
     # ------------------------------------------------------------- registry
-    def _watches(self, change: Change) -> bool:
-        return change.kind in (JOINED, LEFT) and change.record.role == "decode"
-
-    def _cluster_change(self, change: Change) -> bool:
+    def _decode_changed(self, change: Change) -> bool:
         """A decode's record came back (its leases stay its own) or left (release them if it is gone)."""
         identity = change.record.identity
         if change.kind == JOINED:
@@ -240,9 +245,6 @@ class PrefillNode(Shell):
                          "stay until its link drops", self.name, printable(identity))
                 return False
             return self._release_peer(identity, "left the cluster registry")
-
-    def _current_load(self) -> int:
-        return self.lender.active_leases
 
     def _release_peer(self, identity: str, why: str) -> bool:
         """Release every lease bound to ``identity`` (under the lock); whether there were any."""
@@ -259,33 +261,19 @@ class PrefillNode(Shell):
     def _busy(self) -> float | None:
         return _TARGET_PROGRESS if self.lender.active_leases else None
 
-    def _prepare(self, data: list) -> None:
+    def _prepare(self, inputs: list[Input]) -> None:
         """Negotiate a decode's layout off the node's lock, unless cached or its identity may not ask now (the
         session refuses it then); only the loop's thread touches the cache."""
-        for conn, messages, _ in data:
-            channel = self._channels.get(conn)
-            for message in messages:
+        for event in inputs:
+            if not isinstance(event, Data):
+                continue
+            channel = self._channels.get(event.conn)
+            for message in event.messages:
                 if isinstance(message, Handshake) and channel is not None and channel.identity is not None:
                     self.session.negotiations.prepare(channel.identity, message, self.clock())
 
     def _throttled(self, now: float) -> dict:
         return self.session.throttled(now)
-
-    def _feed(self, accepted, up, authenticated, data, gone, now: float) -> None:
-        for sock in accepted:
-            self._next_conn += 1
-            try:
-                source = sock.getpeername()[0]
-            except OSError:
-                source = None
-            self._adopt(self._next_conn, sock)
-            self.session.accept(self._next_conn, now, source)
-        for conn, identity in authenticated:
-            self.session.authenticated(conn, identity, now)
-        for conn, messages, error in data:
-            self.session.deliver(conn, messages, error, now)
-        for conn, why, refused in gone:
-            self.session.closed(conn, now, why, refused)
 
     def _deliver(self, events: list) -> None:
         for event in events:

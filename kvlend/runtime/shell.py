@@ -3,13 +3,15 @@
 One loop iteration: wait on every socket (without the lock), progress the
 backend, run TLS on what arrived (handshakes, decryption) and decode its
 frames (still without the lock: a hostile frame or a large layout costs the
-loop, never another thread), hand the messages to the session under the
+loop, never another thread), hand the session what happened as typed records
+(``protocol.inputs``: accepted, connected, authenticated, data, gone) under the
 lock, then perform the session's actions and hand its events to the engine
 *outside* the lock, so a slow send, a synchronous copy inside a post or an
 engine callback never holds up another thread's call.  Only the loop's
 thread touches sockets and the backend; engine threads touch the session,
 under the lock, and wake the loop.  Without ``start()`` the engine's own
-calls drive the loop.
+calls drive the loop.  The node's place in the cluster registry is
+``Membership``'s (``runtime/membership.py``); the loop gives it a turn.
 """
 
 from __future__ import annotations
@@ -18,24 +20,24 @@ import logging
 import threading
 import time
 import weakref
-from collections import deque
-from typing import TYPE_CHECKING, Any, Callable, Mapping
+from typing import TYPE_CHECKING, Callable
 
-from ..cluster.records import RankRecord
-from ..cluster.view import Change
 from ..core.text import printable
 from ..errors import AuthError, BackendError, ConfigError, KvlendError, TransferTimeout
 from ..protocol.actions import AddPeer, Cancel, Close, Connect, Post, RemovePeer, Send
 from ..protocol.budget import Share
 from ..protocol.config import NodeConfig
 from ..protocol.connection import FrameReader
+from ..protocol.inputs import Accepted, Authenticated, Connected, Data, Gone, Input
 from ..security.credentials import Credentials
 from ..transport import Completion, TransferBackend
 from .certificates import CertWatch
+from .membership import Membership
 from .sockets import Sockets
 from .tls import TlsChannel
 
 if TYPE_CHECKING:
+    from ..cluster.records import RankRecord
     from ..cluster.registry import Registry
 
 log = logging.getLogger("kvlend.node")
@@ -45,7 +47,8 @@ _BACKOFF = (20e-6, 1e-3)  # polling with reads in flight: from 20 us up to 1 ms 
 
 
 class Shell:
-    """The loop, the lock and the thread; subclasses feed their own session.
+    """The loop, the lock and the thread, around a session that takes ``protocol.inputs`` records in its
+    ``handle``; a node adds only what differs (the hooks at the end) and its engine-facing calls.
 
     ``ROLE``: the certificate role a node of the subclass must hold; ``PEER_ROLES``: those its peers may.
     """
@@ -78,14 +81,12 @@ class Shell:
         self._shares: dict[int, Share] = {}  # ... unless the session said less for it (loop's turn only)
         self._backlog: set[int] = set()  # connections whose reader holds whole frames for their next turn
         self._closing: dict[int, str] = {}  # ... and whose socket closed meanwhile: why, said once they are handled
+        self._accepted = 0  # connections accepted so far: the last one's id
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
         self._idle = 0.0
         self._closed = False
-        self.registry: Registry | None = None
-        self._cluster: deque[Change] = deque()  # registry changes for the loop (appended on the registry thread)
-        self._load = 0  # the load last handed to the registry
-        self._healthy = True  # the health last handed to the registry
+        self.membership: Membership | None = None  # set by ``_join``
         self._certs = CertWatch(self.name, credentials)
         self._certs.publish()
 
@@ -117,6 +118,11 @@ class Shell:
         return getattr(self.backend, "healthy", True)
 
     @property
+    def registry(self) -> Registry | None:
+        """The cluster registry this node publishes its record in (None: it joined none)."""
+        return None if self.membership is None else self.membership.registry
+
+    @property
     def loop_thread(self) -> threading.Thread | None:
         """The thread ``start()`` runs the loop on (an engine may set its CPU affinity or priority)."""
         return self._thread
@@ -137,21 +143,22 @@ class Shell:
             wait = self._wait(timeout)
         accepted, up, data, gone = self._sockets.poll(wait)
         completions = self._progress() if not self._closed else []
-        authenticated, data, gone = self._secure(up, data, gone)
-        gone += self._expired_links()
-        self._prepare(data)
+        inputs = self._accept(accepted) + self._secure(up, data, gone) + self._expired_links()
+        self._prepare(inputs)
         with self._lock:
             now = self.clock()
             for c in completions:  # first: a read that landed before its link died still counts
                 self._tags.discard(c.tag)
                 self._read_done(c.tag, c.error, now)
-            self._feed(accepted, up, authenticated, data, gone, now)
+            for event in inputs:
+                self.session.handle(event, now)
             self.session.tick(now)
             self._shares = self._throttled(now)
-        self._idle = 0.0 if (completions or data) else min(max(self._idle * 2, _BACKOFF[0]), _BACKOFF[1])
+        received = any(isinstance(event, Data) for event in inputs)
+        self._idle = 0.0 if (completions or received) else min(max(self._idle * 2, _BACKOFF[0]), _BACKOFF[1])
         self._flush()
-        if self.registry is not None:
-            self._cluster_turn()
+        if self.membership is not None and self.membership.turn(self.healthy):
+            self._flush()
 
     def _progress(self) -> list[Completion]:
         """The backend's completions.  One that fails and tracks no read any more (closed under
@@ -200,15 +207,28 @@ class Shell:
         return self._idle if self._tags else None
 
     # ------------------------------------------------------------------ TLS
-    def _secure(self, up: list, data: list, gone: list) -> tuple[list, list, list]:
+    def _accept(self, sockets: list) -> list[Input]:
+        """Serve each socket the listener accepted as a new connection: the TLS server side."""
+        accepted: list[Input] = []
+        for sock in sockets:
+            self._accepted += 1
+            try:
+                source = sock.getpeername()[0]
+            except OSError:
+                source = None
+            self._sockets.adopt(self._accepted, sock)
+            self._channels[self._accepted] = TlsChannel(self._contexts[0], server=True, roles=self.PEER_ROLES)
+            accepted.append(Accepted(self._accepted, source))
+        return accepted
+
+    def _secure(self, up: list[int], data: list[tuple[int, bytes]], ended: list[tuple[int, str]]) -> list[Input]:
         """TLS and framing for what the sockets reported, outside the session's lock: clients start their
         handshakes, ciphertext becomes plaintext and plaintext messages, a peer that fails TLS is closed.
 
-        Returns (connection, verified identity) pairs newly authenticated, (connection, messages, error
-        that ended its stream or None) for what was received, and (connection, why, refused) for every
-        connection gone.
+        Returns what the session hears of it, in order: connections up, newly authenticated, what was
+        received (messages, then the error that ended the stream if any), and every connection gone.
         """
-        ended, gone = gone, []
+        gone: list[Input] = []
         for conn, why in ended:
             channel = self._channels.get(conn)
             reader = self._readers.get(channel) if channel is not None else None
@@ -217,13 +237,14 @@ class Shell:
             else:
                 self._channels.pop(conn, None)
                 self._backlog.discard(conn)
-                gone.append((conn, why, False))
+                gone.append(Gone(conn, why))
         for conn in up:
             channel = self._channels.get(conn)
             if channel is not None:
                 channel.start()
                 self._push(conn, channel)
-        authenticated, plain = [], []
+        authenticated: list[Input] = []
+        plain: list[Input] = []
         chunks = dict(data)
         for conn in [c for c in self._backlog if c not in chunks]:
             chunks[conn] = b""  # what it sent before waits in its reader: its turn again
@@ -239,19 +260,19 @@ class Shell:
                 self._push(conn, channel)  # the alert that tells the peer why
                 self._channels.pop(conn)
                 self._sockets.close(conn)
-                gone.append((conn, str(exc), isinstance(exc, AuthError)))
+                gone.append(Gone(conn, str(exc), isinstance(exc, AuthError)))
                 continue
             self._push(conn, channel)
             if channel.authenticated and not was:
                 self._sockets.authenticated(conn)
-                authenticated.append((conn, channel.identity))
+                authenticated.append(Authenticated(conn, channel.identity))
             reader = self._readers.get(channel)
             if text or reader is not None:
                 reader = self._readers.setdefault(channel, FrameReader())
                 share = self._shares.get(conn, self._share)
                 messages, error = reader.read(text, share)
                 if messages or error is not None:
-                    plain.append((conn, messages, error))
+                    plain.append(Data(conn, messages, error))
                 if reader.backlog and share.messages:  # the rest waits for its next turn (held: none comes)
                     self._backlog.add(conn)
                 self._sockets.hold(conn, reader.backlog)  # meanwhile the kernel keeps what it sends
@@ -259,23 +280,29 @@ class Shell:
             if conn in self._closing and drained:  # its socket closed behind what it sent
                 self._channels.pop(conn)
                 self._backlog.discard(conn)
-                gone.append((conn, self._closing.pop(conn), False))
+                gone.append(Gone(conn, self._closing.pop(conn)))
             elif channel.peer_closed and drained:  # after its last message (a bye)
                 self._channels.pop(conn)
                 self._sockets.close(conn)
                 self._backlog.discard(conn)
-                gone.append((conn, "closed by the peer", False))
-        return authenticated, plain, gone
+                gone.append(Gone(conn, "closed by the peer"))
+        connected: list[Input] = [Connected(conn, self._windowed(conn)) for conn in up]
+        return connected + authenticated + plain + gone
 
-    def _expired_links(self) -> list[tuple[int, str, bool]]:
+    def _windowed(self, conn: int) -> bool:
+        """Whether the tcp read window applies to ``conn``'s reads: they may go over tcp (the backend
+        windows reads between processes on this host too, or the peer is on another host)."""
+        return getattr(self.backend, "read_window_local", True) or not self._sockets.same_host(conn)
+
+    def _expired_links(self) -> list[Input]:
         """Close the links whose peer's certificate has expired (a refused peer, as at the handshake)."""
-        gone = []
+        gone: list[Input] = []
         for conn, why in self._certs.expired(self._channels, self.config.cert_warning):
             channel = self._channels.pop(conn)
             channel.close()
             self._push(conn, channel)
             self._sockets.close(conn)
-            gone.append((conn, why, True))
+            gone.append(Gone(conn, why, True))
         return gone
 
     def reload_credentials(self, credentials: Credentials | None = None) -> Credentials:
@@ -294,16 +321,11 @@ class Shell:
         self._contexts = (credentials.context(server=True), credentials.context(server=False))  # one swap
         self.credentials = credentials
         self._certs.renewed(credentials)
-        if self.registry is not None and self.registry.published is not None:  # its record: signed anew
-            self.registry.publish(self.registry.published, credentials)
+        if self.membership is not None:  # its record: signed anew
+            self.membership.renewed(credentials)
         log.info("%s: credentials reloaded: new links present a certificate valid until %s", self.name,
                  f"{credentials.expires:%Y-%m-%d %H:%M} UTC")
         return credentials
-
-    def _adopt(self, conn: int, sock) -> None:
-        """Serve an accepted socket as connection ``conn``: the TLS server side."""
-        self._sockets.adopt(conn, sock)
-        self._channels[conn] = TlsChannel(self._contexts[0], server=True, roles=self.PEER_ROLES)
 
     def _push(self, conn: int, channel: TlsChannel) -> None:
         out = channel.data_to_send()
@@ -376,63 +398,20 @@ class Shell:
             log.info("%s: %r failed: %s", self.name, action, printable(why))
 
     # ------------------------------------------------------------- registry
-    def _record(self, role: str, host: str, port: int, layout, config, capacity: int | None,
-                meta: Mapping[str, Any] | None) -> RankRecord:
-        """This rank's record (``capacity`` default: the per-peer lease quota), checked before anything starts."""
-        replica = layout.replica
-        return RankRecord(self.name, role, host, port, layout.encode(), replica.tp_size, replica.tp_rank,
-                          replica.pp_size, replica.pp_rank,
-                          capacity if capacity is not None else config.quotas.max_leases_per_peer, 0, meta or {})
-
-    def _join(self, registry: Registry, record: RankRecord) -> None:
-        """Publish ``record``, signed with this rank's certificate (refused if the registry publishes another
-        rank), and follow the changes."""
-        registry.publish(record, self.credentials)
-        self.registry = registry
-        registry.add_listener(self._on_cluster)
+    def _join(self, membership: Membership, record: RankRecord) -> None:
+        """Publish ``record`` through ``membership`` (signed with this rank's certificate) and give it a turn
+        of the loop from now on."""
+        membership.join(record, self.credentials)
+        self.membership = membership
 
     def _leave(self) -> None:
-        """Stop following the registry and withdraw the record (the caller still owns the registry)."""
-        if self.registry is not None:
-            self.registry.remove_listener(self._on_cluster)
-            self.registry.withdraw()
-
-    def _on_cluster(self, changes: list[Change]) -> None:
-        """On the registry thread: hand the changes this node acts on to the loop (never the lock here)."""
-        mine = [c for c in changes if self._watches(c)]
-        if mine:
-            self._cluster.extend(mine)
-            self._wake()
-
-    def _cluster_turn(self) -> None:
-        """On the loop's turn: act on the queued changes, and publish the load and health if they moved."""
-        acted = False
-        while self._cluster:
-            acted |= self._cluster_change(self._cluster.popleft())
-        load = self._current_load()
-        if load != self._load:
-            self._load = load
-            self.registry.update(load=load)  # the registry coalesces a burst into one put
-        if self._healthy and not self.healthy:  # it never turns back
-            self._healthy = False
-            self.registry.update(healthy=False)  # routers stop sending here
-        if acted:
-            self._flush()
-
-    def _watches(self, change: Change) -> bool:
-        """Whether this node acts on ``change`` (``_cluster_change``); none by default."""
-        return False
-
-    def _cluster_change(self, change: Change) -> bool:
-        """Act on one registry change (on the loop's turn); whether the session has actions to perform."""
-        raise NotImplementedError
-
-    def _current_load(self) -> int:
-        raise NotImplementedError
+        """Withdraw the record (the caller still owns the registry)."""
+        if self.membership is not None:
+            self.membership.leave()
 
     def _report_closed(self, conn: int, why: str) -> None:
         with self._lock:
-            self.session.closed(conn, self.clock(), why)
+            self.session.handle(Gone(conn, why), self.clock())
 
     # ------------------------------------------------------------ for waits
     def _wait_until(self, done: Callable[[], bool], timeout: float, what: str) -> None:
@@ -451,15 +430,12 @@ class Shell:
             self.step(min(remaining, IDLE_WAIT))
 
     # ---------------------------------------------------------- subclasses
-    def _prepare(self, data: list) -> None:
+    def _prepare(self, inputs: list[Input]) -> None:
         """Work on what arrived that the session will want, done before its lock is taken (a negotiation)."""
 
     def _throttled(self, now: float) -> dict:
         """Connections whose next turns read less than ``Quotas.share`` (under the lock): the session's say."""
         return {}
-
-    def _feed(self, accepted, up, authenticated, data, gone, now: float) -> None:
-        raise NotImplementedError
 
     def _read_done(self, tag: bytes, error: KvlendError | None, now: float) -> None:
         """A posted read is terminal (under the lock); a node that posts nothing ignores it."""
