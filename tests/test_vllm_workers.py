@@ -480,7 +480,7 @@ def test_a_reader_ignoring_the_end_of_its_lease_holds_preempt_at_most_the_progre
     steps(pair, lambda r, s: "dr0" in r)
     pair.consumer.load_errors()
     session = pair.consumer.node.session
-    monkeypatch.setattr(session, "_withdrawn", lambda *args: None)  # hears the Abort, does nothing about it
+    monkeypatch.setattr(session._messages, "_withdrawn", lambda *args: None)  # hears the Abort, does nothing about it
     took, before = preempted_mid_read(pair, "r1", [4, 6, 8], [3, 10, 11, 13])
     assert honest < took <= bound + SLACK < CONFIG.ttl, (honest, took)
     wait_until(lambda: not pair.producer.node.ready_peers(), "the reader dropped", 5.0)
