@@ -74,6 +74,7 @@ class TicketClaims:
         work = self._fetches.work(link.plan, offer, dst, resume_from)  # may raise: nothing changed yet
         fetch = self._fetches.new(conn, offer.id, offer.num_tokens, dst, resume_from, now, timeout, FetchEvent.TAKE)
         fetch.sure_until = held.sure if held.sure is not None else -math.inf
+        fetch.granted_at = now  # a held offer taken: no claim to wait for
         self._fetches.begin(fetch, offer, work, now, created=True)
         link.lease_to(offer.id, LeaseEvent.FETCH)
         return fetch
@@ -270,7 +271,7 @@ class TicketClaims:
                                       "what was read from the ticket's is discarded")
             self._fetches.fail(fetch, other, now)
             return
-        fetch.offer, fetch.request, fetch.confirmed = offer, offer.request, True
+        fetch.offer, fetch.request, fetch.confirmed, fetch.granted_at = offer, offer.request, True, now
         fetch.sure_until = fetch.claimed_at + offer.ttl - self._config.beat_for(offer.ttl)
         if fetch.state is FetchState.READING and now < fetch.sure_until:
             fetch.bound = max(fetch.resume_from, self._tracker.bound(fetch.key))

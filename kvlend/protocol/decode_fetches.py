@@ -221,6 +221,8 @@ class Fetches(Mapping[int, Fetch]):
         whole = self._whole(entry[1], error)
         if fetch.state is FetchState.READING and whole:
             if error is None:
+                if fetch.first_landed_at is None:
+                    fetch.first_landed_at = now
                 self._tracker.done(fetch.key, entry[1])
                 if now < fetch.sure_until:
                     fetch.bound = max(fetch.resume_from, self._tracker.bound(fetch.key))
@@ -357,6 +359,7 @@ class Fetches(Mapping[int, Fetch]):
         fetch.finished = now
         if error is None:
             fetch.bound = fetch.num_tokens
+            fetch.usable_at = now
         else:
             error.request, error.bound = fetch.request, fetch.bound
             level = logging.INFO if isinstance(error, TransferCancelled) else logging.WARNING

@@ -163,7 +163,7 @@ class PrefillMessages:
             self._fetches.fail(fetch, PeerProtocolError(f"lease {offer.id.hex()} has {offer.num_tokens} tokens, "
                                                         f"its ticket said {fetch.num_tokens}"), now)
             return
-        fetch.request = offer.request
+        fetch.request, fetch.granted_at = offer.request, now
         assert fetch.claimed_at is not None  # the answer to its claim
         # The prefill renewed the lease when the claim arrived, which was after we sent it.
         fetch.sure_until = fetch.claimed_at + offer.ttl - self._config.beat_for(offer.ttl)
@@ -253,6 +253,7 @@ class PrefillMessages:
                  printable(message.detail))
 
     def _acked(self, fetch: Fetch, ack: DoneAck, now: float) -> None:
+        fetch.acked_at = now
         if ack.ok and not fetch.confirmed:  # the channel is ordered: the claim's answer comes first
             fetch.bound = fetch.resume_from
             self._fetches.finish(fetch, FetchEvent.FAIL, PeerProtocolError(

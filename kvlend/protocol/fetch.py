@@ -48,8 +48,12 @@ class Fetch:
     tags: set = field(default_factory=set)  # reads posted and not yet terminal
     sure_until: float = -math.inf  # reads landing before this count for the bound without the ack
     claimed_at: float | None = None
+    granted_at: float | None = None  # the claim answered, or a held offer taken: the lease is this fetch's
     posted: float | None = None  # reads posted (all chunks at once)
+    first_landed_at: float | None = None  # the first read landed
     landed: float | None = None  # every read landed (before the done ack)
+    usable_at: float | None = None  # finished for the engine: its pages hold verified KV
+    acked_at: float | None = None  # the prefill answered its done
     final_at: float | None = None  # its offer became final (a progressive lease: the prefill's last extend)
     early_bytes: int = 0  # bytes posted before that: read while the prefill still computed
     quiet_by: float = math.inf  # CANCELLING: tear the link down if reads are still in flight then
@@ -85,6 +89,21 @@ class Fetch:
     @property
     def key(self) -> str:
         return f"fetch-{self.id}"
+
+
+PHASES = ("claim->grant", "grant->landed", "landed->usable", "usable->acked")
+
+
+def phases(fetch: Fetch) -> dict[str, float | None]:
+    """Where a fetch's time went, in seconds (None: a step not reached, or none: a pushed offer has no claim).
+
+    ``grant->landed`` counts from the later of the two: reads posted ahead of the claim's answer may
+    land before it, and then only the wait for the answer is left.
+    """
+    landed = None if fetch.landed is None or fetch.granted_at is None else max(fetch.landed, fetch.granted_at)
+    marks = (fetch.claimed_at, fetch.granted_at, landed, fetch.usable_at, fetch.acked_at)
+    return {name: None if start is None or end is None else end - start
+            for name, start, end in zip(PHASES, marks, marks[1:])}
 
 
 def move(fetch: Fetch, event: FetchEvent) -> None:

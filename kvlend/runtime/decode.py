@@ -45,6 +45,7 @@ from ..metrics import METRICS
 from ..protocol.actions import FetchFinished, Offered, PeerReady
 from ..protocol.config import NodeConfig
 from ..protocol.decode import DecodeSession, Fetch, FetchState, clone_error
+from ..protocol.fetch import phases
 from ..protocol.ticket import Ticket
 from ..protocol.wire import LeaseOffer
 from ..security.credentials import Credentials
@@ -131,13 +132,20 @@ class FetchHandle:
     @property
     def timeline(self) -> dict[str, float | None]:
         """Seconds from the start to each step so far (None: not reached): ``claimed`` (claim sent),
-        ``posted`` (the offer was in and the reads posted), ``final`` (the whole lease was lent: a
-        progressive one's last extend), ``landed`` (every read landed), ``finished``.  For profiling
-        where a fetch's time goes."""
+        ``granted`` (the claim answered, or a held offer taken), ``posted`` (the reads posted),
+        ``final`` (the whole lease was lent: a progressive one's last extend), ``first_landed`` and
+        ``landed`` (the first and the last read landed), ``usable`` (its pages hold verified KV),
+        ``acked`` (the prefill answered its done), ``finished``.  For profiling where a fetch's time goes."""
         f = self._fetch
         return {name: None if at is None else at - f.started
-                for name, at in (("claimed", f.claimed_at), ("posted", f.posted), ("final", f.final_at),
-                                 ("landed", f.landed), ("finished", f.finished))}
+                for name, at in (("claimed", f.claimed_at), ("granted", f.granted_at), ("posted", f.posted),
+                                 ("final", f.final_at), ("first_landed", f.first_landed_at), ("landed", f.landed),
+                                 ("usable", f.usable_at), ("acked", f.acked_at), ("finished", f.finished))}
+
+    @property
+    def phases(self) -> dict[str, float | None]:
+        """Seconds in each step: claim->grant, grant->landed, landed->usable, usable->acked (``fetch.phases``)."""
+        return phases(self._fetch)
 
     @property
     def meta(self) -> Mapping[str, Any]:

@@ -506,17 +506,19 @@ class ConsumerWorker:
         self._write(loading, None if failed else round(max(r.seconds for r in results), 6),
                     sum(r.bytes for r in results if r is not None),
                     type(failed[0].error).__name__ if failed else None, handle.timeline,
-                    sum(h.early_bytes for h in handles), sum(r.descriptors for r in results if r is not None))
+                    sum(h.early_bytes for h in handles), sum(r.descriptors for r in results if r is not None),
+                    handle.phases)
 
     def _write(self, loading: _Loading, transfer_s: float | None, nbytes: int, error: str | None,
-               timeline: dict, early_bytes: int = 0, descriptors: int = 0) -> None:
+               timeline: dict, early_bytes: int = 0, descriptors: int = 0, phases: dict | None = None) -> None:
         line = {"request": loading.request, "ok": error is None, "tp_rank": self.settings.tp_rank,
                 "fetches": len(loading.handles), "seconds": round(time.perf_counter() - loading.started, 6),
                 "transfer_s": transfer_s, "bytes": nbytes, "descriptors": descriptors, "early_bytes": early_bytes,
                 "blocks": max(map(len, loading.tables.values())),
                 "resume_from": loading.resume_from, "bound": loading.bound(), "error": error,
                 "reported_s": None if loading.reported_at is None else round(loading.reported_at - loading.started, 6),
-                **{f"{k}_s": None if v is None else round(v, 6) for k, v in timeline.items()}}
+                **{f"{k}_s": None if v is None else round(v, 6) for k, v in timeline.items()},
+                "phases_s": {k: None if v is None else round(v, 6) for k, v in (phases or {}).items()}}
         with open(self.settings.stats_path, "a") as f:
             f.write(json.dumps(line) + "\n")
 
