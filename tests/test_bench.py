@@ -46,7 +46,9 @@ def test_plot_is_a_png_of_throughput_per_method(quick_run):
     assert labels[0].startswith("16 pages") and labels[-1].startswith("one contiguous lease")
     assert [i for i, _ in series["kvlend"]] == [0, 1, 2]  # kvlend is measured at every size
     assert set(series) == {"kvlend", "raw NIXL, kvlend's descriptors", "raw NIXL, one descriptor per page",
-                           "raw NIXL, prepared page lists by index", "kvlend through the nodes",
+                           "raw NIXL, kvlend's descriptors, the target freeing blocks per notification",
+                           "raw NIXL, prepared page lists by index, the target freeing blocks per notification",
+                           "kvlend through the nodes",
                            "kvlend through the nodes, reads ahead of the claim's answer",
                            "host staging (gather + read + scatter)",
                            "raw NIXL, one descriptor", "memcpy (same process)"}
@@ -101,8 +103,14 @@ def test_scenario_3_latencies_and_notifications(quick_report):
     assert s3["results"]["kvlend_node_ahead"]["verified"] is True
     assert s3["node_overhead_ms"] == s3["results"]["kvlend_node"]["p50_ms"] - s3["results"]["kvlend"]["p50_ms"]
     n = s3["results"]["raw_nixl_notif"]["n"]
-    # Both raw baselines notify every read, warm-up and verifying runs included: the target saw them all.
-    assert s3["notifications"] == {"sent": 2 * (n + 6), "seen_by_target": 2 * (n + 6)}
+    # Both raw baselines notify every read, warm-up and verifying runs included: the target saw them all
+    # and freed each request's blocks, as NixlConnector's engine does.
+    sent = 2 * (n + 6)
+    assert s3["notifications"] == {"sent": sent, "seen_by_target": sent, "freed_by_target": sent,
+                                   "unknown_to_target": 0}
+    assert "NixlConnector" in s3["baseline"]
+    for name in ("kvlend_node", "kvlend_node_ahead"):
+        _check_breakdown(s3["results"][name]["breakdown"])
     assert "no TCP control channel" in s3["path"]
 
 
@@ -115,6 +123,16 @@ def test_scenario_5_reads_every_request_with_many_in_flight_both_ways(quick_repo
         assert r["gbps"] == pytest.approx(s5["bytes"] / r["seconds"] / 1e9)
         assert r["requests_per_s"] == pytest.approx(24 / r["seconds"])
     assert set(s5["targets"]) == {"GB/s kvlend/raw >= 0.80", "GB/s kvlend_read_ahead/raw >= 0.80"}
+    assert s5["results"]["raw_nixl_notif"]["notifications"] == {"sent": 24, "seen_by_target": 24,
+                                                                "freed_by_target": 24, "unknown_to_target": 0}
+    for name in ("kvlend", "kvlend_read_ahead"):
+        _check_breakdown(s5["results"][name]["breakdown"])
+
+
+def _check_breakdown(b: dict) -> None:
+    """The p50 of each phase of the fetches' timelines, in ms: every ticket fetch reached each step."""
+    assert list(b) == ["p50 claim->grant ms", "p50 grant->landed ms", "p50 landed->usable ms", "p50 usable->acked ms"]
+    assert all(v is not None and v >= 0 for v in b.values()), b
 
 
 def test_scenario_4_cold_peer_reached_verified_bytes_both_ways(quick_report):
@@ -157,7 +175,8 @@ def test_the_in_process_yardstick_reads_the_bytes_and_descriptors_asked_for():
 def test_human_table_names_every_method(quick_report):
     text = format_report(quick_report)
     for word in ("kvlend", "raw_nixl", "memcpy", "raw_per_page", "staging", "raw_nixl_notif", "targets:",
-                 "progressive_on", "progressive_off", "one chunk's", "us CPU per request", "2 prefill ranks"):
+                 "progressive_on", "progressive_off", "one chunk's", "us CPU per request", "2 prefill ranks",
+                 "p50 phases: claim->grant", "baseline: raw_nixl_notif"):
         assert word in text
 
 

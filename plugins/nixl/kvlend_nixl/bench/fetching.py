@@ -8,7 +8,7 @@ import time
 import numpy as np
 
 from .pools import GROUP, expected_ok
-from .timing import XFER_TIMEOUT, BenchError
+from .timing import XFER_TIMEOUT, BenchError, breakdown
 
 IDLE_WAIT = 0.002  # s; the node's loop cuts it short for reads in flight and deadlines
 
@@ -18,7 +18,7 @@ def keep_in_flight(decode, work: list, arrays: list[np.ndarray], inflight: int, 
     pages of ``arrays`` of its own, driving the node's loop from here (it has no thread of its own).
     Every byte is checked once all are done, as the raw baseline's are: checks between fetches would
     leave each next one cold caches that the engine's loop would not.  Returns wall seconds and this
-    process's CPU seconds (the node's loop and this driver)."""
+    process's CPU seconds (the node's loop and this driver), and the p50 of each phase of the fetches."""
     need = sum(len(src) for _, src, _ in work)
     if need > arrays[0].shape[0]:
         raise BenchError(f"{what}: {need} destination pages needed, the pools have {arrays[0].shape[0]}")
@@ -47,4 +47,5 @@ def keep_in_flight(decode, work: list, arrays: list[np.ndarray], inflight: int, 
     for handle, _, _ in done:
         handle.result()  # raises its error
     verified = all(expected_ok(a, r, src, dst) for _, src, dst in done for r, a in enumerate(arrays))
-    return {"seconds": seconds, "cpu_seconds": cpu, "verified": verified}
+    return {"seconds": seconds, "cpu_seconds": cpu, "verified": verified,
+            "breakdown": breakdown([handle for handle, _, _ in done])}

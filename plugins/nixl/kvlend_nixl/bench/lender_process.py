@@ -15,6 +15,7 @@ from kvlend.errors import KvlendError
 
 from ..backend import NixlBackend
 from ..nixl_build import api
+from .peer_engine import PeerEngine
 from .pools import GROUP, TPP, descriptor_rows, host_region, make_pools
 from .timing import CALL_TIMEOUT, XFER_TIMEOUT, BenchError
 
@@ -22,11 +23,13 @@ from .timing import CALL_TIMEOUT, XFER_TIMEOUT, BenchError
 def lender_main(conn) -> None:
     """The lender process: owns source pools, answers commands, keeps its agent progressed."""
     backend = NixlBackend(f"bench-lender-{os.getpid()}", timeout=XFER_TIMEOUT)
-    agent = backend._agent  # raw NIXL: the target only has to be progressed
+    agent = backend._agent  # raw NIXL: the target is progressed, and acts on notifications as NixlConnector's
     arrays: list[np.ndarray] = []
     layout: PageLayout | None = None
     staging = np.zeros(0, np.uint8)
-    spin, notifs = False, 0
+    spin = False
+    engine = PeerEngine()  # the raw baseline's target: NixlConnector's work per notification
+    counted = (0, 0, 0)  # the engine's notifications, requests freed and unknown at the last "notifs"
     cold: list = []  # scenario 4 objects, kept alive until quit
     streamer = None  # scenario 6's PrefillNode
     ticketing: list = []  # scenario 7's PrefillNodes, closed on "close_nodes"
@@ -76,13 +79,17 @@ def lender_main(conn) -> None:
                 elif cmd == "spin":
                     spin = bool(arg)
                     conn.send(True)
-                elif cmd == "notifs":  # count since the last call, waiting up to 2 s for ``arg`` of them
+                elif cmd == "expect":  # the raw baseline's requests, (name, blocks) each, before they are read
+                    engine.expect(arg)
+                    conn.send(True)
+                elif cmd == "notifs":  # seen, freed, unknown since the last call, waiting up to 2 s for ``arg`` seen
                     deadline = time.monotonic() + 2.0
-                    while notifs < (arg or 0) and time.monotonic() < deadline:
-                        notifs += sum(len(v) for v in agent.get_new_notifs().values())
-                    conn.send(notifs)
-                    notifs = 0
-            notifs += sum(len(v) for v in agent.get_new_notifs().values())
+                    while engine.notifications - counted[0] < (arg or 0) and time.monotonic() < deadline:
+                        engine.step(agent)
+                    now = (engine.notifications, engine.freed, engine.unknown)
+                    conn.send({k: a - b for k, a, b in zip(("seen", "freed", "unknown"), now, counted)})
+                    counted = now
+            engine.step(agent)
     finally:
         for obj in cold + ticketing:
             obj[0].close()

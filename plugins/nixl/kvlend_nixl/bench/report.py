@@ -43,6 +43,10 @@ def format_report(report: dict) -> str:
                     lines.append(f"    {name:22s} {r['ms']:.1f} ms{more}{extra}")
                     continue
                 lines.append(f"    {name:22s} {_fmt(r)}{extra}")
+            for name, r in b["results"].items():
+                if r.get("breakdown"):
+                    lines.append(f"    {name} p50 phases: " + ", ".join(
+                        f"{k[4:-3]} {'-' if v is None else f'{v:.3f}'} ms" for k, v in r["breakdown"].items()))
             lines.append("    ratios: " + ", ".join(f"{k} {v:.2f}x" for k, v in b["ratios"].items()))
             lines.append("    targets: "
                          + ", ".join(f"{k}: {'met' if v else 'MISSED'}" for k, v in b["targets"].items()))
@@ -54,6 +58,8 @@ def format_report(report: dict) -> str:
             lines.append(f"  note: {note}")
         if "path" in s:
             lines.append(f"  path: {s['path']}")
+        if "baseline" in s:
+            lines.append(f"  baseline: {s['baseline']}")
     return "\n".join(lines)
 
 
@@ -69,8 +75,10 @@ def pyplot():
 
 
 _SERIES = {"kvlend": "kvlend", "raw_same_descriptors": "raw NIXL, kvlend's descriptors",
-           "raw_nixl_notif": "raw NIXL, kvlend's descriptors", "raw_per_page": "raw NIXL, one descriptor per page",
-           "raw_nixl_prepped": "raw NIXL, prepared page lists by index", "kvlend_node": "kvlend through the nodes",
+           "raw_nixl_notif": "raw NIXL, kvlend's descriptors, the target freeing blocks per notification",
+           "raw_per_page": "raw NIXL, one descriptor per page",
+           "raw_nixl_prepped": "raw NIXL, prepared page lists by index, the target freeing blocks per notification",
+           "kvlend_node": "kvlend through the nodes",
            "kvlend_node_ahead": "kvlend through the nodes, reads ahead of the claim's answer",
            "kvlend_node_no_window": "kvlend through the nodes, no tcp read window",
            "staging": "host staging (gather + read + scatter)", "raw_nixl": "raw NIXL, one descriptor",

@@ -9,6 +9,7 @@ from typing import Callable
 import numpy as np
 
 from kvlend.errors import KvlendError
+from kvlend.protocol.fetch import PHASES
 
 CALL_TIMEOUT = 120.0  # seconds for one lender command (pool allocation of a few GiB included)
 XFER_TIMEOUT = 30.0
@@ -25,6 +26,15 @@ def stats(samples: list[float], nbytes: int | None = None) -> dict:
            "p99_ms": float(np.percentile(ms, 99))}
     if nbytes:
         out["gbps"] = nbytes / (out["p50_ms"] / 1e3) / 1e9
+    return out
+
+
+def breakdown(handles: list) -> dict:
+    """Where the fetches' time went: the p50 of each phase of their timelines (``FetchHandle.phases``), in ms."""
+    out = {}
+    for name in PHASES:
+        values = [p[name] for p in (h.phases for h in handles) if p[name] is not None]
+        out[f"p50 {name} ms"] = float(np.median(values)) * 1e3 if values else None
     return out
 
 

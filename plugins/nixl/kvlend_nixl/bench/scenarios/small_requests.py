@@ -3,6 +3,7 @@ raw NIXL READs with a notification."""
 
 from __future__ import annotations
 
+import itertools
 import os
 import time
 
@@ -12,10 +13,11 @@ from kvlend.protocol.config import NodeConfig
 
 from ...backend import NixlBackend
 from ..lender_process import LenderProcess
+from ..peer_engine import RAW_BASELINE, notification
 from ..pools import GROUP, PAGE_BYTES, TPP, expected_ok, fragmented
 from ..reader import Reader
 from ..sizes import Sizes
-from ..timing import XFER_TIMEOUT, side_by_side, stats
+from ..timing import XFER_TIMEOUT, breakdown, side_by_side, stats
 
 
 def run(lender: LenderProcess, backend, sizes: Sizes, progress) -> dict:
@@ -27,13 +29,18 @@ def run(lender: LenderProcess, backend, sizes: Sizes, progress) -> dict:
     nbytes = n * 2 * sizes.s3_layers * PAGE_BYTES
     try:
         local, remote = reader.descriptors(src, dst, tokens)
+        raw_methods = ("raw_nixl_notif", "raw_nixl_prepped")
+        sent = len(raw_methods) * (sizes.s3_reps + 6)  # timed, warm-up and the verifying read of each
+        lender.call("expect", [(f"s3-{i}", n) for i in range(sent)])  # each read's request holds n blocks
+        names = itertools.count()
         lender.call("spin", True)  # the target busy-polls its notifications, as the raw baseline needs
         try:
             methods = {"kvlend": lambda: reader.kvlend(src, dst, tokens),
-                       "raw_nixl_notif": lambda: reader.raw(local, remote, b"bench"),
-                       "raw_nixl_prepped": lambda: reader.prepped(src, dst, b"bench")}
-            progress(f"scenario 3: {n}-page requests: kvlend, raw NIXL READ with a notification (descriptor "
-                     f"lists built per request, and prepared lists by index), {sizes.s3_reps} rounds")
+                       "raw_nixl_notif": lambda: reader.raw(local, remote, notification(f"s3-{next(names)}")),
+                       "raw_nixl_prepped": lambda: reader.prepped(src, dst, notification(f"s3-{next(names)}"))}
+            progress(f"scenario 3: {n}-page requests: kvlend, raw NIXL READ with a notification the target acts "
+                     f"on as NixlConnector does (descriptor lists built per request, and prepared lists by index), "
+                     f"{sizes.s3_reps} rounds")
             lender.call("notifs")
             times = side_by_side(methods, sizes.s3_reps, warmup=5)
             results = {k: stats(times[k]) for k in methods}
@@ -41,8 +48,6 @@ def run(lender: LenderProcess, backend, sizes: Sizes, progress) -> dict:
                 results[k]["verified"] = reader.verified(fn, src, dst)
         finally:
             lender.call("spin", False)
-        raw_methods = ("raw_nixl_notif", "raw_nixl_prepped")
-        sent = len(raw_methods) * (sizes.s3_reps + 6)  # timed, warm-up and the verifying read of each
         seen = lender.call("notifs", sent)
         progress(f"scenario 3: the same requests through the nodes (ticket, claim, read, done ack over TLS), "
                  f"{sizes.s3_reps} rounds")
@@ -61,7 +66,9 @@ def run(lender: LenderProcess, backend, sizes: Sizes, progress) -> dict:
                 "kvlend_node: the same request through PrefillNode and DecodeNode (ticket, claim, read, done ack over "
                 "TLS, two processes); kvlend_node_ahead: the same with NodeConfig(read_ahead=True), the reads posted "
                 "from the ticket's page table as the claim goes out",
-        "notifications": {"sent": sent, "seen_by_target": seen},
+        "baseline": RAW_BASELINE,
+        "notifications": {"sent": sent, "seen_by_target": seen["seen"], "freed_by_target": seen["freed"],
+                          "unknown_to_target": seen["unknown"]},
         "results": results,
         "ratios": {f"p50 kvlend/{k}": kv["p50_ms"] / results[k]["p50_ms"] for k in raw_methods}
         | {f"p99 kvlend/{k}": kv["p99_ms"] / results[k]["p99_ms"] for k in raw_methods}
@@ -97,12 +104,14 @@ def _node_path(lender: LenderProcess, reader: Reader, src: np.ndarray, dst: np.n
     decode = DecodeNode(reader.local, backend, ca.issue("bench-node-decode", "decode"),
                         config=NodeConfig(read_ahead=read_ahead))
     try:
-        times = []
+        times, timed = [], []
         for i, ticket in enumerate(tickets[:-1]):
             start = time.perf_counter()
-            decode.start_fetch(ticket, {GROUP: dst}).wait(XFER_TIMEOUT)
+            handle = decode.start_fetch(ticket, {GROUP: dst})
+            handle.wait(XFER_TIMEOUT)
             if i >= warmup:
                 times.append(time.perf_counter() - start)
+                timed.append(handle)
         for a in reader.arrays:
             a[dst] = 0
         decode.start_fetch(tickets[-1], {GROUP: dst}).wait(XFER_TIMEOUT)
@@ -110,4 +119,4 @@ def _node_path(lender: LenderProcess, reader: Reader, src: np.ndarray, dst: np.n
     finally:
         decode.close()
         backend.close()
-    return {**stats(times), "verified": verified}
+    return {**stats(times), "verified": verified, "breakdown": breakdown(timed)}
