@@ -38,6 +38,7 @@ ENTRY_POINTS = (
     ("python examples/cluster_rank.py", "examples/cluster_rank.py"),
     ("scripts/multinode-loopback", "scripts/multinode-loopback"),
     ("scripts/cluster-demo", "scripts/cluster-demo"),
+    ("scripts/bench-codec", "scripts/bench-codec"),
     ("scripts/bench-plan", "scripts/bench-plan"),
     ("scripts/gpu-check", "scripts/gpu-check"),
     ("scripts/vllm-demo", "plugins/vllm/kvlend_vllm/demo.py"),
