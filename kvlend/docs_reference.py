@@ -51,9 +51,9 @@ ENTRY_POINTS = (
 LIMITS = (
     ("kvlend.protocol.wire", "PROTOCOL_VERSION"),
     ("kvlend.protocol.wire", "MAX_FRAME_BYTES", "largest frame either end sends or accepts"),
-    ("kvlend.protocol.wire", "MAX_FRAME_DEPTH"),
-    ("kvlend.protocol.wire", "MAX_FRAME_CONTAINERS"),
-    ("kvlend.protocol.wire", "MAX_FRAME_ELEMENTS"),
+    ("kvlend.protocol.frame_walk", "MAX_FRAME_DEPTH"),
+    ("kvlend.protocol.frame_walk", "MAX_FRAME_CONTAINERS"),
+    ("kvlend.protocol.frame_walk", "MAX_FRAME_ELEMENTS"),
     ("kvlend.protocol.wire", "MAX_META"),
     ("kvlend.protocol.ticket", "MAX_TICKET_BYTES", "largest ticket, encoded, a decode accepts"),
     ("kvlend.protocol.ticket", "MAX_TICKET_ROWS"),
