@@ -213,7 +213,7 @@ def _group_pages(v: Any, where: str, allow_empty: bool = True) -> dict[str, Grou
             raise PeerProtocolError(f"{where}[{g!r}]: expected [token_pages, ordinals]")
         tp, od = (_int64_array(a, f"{where}[{g!r}]") for a in arrays)
         try:
-            pages[g] = GroupPages(tp, od)
+            pages[g] = GroupPages.viewing(tp, od)
         except Exception as exc:
             raise PeerProtocolError(f"{where}[{g!r}]: {exc}") from None
     return pages
@@ -232,7 +232,7 @@ def merge_pages(a: GroupPages, b: GroupPages) -> GroupPages:
 def _int64_array(v: Any, where: str) -> np.ndarray:
     if not isinstance(v, bytes) or len(v) % 8 or len(v) > 8 * MAX_GROUP_PAGES:
         raise PeerProtocolError(f"{where}: expected little-endian int64 bytes")
-    return np.frombuffer(v, dtype="<i8").astype(np.int64)
+    return np.frombuffer(v, dtype="<i8").astype(np.int64, copy=False)  # read-only, over the peer's bytes
 
 
 def check_offer(request: Any, meta: Any) -> dict:
