@@ -184,7 +184,7 @@ class _LeaseWire(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         if not isinstance(sel, list) or len(sel) != 2 or not isinstance(sel[1], list) or len(sel[1]) > 65536:
             raise PeerProtocolError(f"{where}.selection: expected [mode, names]")
         try:
-            selection = RowSelection(SelectionMode(sel[0]), tuple(sel[1]))
+            selection = _ALL_ROWS if sel == _ALL_ROWS_WIRE else RowSelection(SelectionMode(sel[0]), tuple(sel[1]))
         except Exception as exc:
             raise PeerProtocolError(f"{where}.selection: {exc}") from None
         ttl = float(self.ttl)
@@ -196,6 +196,9 @@ class _LeaseWire(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             raise PeerProtocolError(f"{where}.ready: {self.ready} is outside [0, num_tokens {self.num_tokens}]")
         return LeaseOffer(self.id, self.request, self.num_tokens, pages, selection, ttl,
                           _map(self.meta, f"{where}.meta"), self.ready)
+
+
+_ALL_ROWS, _ALL_ROWS_WIRE = RowSelection.all(), [SelectionMode.ALL.value, []]  # most offers': one value, shared
 
 
 def _pages_to_wire(pages: Mapping[str, GroupPages]) -> dict:
@@ -211,7 +214,9 @@ def _group_pages(v: Any, where: str, allow_empty: bool = True) -> dict[str, Grou
         _str(g, f"{where} key")
         if not isinstance(arrays, list) or len(arrays) != 2:
             raise PeerProtocolError(f"{where}[{g!r}]: expected [token_pages, ordinals]")
-        tp, od = (_int64_array(a, f"{where}[{g!r}]") for a in arrays)
+        tp, od = _int64_array(arrays[0]), _int64_array(arrays[1])
+        if tp is None or od is None:
+            raise PeerProtocolError(f"{where}[{g!r}]: expected little-endian int64 bytes")
         try:
             pages[g] = GroupPages.viewing(tp, od)
         except Exception as exc:
@@ -229,10 +234,11 @@ def merge_pages(a: GroupPages, b: GroupPages) -> GroupPages:
         raise PeerProtocolError(f"extension repeats rows already lent: {exc}") from None
 
 
-def _int64_array(v: Any, where: str) -> np.ndarray:
+def _int64_array(v: Any) -> np.ndarray | None:
+    """Little-endian int64 bytes as an array, read-only over them; None if ``v`` is not such bytes."""
     if not isinstance(v, bytes) or len(v) % 8 or len(v) > 8 * MAX_GROUP_PAGES:
-        raise PeerProtocolError(f"{where}: expected little-endian int64 bytes")
-    return np.frombuffer(v, dtype="<i8").astype(np.int64, copy=False)  # read-only, over the peer's bytes
+        return None
+    return np.frombuffer(v, dtype="<i8").astype(np.int64, copy=False)
 
 
 def check_offer(request: Any, meta: Any) -> dict:
