@@ -130,6 +130,12 @@ def test_a_frame_is_a_length_then_msgpack_version_and_message():
     assert PROTOCOL_VERSION == 5
 
 
+def test_every_frame_is_the_bytes_msgpack_makes_of_its_map():
+    """msgspec encodes each message as msgpack would its ``to_wire`` map: same keys, order and encodings."""
+    for m in SAMPLES:
+        assert encode_frame(m) == framed(msgpack.packb([PROTOCOL_VERSION, m.to_wire()], use_bin_type=True)), m.TYPE
+
+
 # ------------------------------------------------------------ malformed bits
 def test_flipped_header_bits_never_decode():
     frame = encode_frame(Done(LID, 5))
