@@ -36,8 +36,9 @@ from ..core.prompt import PROMPT_DIGEST_BYTES
 from ..errors import KvlendError, PeerProtocolError, UsageError
 from .codes import Code, code_of, detail_of
 
-# 2: inside TLS, no MAC or sequence numbers; 3: progressive leases; 4: Claim.digest
-PROTOCOL_VERSION = 5  # 5: Abort, DoneAck and Bye carry a refusal code and a detail
+# 2: inside TLS, no MAC or sequence numbers; 3: progressive leases; 4: Claim.digest; 5: Abort, DoneAck and Bye
+# carry a refusal code and a detail
+PROTOCOL_VERSION = 6  # 6: Heartbeat.done, leases read in their lifetime, released unanswered
 MAX_FRAME_BYTES = 16 << 20
 MAX_GROUP_PAGES = 1 << 22
 # What one frame's payload may hold, checked as it is walked: far above any message (an offer nests 5 deep and
@@ -312,10 +313,13 @@ class Extend(Message):
 
 @dataclass(frozen=True)
 class Heartbeat(Message):
-    """Decode -> prefill: these leases still have reads in flight; renew them."""
+    """Decode -> prefill: renew ``leases`` (reads still in flight; answered by ``Renewed`` if any), and release
+    ``done``: leases read whole while surely valid, their fetches finished (a ``Done`` nobody waits for: unanswered).
+    """
     TYPE: ClassVar[str] = "heartbeat"
-    SCHEMA: ClassVar = {"leases": _lease_ids}
+    SCHEMA: ClassVar = {"leases": _lease_ids, "done": _lease_ids}
     leases: tuple[bytes, ...]
+    done: tuple[bytes, ...] = ()
 
 
 @dataclass(frozen=True)
