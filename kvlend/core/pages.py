@@ -43,12 +43,7 @@ class GroupPages:
     def __post_init__(self) -> None:
         tp = np.array(self.token_pages, dtype=np.int64, copy=True).reshape(-1)
         od = np.array(self.ordinals, dtype=np.int64, copy=True).reshape(-1)
-        if tp.shape != od.shape:
-            raise PageRangeError(f"token_pages ({tp.size}) and ordinals ({od.size}) differ in length")
-        if tp.size and (tp[0] < 0 or not (tp[1:] > tp[:-1]).all()):
-            raise PageRangeError("token_pages must be non-negative and strictly increasing")
-        if od.size and od.min() < 0:
-            raise PageRangeError(f"negative page ordinal {int(od.min())}")
+        _check_rows(tp, od)
         tp.flags.writeable = False
         od.flags.writeable = False
         object.__setattr__(self, "token_pages", tp)
@@ -65,8 +60,26 @@ class GroupPages:
         object.__setattr__(obj, "ordinals", ordinals)
         return obj
 
+    @classmethod
+    def viewing(cls, token_pages: np.ndarray, ordinals: np.ndarray) -> GroupPages:
+        """Over 1-D int64 arrays no one writes (a peer's bytes, read in place): checked as a new one is, not
+        copied (the wire's offers)."""
+        _check_rows(token_pages, ordinals)
+        return cls._checked(token_pages, ordinals)
+
     def __len__(self) -> int:
         return int(self.token_pages.size)
 
     def select(self, mask: np.ndarray) -> GroupPages:
         return GroupPages(self.token_pages[mask], self.ordinals[mask])
+
+
+def _check_rows(tp: np.ndarray, od: np.ndarray) -> None:
+    """``PageRangeError`` unless the rows are equal in number, token pages non-negative and strictly increasing,
+    ordinals non-negative."""
+    if tp.shape != od.shape:
+        raise PageRangeError(f"token_pages ({tp.size}) and ordinals ({od.size}) differ in length")
+    if tp.size and (tp[0] < 0 or not (tp[1:] > tp[:-1]).all()):
+        raise PageRangeError("token_pages must be non-negative and strictly increasing")
+    if od.size and od.min() < 0:
+        raise PageRangeError(f"negative page ordinal {int(od.min())}")
