@@ -227,24 +227,26 @@ def test_fetch_of_an_expired_lease_raises_lease_expired(when):
         tables = prefill_request(r.layout, r.src, free_lists(r.layout, SRC_PAGES, 8), 40, seed=3)
         r.prefill.offer(r.peer, "late", 40, tables, r.layout.full_selection(), meta={"seed": 3})
         link, offer = r.decode.next_offer(DEADLINE)
+        # The prefill's clock jumps a minute ahead of the decode's, which the lease's sure window assumes never
+        # happens (both read CLOCK_BOOTTIME): only the ack catches it, so every read must land outside that
+        # window, with no renewal known (protocol 6 finishes a fetch read inside it without the ack).
+        with r.decode._lock:
+            known = r.decode.session._links[link.id]
+            known.leases[offer.id].sure = None  # no renewal known, and none will be: the answers to the
+            known.blind += len(known.beats)  # heartbeats sent so far confirm nothing, later ones are dropped
+            known.beats.clear()
+            conn = known.conn
+            send = conn.send
+
+            def no_renewals(message):
+                if when == "after_reads":
+                    expire(message)  # every read has landed; the lease lapses before the prefill sees Done
+                if not isinstance(message, Heartbeat):
+                    send(message)
+
+            conn.send = no_renewals
         if when == "before_fetch":
             expire()
-        else:  # every read lands outside the lease's sure window (no renewal known: protocol 6's ack path); the
-            # lease lapses before the prefill sees Done
-            with r.decode._lock:
-                known = r.decode.session._links[link.id]
-                known.leases[offer.id].sure = None  # no renewal known, and none will be: the answers to the
-                known.blind += len(known.beats)  # heartbeats sent so far confirm nothing, later ones are dropped
-                known.beats.clear()
-                conn = r.decode.session._links[link.id].conn
-                send = conn.send
-
-                def no_renewals(message):
-                    expire(message)
-                    if not isinstance(message, Heartbeat):
-                        send(message)
-
-                conn.send = no_renewals
         with pytest.raises(LeaseExpired, match="discard"):
             r.decode.fetch(link, offer, {name: np.arange(10) for name in r.decode.layout.groups})
         assert r.released == [("late", "expired")]
