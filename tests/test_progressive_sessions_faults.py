@@ -241,6 +241,7 @@ def test_an_extend_after_the_lease_was_final_fails_the_link():
     p.extend(t, 20)
     wire = world.wire(d, conn)
     wire.hold_to_prefill = True  # the Done waits: the fetch stays ACKING
+    world.advance(CFG.ttl - CFG.heartbeat + EPS_T)  # its reads land after the window: the ack is awaited
     finish_all(world, d)
     assert r.fetch.state is FetchState.ACKING
     inject(world, p, d, conn, Extend(t.lease, 20, {}))

@@ -33,7 +33,9 @@ from kvlend.testing import World, finish_all, rig as memory_rig
 
 pytestmark = pytest.mark.unit
 
-BASE = dict(ttl=5.0, heartbeat=1.0, handshake_timeout=3.0, transfer_timeout=1e6, cancel_grace=2.0, chunk_pages=4)
+# read_ahead off: a refused claim is seen before anything is read (tests/support/sessions.py says why)
+BASE = dict(ttl=5.0, heartbeat=1.0, handshake_timeout=3.0, transfer_timeout=1e6, cancel_grace=2.0, chunk_pages=4,
+            read_ahead=False)
 CFG = NodeConfig(**BASE)
 
 

@@ -73,18 +73,19 @@ def test_a_refused_claim_voids_what_was_read_ahead():
     assert d.session._links[conn].abandoned == set()  # the refusal was the answer: nothing is waited for
 
 
-def test_a_fetch_timing_out_after_its_done_never_takes_the_late_answer_for_an_offer():
+def test_a_fetch_timing_out_while_its_landed_reads_wait_for_the_answer_never_takes_it_for_an_offer():
     world, p, d, conn = rig(CFG)
     ticket = p.ticket(8, seed=9)
     wire = world.wire(d, conn)
-    wire.hold_to_prefill = True  # the claim, and then the done, wait on the wire
+    wire.hold_to_prefill = True  # the claim, and then the abort, wait on the wire
     r = d.fetch_ticket(ticket, seed=9)
-    finish_all(world, d)  # every read lands: the done goes (behind the held claim)
-    assert r.fetch.state is FetchState.ACKING and not r.fetch.confirmed
+    finish_all(world, d)  # every read lands: nothing goes until the claim's answer says whether they count
+    assert r.fetch.state is FetchState.READING and not r.fetch.confirmed and r.fetch.landed is not None
+    assert r.fetch.bound == 0
     world.advance(CFG.transfer_timeout + 1)
     assert r.fetch.state is FetchState.FAILED and r.fetch.bound == 0
     wire.hold_to_prefill = False
-    world.pump()  # the claim is answered, then the done: neither looks like a pushed offer
+    world.pump()  # the claim is answered, then the abort: neither looks like a pushed offer
     assert d.offers == [] and d.session._links[conn].offers == {}
     assert p.lender.active_leases == 0
 

@@ -4,7 +4,8 @@ Two prefills and one decode (which may die and restart under the same name)
 over ``kvlend.testing``: leases lent behind tickets or pushed, fetches
 started, reads completed ok, failed, or landing late in any order, cancels,
 small clock steps (heartbeats and their renewals flow) and large jumps,
-heartbeats held back, links cut, ranks killed and restarted, fetch starts that
+heartbeats held back, links cut, ranks killed and restarted, a fetch done in its lease's window (protocol 6)
+whose Done is then lost, late, outlived by its prefill or its lease, fetch starts that
 fail (bad tables, planner bugs inside ``receive``) and their immediate retries,
 declines of offers being read (refused).  After every step:
 
@@ -148,7 +149,8 @@ class Sessions(RuleBasedStateMachine):
             d.fetch_ticket(ticket, seed=seed)
         states = [d.records[max(d.records)].fetch for d in readers]
         denied = [f for f in states if type(f.error).__name__ == "LeaseDenied"]
-        assert len(denied) <= 1 and not (len(denied) == 0 and all(f.state is FetchState.READING for f in states))
+        reading = [f.state is FetchState.READING and f.confirmed for f in states]  # read ahead counts once confirmed
+        assert len(denied) <= 1 and not (len(denied) == 0 and all(reading))
 
     @rule(k=st.integers(0, 63))
     def finish_one_fetch(self, k):
@@ -164,6 +166,45 @@ class Sessions(RuleBasedStateMachine):
             if not d.backend.reads[tag].terminal:
                 d.backend.finish(tag)
         self.world.pump()
+
+    @rule(k=st.integers(0, 63), then=st.sampled_from(["lose_done", "late_done", "kill_prefill", "expire"]))
+    def finish_then_fault(self, k, then):
+        """Every read of one fetch lands while what the decode sends waits on the wire; then its Done (and
+        heartbeats) are lost with the link, arrive late, its prefill dies, or its lease expires before
+        anything gets through.  One done in the lease's window stays done with every byte (protocol 6); one
+        acking fails or is acked, never done over a reused page (the world checks the bytes)."""
+        d = self.decode
+        running = [r for r in d.running() if r.fetch.tags and r.fetch.state is FetchState.READING
+                   and r.fetch.link in d.wires and d.wires[r.fetch.link].open]
+        if not running:
+            return
+        record = running[k % len(running)]
+        f, wire = record.fetch, d.wires[record.fetch.link]
+        held = wire.hold_to_prefill
+        wire.hold_to_prefill = True
+        for tag in sorted(f.tags):
+            if not d.backend.reads[tag].terminal:
+                d.backend.finish(tag)
+        self.world.pump()
+        usable = f.state is FetchState.DONE
+        event(f"finished, then {then}: {f.state.value}")
+        if then == "lose_done":
+            self.world.cut(wire)
+        elif then == "late_done":
+            self.world.advance(0.9 * CFG.heartbeat)
+        elif then == "kill_prefill":
+            i = next(i for i, p in enumerate(self.prefills) if p is wire.prefill)
+            old = self.prefills[i]
+            if old.alive:
+                self.world.kill_prefill(old)
+            self.prefills[i] = self.world.add_prefill(old.name, port=old.endpoint[1], config=CFG, offset=old.offset)
+        else:
+            self.world.jump(CFG.ttl + 0.5)
+        if wire.open:
+            wire.hold_to_prefill = held
+        self.world.pump()
+        if usable:  # finished in the window: nothing after changes what the engine was given
+            assert f.state is FetchState.DONE and f.error is None and f.bound == f.num_tokens
 
     @rule(i=st.integers(0, 1), n=st.integers(1, 72))
     def push_offer(self, i, n):

@@ -324,7 +324,8 @@ def test_a_release_under_a_read_keeps_its_pages_until_the_reader_is_quiet(landed
     ``LeaseEnded`` (the world scribbles them then).  Reads landing before the reader hears of it count
     for the bound, so the pages must still hold the lent bytes until the reader is quiet: its done, or
     its abort once its reads are terminal.  Before, they were reused at once and the bound covered
-    scribbled pages (the world's bound check fails on every step)."""
+    scribbled pages (the world's bound check fails on every step).  Reads that all landed before the
+    reader heard of the release finished the fetch (protocol 6): the withdrawal that comes after is late."""
     world, p, d, conn = rig(LONG)
     t = p.ticket(40, seed=1)
     r = d.fetch_ticket(t, seed=1)
@@ -337,10 +338,13 @@ def test_a_release_under_a_read_keeps_its_pages_until_the_reader_is_quiet(landed
     first, *rest = d.backend.in_flight()
     if landed == "before_the_abort":
         finish_all(world, d)  # the bound covers the lease, and the bytes under it are the lent ones
-        assert r.fetch.state is FetchState.ACKING and r.fetch.bound == 40
+        assert r.fetch.state is FetchState.DONE and r.fetch.bound == 40 and r.fetch.error is None
         assert p.ended == [(t.lease, "released")] and locked(p) == 0  # its done said it is quiet
         wire.hold_to_decode = False
-        world.pump()
+        world.pump()  # the withdrawal, after the fetch finished: nothing changes
+        assert r.fetch.state is FetchState.DONE and r.fetch.bound == 40
+        world.check_locks()
+        return
     else:
         d.backend.finish(first.tag)
         world.pump()
@@ -382,7 +386,7 @@ def test_a_release_under_a_reader_whose_link_went_waits_unless_it_said_goodbye(g
         return
     assert not p.ended and locked(p) > 0
     finish_all(world, d)  # lands before the decode hears anything: the bound counts it, so the bytes are there
-    assert r.fetch.state is FetchState.ACKING and r.fetch.bound == 40
+    assert r.fetch.state is FetchState.DONE and r.fetch.bound == 40  # in the lease's life: its Done is lost
     world.advance(LONG.ttl - LONG.heartbeat)
     assert not p.ended and locked(p) > 0
     world.advance(2 * LONG.heartbeat)  # past the lease's expiry on the prefill's clock

@@ -58,16 +58,16 @@ def test_markdown_renders_every_move_once():
 
 
 def test_a_planted_bad_transition_is_caught(monkeypatch):
-    """With ``reading -land-> acking`` taken out of the table, the session's own move raises."""
+    """With ``reading -usable-> done`` taken out of the table, the session's own move raises."""
     monkeypatch.setitem(states.TABLES, "fetch", {k: v for k, v in FETCH.items()
-                                                 if k != (FetchState.READING, FetchEvent.LAND)})
+                                                 if k != (FetchState.READING, FetchEvent.USABLE)})
     world = World(0)
     p = world.add_prefill()
     d = world.add_decode()
     world.connect(d, p)
     record = d.fetch_ticket(p.ticket(8, seed=1), seed=1)
     assert record.fetch.state is FetchState.READING
-    with pytest.raises(IllegalTransition, match="fetch: no transition from `reading` on `land`"):
+    with pytest.raises(IllegalTransition, match="fetch: no transition from `reading` on `usable`"):
         finish_all(world, d)
 
 

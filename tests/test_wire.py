@@ -127,7 +127,7 @@ def test_offer_arrays_selection_and_meta_survive():
 def test_a_frame_is_a_length_then_msgpack_version_and_message():
     frame = encode_frame(Bye(Code.OK, "x"))
     assert frame == framed(msgpack.packb([PROTOCOL_VERSION, {"t": "bye", "code": 0, "detail": "x"}], use_bin_type=True))
-    assert PROTOCOL_VERSION == 5
+    assert PROTOCOL_VERSION == 6
 
 
 def test_every_frame_is_the_bytes_msgpack_makes_of_its_map():
@@ -172,8 +172,8 @@ def test_a_flipped_payload_bit_is_refused_or_decodes_to_a_valid_message():
         assert outcomes["refused"] > 0, (m.TYPE, outcomes)
 
 
-@pytest.mark.parametrize("version", [1, 2, 3, 4, 6, 0, True, 5.0, "5", None, -1, 2**64 - 1])
-def test_the_version_must_be_exactly_five(version):
+@pytest.mark.parametrize("version", [1, 2, 3, 4, 5, 7, 0, True, 6.0, "6", None, -1, 2**64 - 1])
+def test_the_version_must_be_exactly_six(version):
     with pytest.raises(ProtocolError, match="protocol version"):
         decode_all(framed(msgpack.packb([version, Bye(Code.OK, "x").to_wire()], use_bin_type=True)))
     assert decode_all(framed(msgpack.packb([PROTOCOL_VERSION, Bye(Code.OK, "x").to_wire()]))) == [Bye(Code.OK, "x")]
@@ -183,10 +183,12 @@ def test_the_version_must_be_exactly_five(version):
     [3, {"t": "claim", "lease": LID}],  # version 4 added Claim.digest
     [4, {"t": "abort", "lease": LID, "reason": "LeaseExpired: gone"}],  # version 5: codes, not reason strings
     [4, {"t": "bye", "reason": "shutdown"}],
+    [5, {"t": "heartbeat", "leases": [LID]}],  # version 6: Heartbeat.done, released unanswered
+    [5, {"t": "done", "lease": LID, "bound": 5}],  # a frame version 6 reads alike is refused all the same
 ])
 def test_an_older_peers_frame_is_refused_naming_both_versions(old):
     """A peer of an older release is told which versions differ, not a field error."""
-    with pytest.raises(PeerProtocolError, match=f"peer speaks kvlend protocol version {old[0]}, this rank speaks 5: "
+    with pytest.raises(PeerProtocolError, match=f"peer speaks kvlend protocol version {old[0]}, this rank speaks 6: "
                                                 "run the same kvlend release on both sides"):
         decode_all(framed(msgpack.packb(old, use_bin_type=True)))
 
@@ -306,6 +308,8 @@ BAD_MESSAGES = [
     ({"t": "heartbeat", "leases": LID}, "heartbeat.leases: expected list, got bytes"),
     ({"t": "heartbeat", "leases": [LID, b"short"]}, "heartbeat.leases[1]: expected bytes of length >= 16"),
     ({"t": "heartbeat", "leases": [LID] * 65537}, "heartbeat.leases: expected list of length <= 65536"),
+    ({"t": "heartbeat", "leases": [], "done": [LID, b"short"]}, "heartbeat.done[1]: expected bytes of length >= 16"),
+    ({"t": "heartbeat", "leases": [], "done": [LID] * 65537}, "heartbeat.done: expected list of length <= 65536"),
     ({"t": "handshake", "layout": "str", "backend": "b", "metadata": b""}, "handshake.layout"),
     ({"t": "offer", "lease": []}, "offer.lease: expected map, got list"),
     (offer_wire(ttl=KeyError), "offer.lease: fields"),
@@ -464,13 +468,13 @@ def test_structure_is_checked_before_anything_is_built():
 
 
 def test_the_largest_messages_stay_within_the_structural_limits():
-    """65,536 heartbeat ids; an offer of 256 groups naming 65,536 rows with 64 meta lists of 4,096 ints."""
+    """65,536 heartbeat ids and as many done; an offer of 256 groups naming 65,536 rows, 64 meta lists of 4,096 ints."""
     ids = tuple(i.to_bytes(16, "big") for i in range(1 << 16))
     meta = {f"k{i}": list(range(i, i + 4096)) for i in range(64)}
     pages = {f"g{i}": GroupPages(np.arange(64) * 2, np.arange(64)) for i in range(256)}
     names = RowSelection.named(*(f"L{i}" for i in range(1 << 16)))
     offer = Offer(LeaseOffer(LID, "r", 1 << 20, pages, names, 1.0, meta))
-    for message in (Heartbeat(ids), Renewed(ids), offer):
+    for message in (Heartbeat(ids, ids), Renewed(ids), offer):
         assert wire_bytes(decode_all(encode_frame(message))[0]) == wire_bytes(message)
 
 
@@ -504,7 +508,8 @@ def lease_offers(draw):
 
 valid_messages = st.one_of(
     st.builds(Handshake, st.binary(max_size=200), st.text(max_size=20), st.binary(max_size=200)),
-    st.builds(Offer, lease_offers()), st.builds(Heartbeat, st.lists(ids16, max_size=5).map(tuple)),
+    st.builds(Offer, lease_offers()), st.builds(Heartbeat, st.lists(ids16, max_size=5).map(tuple),
+                                                           st.lists(ids16, max_size=5).map(tuple)),
     st.builds(Renewed, st.lists(ids16, max_size=5).map(tuple)),
     st.builds(Claim, ids16, st.sampled_from([b"", bytes(32)])),
     st.builds(Done, ids16, int64), st.builds(DoneAck, ids16, st.sampled_from(Code), st.text(max_size=40)),

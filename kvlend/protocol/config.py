@@ -129,17 +129,18 @@ class NodeConfig:
     # Connect, TLS handshake and layout exchange; a prefill drops a decode that authenticated but sent no
     # layout by then (it would hold its identity's slot).
     handshake_timeout: float = 10.0
-    transfer_timeout: float = 30.0  # one fetch, start to the prefill's done ack
+    transfer_timeout: float = 30.0  # one fetch, start to done (its reads in the lease's life) or the done ack
     cancel_grace: float = 5.0  # a cancelled read may take this long to go quiet before its link is torn down
     chunk_pages: int = 256  # remote token pages per posted chunk
     # A claim of a lease not yet lent waits this long for the lend (0: refused at once).  For
     # tickets minted before the lend, as a vLLM scheduler does while its worker lends a step later.
     claim_wait: float = 0.0
     # Decode: a ticket carrying its page table is read as the claim goes out, saving the claim's round
-    # trip; what is read counts only once the answer confirms the same pages.  Off by default: until
-    # then the reader holds no lease, so it may be reading pages the prefill has already reused (for
-    # it, garbage that it then discards; the prefill is never written).
-    read_ahead: bool = False
+    # trip; what is read counts only once the answer confirms the same pages.  On by default (protocol 6):
+    # with the claim's answer inside the lease's life the fetch is done at once.  Until the answer the
+    # reader holds no lease, so it may be reading pages the prefill has already reused (for it, garbage
+    # that it then discards; the prefill is never written).
+    read_ahead: bool = True
     # A certificate, this rank's or a connected peer's, that expires within this is warned of (once, in the
     # log; kvlend_cert_expiry_seconds always says how long is left): time to renew and reload it.
     cert_warning: float = 7 * 86400.0

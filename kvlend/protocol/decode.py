@@ -6,7 +6,9 @@ cancel reads) and events (offers pushed, fetches finished).  It runs many
 fetches at once over many links, each link one prefill endpoint.
 
 A fetch's life: (claim a ticket's lease) -> post its chunks -> every chunk
-done -> ``Done`` -> the prefill's ack -> ``done``.  A progressive lease
+done -> ``done``, if they all landed while the lease was surely valid (below) and cover it: its
+``Done`` then goes unanswered in the link's next ``Heartbeat`` (batched per link and turn, folded
+into one due anyway; protocol 6).  Otherwise -> ``Done`` -> the prefill's ack -> ``done``.  A progressive lease
 (offered before prefill finished) grows by ``Extend`` messages: each one's
 new pages are posted at once, and ``Done`` waits for the final extension.  Any failure (a chunk
 failed, the deadline passed, the link died, the engine cancelled) first
@@ -278,7 +280,7 @@ class DecodeSession:
                 leases = self._renewable(link)
                 if leases:
                     assert link.conn is not None  # ready
-                    link.conn.send(Heartbeat(tuple(leases)))
+                    link.conn.send(Heartbeat(tuple(leases), _take_done(link)))
                     if link.blind or len(link.beats) >= _BEATS_KEPT:
                         link.blind += 1  # its answer will confirm nothing
                     else:
@@ -314,6 +316,8 @@ class DecodeSession:
         queue = self._queue
         queue.actions += self._fetches.admit()
         for conn, link in self._links.items():
+            if link.done and link.conn is not None:  # this turn's finished fetches, their Done unanswered
+                link.conn.send(Heartbeat((), _take_done(link)))
             data = link.conn.data_to_send() if link.conn is not None else b""
             if data:
                 queue.actions.append(Send(conn, data))
@@ -338,6 +342,8 @@ class DecodeSession:
         busy = self._fetches.link_closed(conn, error, now)
         if link.conn is not None:
             if bye is not None and link.conn.ready:
+                if link.done:
+                    link.conn.send(Heartbeat((), _take_done(link)))
                 link.conn.send(Bye(bye, str(error)[:REASON_CHARS]))
             data = link.conn.data_to_send()
             if data and bye is not None:
@@ -348,3 +354,9 @@ class DecodeSession:
         self._queue.events.append(PeerGone(conn, link.peer, str(error)))
         log.log(logging.WARNING if busy and bye is None else logging.INFO, "link to %s closed: %s",
                 printable(where(link)), printable(error))
+
+
+def _take_done(link: PrefillLink) -> tuple[bytes, ...]:
+    """The leases ``link``'s fetches finished in their life since the last heartbeat: one message releases them."""
+    done, link.done = tuple(link.done), []
+    return done

@@ -14,7 +14,6 @@ from ..core.prompt import check_digest
 from ..core.tracker import DeliveryTracker
 from ..errors import (
     AuthError,
-    KvlendError,
     LayoutMismatch,
     PageRangeError,
     PeerProtocolError,
@@ -27,7 +26,7 @@ from .config import NodeConfig
 from .decode_fetches import Fetches
 from .decode_link import CLAIMED_AHEAD, PLAN_CACHE, REASON_CHARS, REFUSED_KEPT, UNCLAIM_DETAIL, Links, PrefillLink
 from .fetch import Fetch, check_destination, clone_error, resume_point, timeout_arg
-from .states import FetchEvent, FetchState, LeaseEvent, LeaseState, LinkState
+from .states import FetchEvent, FetchState, IllegalTransition, LeaseEvent, LeaseState, LinkState
 from .ticket import Ticket
 from .wire import Abort, Claim, LeaseOffer
 
@@ -250,7 +249,9 @@ class TicketClaims:
             self._fetches.move(fetch, FetchEvent.READ_AHEAD)
             fetch.confirmed = False
             self._fetches.begin(fetch, offer, work, now, created=False)
-        except KvlendError:  # a bad table is reported when the answer comes, as without a page table
+        except Exception as exc:  # a bad table (or a planner bug) is reported when the answer comes, as without pages
+            if isinstance(exc, IllegalTransition):
+                raise
             if fetch.state is FetchState.READING:
                 self._fetches.move(fetch, FetchEvent.UNPOST)
             fetch.confirmed = True
@@ -275,3 +276,4 @@ class TicketClaims:
         fetch.sure_until = fetch.claimed_at + offer.ttl - self._config.beat_for(offer.ttl)
         if fetch.state is FetchState.READING and now < fetch.sure_until:
             fetch.bound = max(fetch.resume_from, self._tracker.bound(fetch.key))
+        self._fetches.confirmed(fetch, now)

@@ -292,24 +292,38 @@ class Fetches(Mapping[int, Fetch]):
 
     # ---------------------------------------------------------------- ends
     def _progress(self, fetch: Fetch, now: float) -> None:
-        """Move a fetch on once its reads allow: send done, or finish a failure when quiet."""
+        """Move a fetch on once its reads allow: done if they all landed in the lease's life and cover it
+        (its ``Done`` rides the link's next heartbeat), else send ``Done`` and wait for the ack; or finish a
+        failure when quiet."""
         if fetch.tags:
             return
         if fetch.state is FetchState.READING:
             assert fetch.offer is not None  # reading one
             if not fetch.offer.final:
                 return  # a progressive lease: the prefill has more to lend (``Extend``)
+            if fetch.landed is None:
+                fetch.landed = now
+            if not fetch.confirmed:
+                return  # read ahead: the claim's answer says whether they count (``confirmed``)
+            reader = self._links[fetch.link]
+            bound = self._tracker.bound(fetch.key)
+            if now < fetch.sure_until and bound == fetch.num_tokens:
+                reader.done.append(fetch.lease)  # every read landed in the lease's life: Done is bookkeeping
+                self.finish(fetch, FetchEvent.USABLE, None, now)
+                return
             self.move(fetch, FetchEvent.LAND)
-            fetch.landed = now
-            connection = self._links[fetch.link].conn
-            assert connection is not None  # a fetch reads over a ready link
-            connection.send(Done(fetch.lease, self._tracker.bound(fetch.key)))
+            assert reader.conn is not None  # a fetch reads over a ready link
+            reader.conn.send(Done(fetch.lease, bound))
         elif fetch.state is FetchState.CANCELLING:
             link = self._links.get(fetch.link)
             if link is not None and link.state is LinkState.READY and fetch.offer is not None:
                 assert link.conn is not None and fetch.error is not None  # ready; set as it failed
                 link.conn.send(Abort.of(fetch.lease, fetch.error))
             self.finish(fetch, FetchEvent.QUIET, fetch.error, now)
+
+    def confirmed(self, fetch: Fetch, now: float) -> None:
+        """The claim's answer confirmed reads posted ahead: a fetch whose reads all landed moves on."""
+        self._progress(fetch, now)
 
     def fail(self, fetch: Fetch, error: KvlendError, now: float, tell_prefill: bool = True) -> None:
         """Stop a fetch: cancel what is in flight; it finishes once quiet."""

@@ -64,6 +64,7 @@ class PrefillLink:
     _offered: dict[bytes, LinkLease] = field(default_factory=dict)  # held or offered, in the order the offers came
     beats: deque = field(default_factory=deque)  # (sent at, lease ids) of heartbeats not yet answered
     blind: int = 0  # unanswered heartbeats sent after ``beats`` was full (answered after those in it)
+    done: list = field(default_factory=list)  # leases read whole in their life: released by the next heartbeat
     next_beat: float = 0.0
     beat: float = 0.0  # heartbeat interval: ``heartbeat``, lowered to the shortest offer's ``beat_for(ttl)`` seen
     windowed: bool = True  # its reads are kept within the session's read window (False: a peer on this host)

@@ -254,11 +254,7 @@ class PrefillMessages:
 
     def _acked(self, fetch: Fetch, ack: DoneAck, now: float) -> None:
         fetch.acked_at = now
-        if ack.ok and not fetch.confirmed:  # the channel is ordered: the claim's answer comes first
-            fetch.bound = fetch.resume_from
-            self._fetches.finish(fetch, FetchEvent.FAIL, PeerProtocolError(
-                f"request {fetch.request or fetch.lease.hex()}: done acknowledged before the claim was answered"), now)
-            return
+        assert fetch.confirmed  # reads ahead send no Done before the claim's answer confirms them
         if not ack.ok:
             fetch.bound = fetch.resume_from  # nothing read under this lease may be used
             self._fetches.finish(fetch, FetchEvent.FAIL, lease_error(

@@ -6,9 +6,9 @@ It takes each decode rank's identity from the shell once TLS verified its
 certificate, refuses a second connection presenting a live peer's identity,
 checks each peer's layout before it sees a lease, lends pages
 (to a connected peer as a pushed offer, or to any peer behind a ticket),
-renews leases on heartbeats, answers claims and dones, and expires leases
-whose reader went quiet.  Every timing decision is made here with the time
-passed in.
+renews leases on heartbeats, answers claims and dones (a heartbeat's ``done``
+ones unanswered: protocol 6), and expires leases whose reader went quiet.
+Every timing decision is made here with the time passed in.
 
 A lease the engine releases after its offer went out may be under a reader's
 one-sided reads: its pages stay locked (``Lender.release`` holds them) until
@@ -147,7 +147,6 @@ class PrefillSession(Outbox):
 
     def authenticated(self, conn: int, identity: str, now: float) -> None:
         """The channel verified that connection ``conn``'s peer holds a certificate for ``identity``.
-
         A second connection presenting a live peer's identity is refused, never a replacement:
         the live peer keeps its link; a restarted one waits for it to drop.
         """
@@ -389,19 +388,16 @@ class PrefillSession(Outbox):
         elif peer.state is PeerState.AUTHENTICATED:
             self._handshake(conn, peer, message, now)
         elif isinstance(message, Heartbeat):
-            peer.conn.send(Renewed(self._heartbeat(peer, message.leases, now)))
+            if message.leases or not message.done:  # one that only releases is not answered
+                peer.conn.send(Renewed(self._heartbeat(peer, message.leases, now)))
+            for lease_id in message.done:  # finished in the lease's life: released as a Done, no ack awaited
+                self._done(peer, lease_id, conn, now)
         elif isinstance(message, Claim):
             if not self._claim(peer, message.lease, message.digest, now, conn):
                 peer.strike(now, f"claimed lease {message.lease.hex()}, which nobody lent")
         elif isinstance(message, Done):
-            self._settle(message.lease, conn)  # a held lease's reader is done reading it
-            try:
-                self._held(message.lease, name, now)
-            except KvlendError as exc:
-                peer.conn.send(DoneAck(message.lease, code_of(exc), detail_of(exc)))
-                return
-            self._end(message.lease, "done")
-            peer.conn.send(DoneAck(message.lease, Code.OK, ""))
+            exc = self._done(peer, message.lease, conn, now)
+            peer.conn.send(DoneAck(message.lease, *((Code.OK, "") if exc is None else (code_of(exc), detail_of(exc)))))
         elif isinstance(message, Abort):
             if self._settle(message.lease, conn):
                 return
@@ -415,6 +411,16 @@ class PrefillSession(Outbox):
             raise Goodbye(message.detail)
         else:
             raise PeerProtocolError(f"unexpected {message.TYPE} from decode rank {name}")
+
+    def _done(self, peer: Peer, lease_id: bytes, conn: int, now: float) -> KvlendError | None:
+        """``peer`` is done reading ``lease_id``: it ends; why it was no longer valid, if it was not."""
+        self._settle(lease_id, conn)  # a held lease's reader is done reading it
+        try:
+            self._held(lease_id, peer.name or "", now)
+        except KvlendError as exc:
+            return exc
+        self._end(lease_id, "done")
+        return None
 
     def _heartbeat(self, peer: Peer, leases: tuple[bytes, ...], now: float) -> tuple[bytes, ...]:
         """Renew what ``peer`` holds of ``leases``; nothing if it names more than ``max_heartbeat_ids``.
@@ -496,7 +502,6 @@ class PrefillSession(Outbox):
 
     def _declined(self, peer: Peer, message: Message, now: float) -> None:
         """A decode whose layout we refused claims the leases it came for, to give them back, then leaves.
-
         Checked as any claim (a lease offered to another peer stays); granted, it ends the lease at once.
         """
         if isinstance(message, Bye):
@@ -571,9 +576,7 @@ class PrefillSession(Outbox):
     def _drop(self, conn: int, why: str, level: int = logging.WARNING, notify: bool = True,
               quiet: bool = False, code: Code = Code.OK) -> None:
         """Forget a connection; its leases stay until they expire (its reads may still land).
-
         ``code``: what the ``Bye`` says, to a peer still in the handshake (others got theirs, or need none).
-
         ``quiet``: the peer said goodbye, so it counts no read made over this connection any more:
         leases held for it go now, and a later release of one offered on it need not wait.
         """

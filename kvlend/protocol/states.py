@@ -7,8 +7,10 @@ peers' mistakes are ``PeerProtocolError`` before any transition is tried).
 ``None`` as a state is "not yet created": the events from it are the ways an object
 begins.  ``markdown()`` renders every table (the lender's ``loan`` too) for docs/design.md.
 
-A fetch (``DecodeSession``): claim a ticket's lease (or take a pushed offer), read,
-send ``Done``, take the ack.  A failure cancels the reads still in flight and the
+A fetch (``DecodeSession``): claim a ticket's lease (or take a pushed offer), read.  If every read
+landed while the lease was surely valid (``Fetch.sure_until``) and they cover it, the fetch is done
+at once (``usable``) and its ``Done`` is bookkeeping, batched into the link's next heartbeat; if not,
+it sends ``Done`` and waits for the ack, as before protocol 6.  A failure cancels the reads still in flight and the
 fetch ends ``failed`` only once they are terminal (``CANCELLING`` -> ``QUIET``), so no
 late read writes into a destination the engine reuses.
 
@@ -39,7 +41,7 @@ __all__ = ["FETCH", "LEASE", "LINK", "LOAN", "PEER", "TABLES", "TERMINAL", "Fetc
 class FetchState(str, Enum):
     CLAIMING = "claiming"  # waiting for a link, or for the offer a claim asked for
     READING = "reading"  # chunks posted
-    ACKING = "acking"  # every chunk landed; done sent, waiting for the prefill's ack
+    ACKING = "acking"  # every chunk landed, not all surely in the lease's life; done sent, the ack awaited
     CANCELLING = "cancelling"  # failed or cancelled; reads still in flight (destination not quiet)
     DONE = "done"
     FAILED = "failed"
@@ -54,7 +56,8 @@ class FetchEvent(str, Enum):
     READ_AHEAD = "read_ahead"  # the ticket's page table is read while the claim is on its way
     POST = "post"  # the claim's answer came: its reads are posted
     UNPOST = "unpost"  # posting failed and was undone: nothing is in flight
-    LAND = "land"  # every read of the final lease landed: Done is sent
+    USABLE = "usable"  # every read of the final lease landed while it was surely valid, covering it: done
+    LAND = "land"  # every read of the final lease landed, not all surely in its life: Done is sent, its ack awaited
     FAIL = "fail"  # failed, cancelled, refused, timed out, or its link died
     QUIET = "quiet"  # every read of a failed fetch is terminal: Abort is sent
     ACK = "ack"  # the prefill acknowledged Done, and the reads cover the lease
@@ -68,6 +71,7 @@ FETCH: Mapping[tuple[FetchState | None, FetchEvent], FetchState] = {
     (S.CLAIMING, E.POST): S.READING,
     (S.CLAIMING, E.FAIL): S.FAILED,  # nothing posted: over at once
     (S.READING, E.UNPOST): S.CLAIMING,
+    (S.READING, E.USABLE): S.DONE,  # its Done goes out unanswered with the link's next heartbeat
     (S.READING, E.LAND): S.ACKING,
     (S.READING, E.FAIL): S.CANCELLING,
     (S.ACKING, E.ACK): S.DONE,

@@ -40,8 +40,9 @@ from ..errors import KvlendError, PeerProtocolError, UsageError
 from .codes import Code, code_of, detail_of
 from .frame_walk import MAX_FRAME_CONTAINERS, check_structure
 
-# 2: inside TLS, no MAC or sequence numbers; 3: progressive leases; 4: Claim.digest
-PROTOCOL_VERSION = 5  # 5: Abort, DoneAck and Bye carry a refusal code and a detail
+# 2: inside TLS, no MAC or sequence numbers; 3: progressive leases; 4: Claim.digest; 5: Abort, DoneAck and Bye
+# carry a refusal code and a detail
+PROTOCOL_VERSION = 6  # 6: Heartbeat.done, leases read in their lifetime, released unanswered
 MAX_FRAME_BYTES = 16 << 20
 MAX_GROUP_PAGES = 1 << 22
 _LEN = struct.Struct(">I")
@@ -316,9 +317,12 @@ class _ExtendWire(_Tagged, frozen=True, tag="extend"):
 
 
 class Heartbeat(Message, frozen=True, tag="heartbeat"):
-    """Decode -> prefill: these leases still have reads in flight; renew them."""
+    """Decode -> prefill: renew ``leases`` (reads still in flight; answered by ``Renewed`` if any), and release
+    ``done``: leases read whole while surely valid, their fetches finished (a ``Done`` nobody waits for: unanswered).
+    """
     TYPE: ClassVar[str] = "heartbeat"
     leases: _LeaseIds
+    done: _LeaseIds = ()
 
 
 class Renewed(Message, frozen=True, tag="renewed"):

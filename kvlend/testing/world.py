@@ -340,8 +340,8 @@ class World:
             if not d.alive:
                 continue
             for record in d.records.values():
-                if record.fetch.lease != event.lease.id:
-                    continue
+                if record.fetch.lease != event.lease.id or not record.fetch.confirmed:
+                    continue  # reads ahead of a claim never answered hold no lease, and count for nothing
                 open_reads = [t for t in record.tags if not d.backend.reads[t].terminal]
                 if open_reads:
                     raise ContractError(f"prefill {p.name} ended lease {event.lease.hex} ({event.reason}) while "

@@ -106,6 +106,13 @@ def fetch_and_verify(decode: DecodeNode, link: str, offer: LeaseOffer, dst_pools
             free[name].release(table)
 
 
+def unlocked(prefill: PrefillNode, tables: dict[str, np.ndarray]) -> bool:
+    """Whether every page of ``tables`` may be evicted (no lease holds it)."""
+    with prefill._lock:
+        return all(prefill.lender.locks.can_evict(f"L{layer}.kv", table[table >= 0]).all()
+                   for name, table in tables.items() for layer in group_layers(prefill.layout, name))
+
+
 def assert_locked(prefill: PrefillNode, tables: dict[str, np.ndarray], locked: bool) -> None:
     layout = prefill.layout
     with prefill._lock:

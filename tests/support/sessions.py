@@ -10,11 +10,13 @@ from kvlend.errors import KvlendError
 from kvlend.protocol.config import NodeConfig
 from kvlend.protocol.ticket import Ticket
 
+# A ticket's reads wait for the claim's answer here (read_ahead off): these files test that answer's every
+# outcome before anything is read; reads going out with the claim (the default) are test_read_ahead.py's.
 CFG = NodeConfig(ttl=5.0, heartbeat=1.0, handshake_timeout=3.0, transfer_timeout=20.0, cancel_grace=2.0,
-                 chunk_pages=4)
+                 chunk_pages=4, read_ahead=False)
 EPS_T = 0.01  # just past a deadline
 LONG = NodeConfig(ttl=5.0, heartbeat=1.0, handshake_timeout=3.0, transfer_timeout=1e6, cancel_grace=2.0,
-                  chunk_pages=4)
+                  chunk_pages=4, read_ahead=False)
 
 
 def locked(prefill) -> int:

@@ -55,6 +55,7 @@ SAMPLES = [
     BIG_OFFER,
     Heartbeat((LID, LID2)),
     Heartbeat(()),
+    Heartbeat((LID,), (LID2,)),
     Renewed((LID,)),
     Done(LID, 300),
     DoneAck(LID, Code.OK, ""),

@@ -59,8 +59,8 @@ def run(lender: LenderProcess, backend, sizes: Sizes, progress) -> dict:
         progress(f"scenario 5: {n} requests of 1..{S5_MAX_PAGES} pages ({nbytes >> 20} MiB) from 2 prefill "
                  f"processes, {sizes.s5_inflight} in flight: kvlend DecodeNode, then raw NIXL")
         runs = {}
-        kinds = [("kvlend", work, NodeConfig(), True),
-                 ("kvlend_read_ahead", work_ahead, NodeConfig(read_ahead=True), True)]
+        kinds = [("kvlend", work, NodeConfig(read_ahead=False), True),  # the claim answered before any read
+                 ("kvlend_read_ahead", work_ahead, NodeConfig(read_ahead=True), True)]  # the default since protocol 6
         if backend.read_window is not None and backend.read_window_local:  # over tcp: without the window, its cost
             kinds.append(("kvlend_no_tcp_window", work_open, NodeConfig(), False))
         for name, todo, config, windowed in kinds:
