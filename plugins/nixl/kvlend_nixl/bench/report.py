@@ -50,6 +50,9 @@ def format_report(report: dict) -> str:
             lines.append("    ratios: " + ", ".join(f"{k} {v:.2f}x" for k, v in b["ratios"].items()))
             lines.append("    targets: "
                          + ", ".join(f"{k}: {'met' if v else 'MISSED'}" for k, v in b["targets"].items()))
+            if b.get("aims"):
+                lines.append("    aims: "
+                             + ", ".join(f"{k}: {'met' if v else 'not yet'}" for k, v in b["aims"].items()))
         if "one_chunk_transfer_ms" in s:
             lines.append(f"  the off mode's whole transfer {s['transfer_ms_off']:.2f} ms, one chunk's about "
                          f"{s['one_chunk_transfer_ms']:.2f} ms; left after the last chunk with progressive lending "

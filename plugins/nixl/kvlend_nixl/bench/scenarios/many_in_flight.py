@@ -22,6 +22,9 @@ from ..pools import GROUP, PAGE_BYTES, TPP, expected_ok, fragmented, make_pools
 from ..sizes import S5_MAX_PAGES, Sizes
 from ..timing import XFER_TIMEOUT, BenchError
 
+TARGET = 0.60  # issue 37: GB/s through the nodes at least this times raw NIXL with notifications
+AIM = 0.80  # and the aim stated beside it
+
 
 def run(lender: LenderProcess, backend, sizes: Sizes, progress) -> dict:
     """Many requests in flight: two prefill processes lend 1..64-page requests, one decode reads them
@@ -76,14 +79,15 @@ def run(lender: LenderProcess, backend, sizes: Sizes, progress) -> dict:
     finally:
         lenders[1].close()
     results = {**runs, "raw_nixl_notif": raw}
+    judged = [k for k in runs if k != "kvlend_no_tcp_window"]  # that one is the window's cost, not a path
     for r in results.values():
         r["gbps"] = nbytes / r["seconds"] / 1e9
         r["requests_per_s"] = n / r["seconds"]
     return {"name": "many requests in flight", "count": n, "inflight": sizes.s5_inflight, "bytes": nbytes,
             "baseline": RAW_BASELINE, "results": results,
             "ratios": {f"GB/s {k}/raw": results[k]["gbps"] / raw["gbps"] for k in runs},
-            "targets": {f"GB/s {k}/raw >= 0.80": results[k]["gbps"] >= 0.8 * raw["gbps"] for k in runs
-                        if k != "kvlend_no_tcp_window"}}
+            "targets": {f"GB/s {k}/raw >= {TARGET:.2f}": results[k]["gbps"] >= TARGET * raw["gbps"] for k in judged},
+            "aims": {f"GB/s {k}/raw >= {AIM:.2f}": results[k]["gbps"] >= AIM * raw["gbps"] for k in judged}}
 
 
 class _Remote:
