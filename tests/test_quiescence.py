@@ -162,11 +162,16 @@ class _Initiator:
             return {"handles_left": len(read.handles)}
         backend.timeout = TIMEOUT if EXPECTED[scenario] == "TransferTimeout" else DEADLINE
         backend.abort_grace = ABORT_GRACE  # an attribute the old backend ignores
+        stops = scenario in ("hung_lender", "destroyed_agent", "pinned_agent")
         for attempt in range(ATTEMPTS):
             tag, posted = self._post_doomed(scenario, attempt)
+            if stops:  # stop the lender first, then look: a stopped lender sends nothing more
+                os.kill(self.lender.pid, signal.SIGSTOP)
             if self._in_nixl_flight(tag):
                 break
             # a loaded host descheduled this thread past the whole READ: take it back and post again
+            if stops:
+                os.kill(self.lender.pid, signal.SIGCONT)
             self._until(lambda: self._poll() or self.reported.pop(tag, None))
         assert self._in_nixl_flight(tag), f"the READ finished before the scenario acted, {ATTEMPTS} times"
         acted = time.monotonic()
@@ -176,8 +181,6 @@ class _Initiator:
             backend.remove_peer(self.peer)
         elif scenario == "sigkill":
             os.kill(self.lender.pid, signal.SIGKILL)
-        elif scenario in ("hung_lender", "destroyed_agent", "pinned_agent"):
-            os.kill(self.lender.pid, signal.SIGSTOP)
         pinned = None
         if scenario in ("destroyed_agent", "pinned_agent"):  # where a reset must destroy the agent (RDMA)
             backend._retire = False
