@@ -13,7 +13,8 @@ reported while GETs still wrote into the destination.
 And a prefill engine that releases a lease while its reads are in flight
 (its request was cancelled) reuses the pages only once the decode is quiet:
 reads that landed before the decode heard of the release count for its
-bound, so they must have read the lent bytes.  Before issue 22 the pages
+bound (in protocol 6 a fetch whose reads all landed in the lease's window is
+done with them), so they must have read the lent bytes.  Before issue 22 the pages
 were reused at once and the bound covered them.
 """
 
@@ -61,9 +62,13 @@ def test_nothing_lands_after_a_failed_fetch_is_quiet_and_a_resume_is_exact(repor
 def test_a_release_under_a_read_never_reuses_pages_a_bound_covers(reports):
     r = reports["released"]
     assert r["reads_in_flight_after_release"] > 0, f"no read was in flight when the engine released the lease: {r}"
-    assert r["state_when_landed"] == "acking" and r["bound_when_landed"] == r["tokens"], r
+    assert r["bound_when_landed"] == r["tokens"], r
     assert r["reused_under_bound"] == 0, (
         f"{r['reused_under_bound']} bytes under the bound of {r['bound_when_landed']} tokens hold reused pages: {r}")
-    assert r["error"] == "LeaseUnknown" and r["bound"] == 0, r  # the release voids what was read
+    if r["state_when_landed"] == "done":  # protocol 6: every read landed in the lease's window, the pages locked
+        assert r["error"] is None and r["bound"] == r["tokens"], r
+    else:  # landed past the window (a slow host): the ack decides, and the release voids what was read
+        assert r["state_when_landed"] == "acking", r
+        assert r["error"] == "LeaseUnknown" and r["bound"] == 0, r
     (request, reason, after), = r["ended"]
     assert reason == "released" and after < 30.0, r  # freed by the decode's done, well before the lease's TTL
