@@ -442,7 +442,9 @@ def test_a_degraded_registry_leaves_the_known_prefills_serving():
             assert [r.identity for r in d.node.compatible_prefills()] == [a.name, b.name]  # still known
             fetch_verified(d, lend(a, "during-a", 2), 2)
             fetch_verified(d, lend(b, "during-b", 3), 3)  # a first link, dialled from the ticket
-            assert a.node.lender.active_leases == b.node.lender.active_leases == 0
+            # protocol 6: each Done rides the decode's next heartbeat, after the fetch is done
+            wait_until(lambda: a.node.lender.active_leases == b.node.lender.active_leases == 0,
+                       "the prefills did not release the leases read")
         finally:
             cluster.close()
 
