@@ -4,8 +4,6 @@ registry stand-in: alone, then behind real nodes (the real registry, over etcd, 
 
 from __future__ import annotations
 
-import time
-
 import pytest
 
 from kvlend.cluster.view import JOINED, LEFT, Change
@@ -14,7 +12,7 @@ from kvlend.runtime.membership import Membership
 from kvlend.testing.kvcache import make_layout, make_pools, prefill_request
 from tests.support.agents import nixl
 from tests.support.certs import creds
-from tests.support.nodes import DEADLINE, DECODE_CONFIG, DST_PAGES, SRC_PAGES, free_lists
+from tests.support.nodes import DEADLINE, DECODE_CONFIG, DST_PAGES, SRC_PAGES, free_lists, wait_until
 
 
 class _Registry:
@@ -110,13 +108,6 @@ def test_reloaded_credentials_sign_the_record_anew_until_it_left():
     assert registry.signed_by == ["old credentials", "new credentials"]
 
 
-def _until(done, what: str) -> None:
-    deadline = time.monotonic() + DEADLINE
-    while not done():
-        assert time.monotonic() < deadline, what
-        time.sleep(0.01)
-
-
 @pytest.mark.nixl
 def test_nodes_publish_their_load_and_a_prefill_releases_a_departed_decodes_leases():
     """A prefill's record carries its endpoint and load; a decode whose record left while connected
@@ -138,15 +129,15 @@ def test_nodes_publish_their_load_and_a_prefill_releases_a_departed_decodes_leas
         prefill.wait_for_peer(DEADLINE)
         tables = prefill_request(prefill.layout, src, free_lists(prefill.layout, SRC_PAGES, 1), 40, seed=1)
         prefill.offer("decode", "r1", 40, tables, prefill.layout.full_selection())
-        _until(lambda: {"load": 1} in registry.updates, "the prefill's load was not published")
+        wait_until(lambda: {"load": 1} in registry.updates, "the prefill's load was not published")
         registry.change(Change(LEFT, decode_registry.published))  # the decode's record lapsed; its link lives
-        _until(lambda: "decode" in prefill._departed, "the prefill's loop did not take the departure")
+        wait_until(lambda: "decode" in prefill._departed, "the prefill's loop did not take the departure")
         assert released == []
         decode.close()
         decode.backend.close()
         decode = None
-        _until(lambda: released == [("r1", "released")], "the departed decode's lease was not released")
-        _until(lambda: registry.updates[-1] == {"load": 0}, "the prefill's load did not fall back")
+        wait_until(lambda: released == [("r1", "released")], "the departed decode's lease was not released")
+        wait_until(lambda: registry.updates[-1] == {"load": 0}, "the prefill's load did not fall back")
     finally:
         if decode is not None:
             decode.close()
