@@ -83,6 +83,7 @@ _SERIES = {"kvlend": "kvlend", "raw_same_descriptors": "raw NIXL, kvlend's descr
            "raw_nixl_prepped": "raw NIXL, prepared page lists by index, the target freeing blocks per notification",
            "kvlend_node": "kvlend through the nodes",
            "kvlend_node_ahead": "kvlend through the nodes, reads ahead of the claim's answer",
+           "kvlend_node_claimed_ahead": "kvlend through the nodes, claimed a request ahead",
            "kvlend_node_no_window": "kvlend through the nodes, no tcp read window",
            "staging": "host staging (gather + read + scatter)", "raw_nixl": "raw NIXL, one descriptor",
            "memcpy": "memcpy (same process)"}
