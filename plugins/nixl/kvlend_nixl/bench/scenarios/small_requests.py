@@ -49,9 +49,8 @@ def run(lender: LenderProcess, backend, sizes: Sizes, progress) -> dict:
         finally:
             lender.call("spin", False)
         seen = lender.call("notifs", sent)
-        progress(f"scenario 3: the same requests through the nodes (ticket, claim over TLS, read; the "
-                 f"Done rides the next message), "
-                 f"{sizes.s3_reps} rounds")
+        progress(f"scenario 3: the same requests through the nodes (ticket, claim over TLS, read; the Done rides "
+                 f"the next message), {sizes.s3_reps} rounds")
         results["kvlend_node"] = _node_path(lender, reader, src, dst, sizes.s3_reps)
         progress(f"scenario 3: the same through the nodes with read_ahead (reads go with the claim), "
                  f"{sizes.s3_reps} rounds")
@@ -96,11 +95,11 @@ def run(lender: LenderProcess, backend, sizes: Sizes, progress) -> dict:
 def _node_path(lender: LenderProcess, reader: Reader, src: np.ndarray, dst: np.ndarray, reps: int,
                read_ahead: bool = False, claim_ahead: bool = False) -> dict:
     """Scenario 3's request through the nodes: a PrefillNode in the lender lends tickets ahead, and a
-    DecodeNode here redeems each (claim, offer, read, done and its ack over the TLS control channel),
-    driving its own loop from ``wait`` as an engine's step would; ``read_ahead``: its reads go out
-    with the claim, from the ticket's page table; ``claim_ahead``: each ticket is claimed (untimed)
-    as the request before it starts, so its answer arrives while that request is read, as in an
-    engine whose requests arrive before their pages are allocated."""
+    DecodeNode here redeems each (claim and offer over the TLS control channel, read; the Done rides the
+    next message), driving its own loop from ``wait`` as an engine's step would; ``read_ahead``: its
+    reads go out with the claim, from the ticket's page table; ``claim_ahead``: each ticket is claimed
+    (untimed) as the request before it starts, so its answer arrives while that request is read, as
+    in an engine whose requests arrive before their pages are allocated."""
     import tempfile
 
     from kvlend.runtime import DecodeNode
