@@ -47,7 +47,8 @@ class _Spec:
 
 SPECS = {
     s.name: s for s in (
-        _Spec("kvlend_transfer_seconds", "One lease: start of fetch (planning included) to the prefill's done ack",
+        _Spec("kvlend_transfer_seconds", "One lease: start of fetch (planning included) to done (reads landed in its "
+              "life, or the prefill's done ack)",
               "histogram", buckets=TIME_BUCKETS),
         _Spec("kvlend_post_seconds", "One lease: planning and posting its reads to the backend", "histogram",
               buckets=TIME_BUCKETS),

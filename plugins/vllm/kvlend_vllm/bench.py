@@ -15,7 +15,7 @@ both.  Per row: TTFT p50/p99 through the router, the decode leg's TTFT (TTFT
 minus the prefill call, which both connectors share), and the KV transfer
 time each connector reports for itself in vLLM's ``/metrics``
 (reads alone, posted to landed: ``vllm:kvlend_read_time_seconds`` and
-``vllm:nixl_xfer_time_seconds``; and kvlend's whole fetch, claim to done ack,
+``vllm:nixl_xfer_time_seconds``; and kvlend's whole fetch, claim to done,
 ``vllm:kvlend_xfer_time_seconds``), mean per request, and the descriptors each posts
 per request (``vllm:kvlend_num_descriptors``, ``vllm:nixl_num_descriptors``).  Once every
 pair is stopped, kvlend's own read in process (``kvlend_nixl.bench.reference``) of each plain

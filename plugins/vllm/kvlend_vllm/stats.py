@@ -79,7 +79,8 @@ class KvlendPromMetrics(KVConnectorPromMetrics):
 
         self._time = per_engine(self._histogram_cls(
             name="vllm:kvlend_xfer_time_seconds", labelnames=labelnames,
-            documentation="kvlend fetch time, claim to the prefill's done ack, per request.",
+            documentation="kvlend fetch time, claim to done (reads landed in the lease's life, or the prefill's "
+                          "done ack), per request.",
             buckets=[0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0]))
         self._read = per_engine(self._histogram_cls(
             name="vllm:kvlend_read_time_seconds", labelnames=labelnames,
