@@ -34,7 +34,10 @@ from tests.support.nodes import DEADLINE, wait_until
 
 pytestmark = pytest.mark.system
 
-FETCHES = 60  # honest fetches per run (a median of many: a busy host makes single fetches noisy)
+FETCHES = 60  # honest fetches per run (a median of many: a busy host makes single fetches noisy) ...
+PACE = 0.04  # ... one every 40 ms, spread over most of the engine's lending: on a busy 2-vCPU host each hop
+# of a fetch waits either well under 1 ms or a whole 4 ms scheduler tick for a CPU, in spells; fetches back
+# to back (0.2 s) caught one spell, so the median of one run could be 2x the other's with no flood at all
 LENDS = 2000  # the engine's lends per run, about 5 s of its steps (p99: the 20th slowest)
 LINES_PER_CONNECTION = 2  # the prefill's lines naming the flooder: a handshake and a drop per connection it made
 SUMMARY_LINES = 4  # ... and its rate-limited summaries; never a line per message
@@ -69,8 +72,10 @@ def run(ranks, node) -> tuple[list[float], list[float]]:
     dst = flood_ranks.table(node.layout)
     ranks.ask("lend", LENDS)
     fetched = []
+    start = time.perf_counter()
     try:
-        for ticket in tickets:
+        for i, ticket in enumerate(tickets):
+            time.sleep(max(0.0, start + i * PACE - time.perf_counter()))  # the honest requests' arrivals
             begin = time.perf_counter()
             handle = node.start_fetch(ticket, dst)
             node.wait([handle], DEADLINE)
