@@ -16,7 +16,10 @@ four ways, reconnecting whenever it is dropped or refused:
   computed once per layout, off the lock, and at most one new one per identity's backoff.
 
 Each must leave the engine's ``lend()`` p99 and the honest fetch's p50 within 2x of the run without it,
-the flooder dropped or refused, and the prefill's log a few lines about it.
+the flooder dropped or refused, and the prefill's log a few lines about it.  On a busy 2-vCPU host a thread
+waits for a CPU either well under 1 ms or a whole 4 ms scheduler tick, in spells that last seconds (as
+other processes move between the CPUs): each ``lend()`` is timed less its thread's wait for a CPU, and the
+honest fetches are spread over the run, so that neither run's figure is one spell's.
 """
 
 from __future__ import annotations
@@ -35,9 +38,7 @@ from tests.support.nodes import DEADLINE, wait_until
 pytestmark = pytest.mark.system
 
 FETCHES = 60  # honest fetches per run (a median of many: a busy host makes single fetches noisy) ...
-PACE = 0.04  # ... one every 40 ms, spread over most of the engine's lending: on a busy 2-vCPU host each hop
-# of a fetch waits either well under 1 ms or a whole 4 ms scheduler tick for a CPU, in spells; fetches back
-# to back (0.2 s) caught one spell, so the median of one run could be 2x the other's with no flood at all
+PACE = 0.04  # ... one every 40 ms, over most of the engine's lending (back to back, 0.2 s caught one spell)
 LENDS = 2000  # the engine's lends per run, about 5 s of its steps (p99: the 20th slowest)
 LINES_PER_CONNECTION = 2  # the prefill's lines naming the flooder: a handshake and a drop per connection it made
 SUMMARY_LINES = 4  # ... and its rate-limited summaries; never a line per message

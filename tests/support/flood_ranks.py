@@ -27,6 +27,13 @@ BURST = 1 << 20  # bytes of frames a flooder writes at once
 KINDS = ("claims", "refused_heartbeats", "empty_heartbeats", "costly_handshakes")
 
 
+def queued() -> float:
+    """Seconds the calling thread has spent runnable but waiting for a CPU (Linux schedstat): what a busy host's
+    other processes took from it, not what the node's locks and loop did."""
+    with open("/proc/thread-self/schedstat") as f:
+        return int(f.read().split()[1]) / 1e9
+
+
 def pools(pages: int, tpp: int = 1) -> list[np.ndarray]:
     return [np.zeros((pages, 2, HEADS, tpp, 1), dtype=np.uint16) for _ in range(LAYERS)]
 
@@ -60,7 +67,7 @@ class _Lines(logging.Handler):
 def prefill_main(conn, env: dict) -> None:
     """Serve until ``stop``: ``tickets`` lends that many leases for the honest decode; ``lend`` starts the engine
     lending (and releasing) every ``GAP`` s that many times, ``lent`` waits for those (``LENT_DEADLINE`` at most)
-    and answers each lend's seconds; ``logs`` answers
+    and answers each lend's seconds, less those its thread waited for a CPU (``queued``); ``logs`` answers
     the ``kvlend.session`` lines (INFO and up) since the last ``logs``."""
     from kvlend.runtime import PrefillNode
     from kvlend.security.credentials import Credentials
@@ -82,9 +89,9 @@ def prefill_main(conn, env: dict) -> None:
         i = 0
         while i < count and not stop.is_set():
             i += 1
-            start = time.perf_counter()
+            start, waited = time.perf_counter(), queued()
             ticket = node.lend(f"engine-{i}", TOKENS, pages, lay.full_selection())
-            took.append(time.perf_counter() - start)
+            took.append(time.perf_counter() - start - (queued() - waited))
             node.release(ticket.lease)
             time.sleep(GAP)
 
