@@ -17,9 +17,9 @@ four ways, reconnecting whenever it is dropped or refused:
 
 Each must leave the engine's ``lend()`` p99 and the honest fetch's p50 within 2x of the run without it,
 the flooder dropped or refused, and the prefill's log a few lines about it.  On a busy 2-vCPU host a thread
-waits for a CPU either well under 1 ms or a whole 4 ms scheduler tick, in spells that last seconds (as
-other processes move between the CPUs): each ``lend()`` is timed less its thread's wait for a CPU, and the
-honest fetches are spread over the run, so that neither run's figure is one spell's.
+waits for a CPU either well under 1 ms or a whole 4 ms scheduler tick, in spells that last seconds: each
+``lend()`` is timed less its thread's wait for a CPU, and the honest fetches are spread over the run, so
+that neither run's figure is one spell's.
 """
 
 from __future__ import annotations
